@@ -1,0 +1,1 @@
+"""Puts the repository root on sys.path so tests and benchmarks can import ``bench``."""

@@ -1,0 +1,309 @@
+"""Graph IR: one training step as stages (ops in execution order) and the tensors they read and write.
+
+A *stage* is one op (or a merged group of ops) of the step, forward then backward. A *tensor* here is a
+unit of device memory: one storage, shared by all its views. Tensors that exist before the step
+(parameters, buffers, inputs) have ``producer == -1`` and are never evictable.
+
+Memory model (shared by the simulator, the solvers and the meter): a tensor occupies ``nbytes`` on the
+device from its producer stage through ``freed_after`` inclusive (``None``: it outlives the step), so the
+keep-everything memory during stage ``t`` is the sum over tensors live at ``t`` plus ``stages[t].workspace``.
+This is what the meter measures at op boundaries: an op's outputs are counted while its inputs are
+still alive, and a tensor freed right after an op still counts during that op.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from .errors import GraphFormatError
+
+SCHEMA_VERSION = 1
+TENSOR_KINDS = ("activation", "param", "buffer", "input", "grad", "state", "other")
+PHASES = ("forward", "backward", "optimizer")
+FIXED_KINDS = frozenset({"param", "buffer", "input", "state"})
+
+
+@dataclass
+class TensorInfo:
+    """One storage-level tensor of the step."""
+
+    id: int
+    nbytes: int
+    dtype: str = "float32"
+    shape: tuple[int, ...] = ()
+    kind: str = "activation"
+    producer: int = -1                       # stage index; -1 = exists before the step
+    consumers: list[int] = field(default_factory=list)  # stages that read it, ascending
+    freed_after: int | None = None           # last stage it is alive in; None = outlives the step
+    saved: bool = False                      # saved by autograd for the backward pass
+    name: str = ""
+
+    @property
+    def evictable(self) -> bool:
+        """Only activations produced inside the step may be evicted; never params, buffers, inputs."""
+        return self.kind == "activation" and self.producer >= 0
+
+    def last_stage(self, num_stages: int) -> int:
+        return num_stages - 1 if self.freed_after is None else self.freed_after
+
+    def first_stage(self) -> int:
+        return max(self.producer, 0)
+
+
+@dataclass
+class Stage:
+    """One op (or a merged group of ops) of the training step."""
+
+    index: int
+    id: str                      # stable identity: "<phase>/<module path>/<op>#<k>"
+    op: str                      # aten op name, or "a+b+..." for merged stages
+    module: str = ""             # module path ("" = top level / unknown)
+    phase: str = "forward"
+    cost_s: float = 0.0          # compute seconds under the graph's cost model
+    flops: float = 0.0
+    bytes_accessed: int = 0      # bytes read + written by the op (for HBM-bound cost models)
+    inputs: list[int] = field(default_factory=list)   # tensor ids read
+    outputs: list[int] = field(default_factory=list)  # tensor ids produced (new storages)
+    workspace: int = 0           # transient bytes during the stage beyond its live tensors
+    rng: bool = False            # consumes the RNG (dropout): replay must restore RNG state
+    side_effect: bool = False    # mutates state outside its outputs (BatchNorm running stats)
+    deterministic: bool = True   # False: must not be recomputed (swap instead)
+    ops: int = 1                 # number of original ops merged into this stage
+
+
+@dataclass
+class Graph:
+    """A captured training step. ``meta`` holds free-form provenance (model, device, cost model, shapes)."""
+
+    stages: list[Stage]
+    tensors: list[TensorInfo]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ---- derived views -------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_forward(self) -> int:
+        """Index of the first non-forward stage (== number of forward stages)."""
+        for s in self.stages:
+            if s.phase != "forward":
+                return s.index
+        return len(self.stages)
+
+    def evictable(self) -> list[TensorInfo]:
+        """Activations that live past their producer stage: the candidates for eviction."""
+        return [t for t in self.tensors if t.evictable and t.last_stage(self.num_stages) > t.producer]
+
+    def compute_time(self) -> float:
+        return float(sum(s.cost_s for s in self.stages))
+
+    def fixed_bytes(self) -> int:
+        """Bytes resident for the whole step that no policy may evict (params, buffers, inputs, state)."""
+        return sum(t.nbytes for t in self.tensors if t.producer < 0)
+
+    def memory_profile(self) -> np.ndarray:
+        """Keep-everything bytes during each stage (live tensors + stage workspace)."""
+        n = self.num_stages
+        delta = np.zeros(n + 1, dtype=np.int64)
+        for t in self.tensors:
+            delta[t.first_stage()] += t.nbytes
+            delta[t.last_stage(n) + 1] -= t.nbytes
+        mem = np.cumsum(delta[:-1])
+        mem += np.array([s.workspace for s in self.stages], dtype=np.int64)
+        return mem
+
+    def peak_bytes(self) -> int:
+        return int(self.memory_profile().max()) if self.stages else self.fixed_bytes()
+
+    def saved_bytes(self) -> int:
+        """Bytes of activations autograd saves for the backward pass."""
+        return sum(t.nbytes for t in self.tensors if t.saved and t.evictable)
+
+    # ---- identity ------------------------------------------------------------------------------
+    def structure_hash(self) -> str:
+        """Hash of what a plan depends on: stage identities, ops, edges and tensor sizes, not costs.
+
+        Plans record it; a plan is refused on a graph whose structure hash differs.
+        """
+        h = hashlib.sha256()
+        for s in self.stages:
+            h.update(f"S|{s.id}|{s.op}|{s.phase}|{s.inputs}|{s.outputs}\n".encode())
+        for t in self.tensors:
+            h.update(f"T|{t.id}|{t.nbytes}|{t.kind}|{t.producer}|{t.freed_after}\n".encode())
+        return h.hexdigest()[:16]
+
+    def content_hash(self) -> str:
+        """Hash of the whole graph, costs and meta included (stable across save/load)."""
+        blob = json.dumps(self.to_dict(with_hash=False), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    # ---- validation ----------------------------------------------------------------------------
+    def validate(self) -> "Graph":
+        """Check internal consistency; raise ``GraphFormatError`` naming the first problem."""
+        n = len(self.stages)
+        for i, s in enumerate(self.stages):
+            if s.index != i:
+                raise GraphFormatError(f"stage {i}: index field is {s.index}, expected {i} (stages must be in order)")
+            if s.phase not in PHASES:
+                raise GraphFormatError(f"stage {i}: phase {s.phase!r} is not one of {PHASES}")
+            if not (s.cost_s >= 0) or s.workspace < 0 or s.flops < 0:
+                raise GraphFormatError(f"stage {i}: cost_s, flops and workspace must be non-negative numbers")
+            for tid in (*s.inputs, *s.outputs):
+                if not 0 <= tid < len(self.tensors):
+                    raise GraphFormatError(f"stage {i}: tensor id {tid} out of range 0..{len(self.tensors) - 1}")
+        for j, t in enumerate(self.tensors):
+            if t.id != j:
+                raise GraphFormatError(f"tensor {j}: id field is {t.id}, expected {j}")
+            if t.nbytes < 0:
+                raise GraphFormatError(f"tensor {j}: nbytes {t.nbytes} is negative")
+            if t.kind not in TENSOR_KINDS:
+                raise GraphFormatError(f"tensor {j}: kind {t.kind!r} is not one of {TENSOR_KINDS}")
+            if not -1 <= t.producer < n:
+                raise GraphFormatError(f"tensor {j}: producer {t.producer} out of range -1..{n - 1}")
+            if t.freed_after is not None and not t.first_stage() <= t.freed_after < n:
+                raise GraphFormatError(f"tensor {j}: freed_after {t.freed_after} is not within "
+                                       f"{t.first_stage()}..{n - 1}")
+            if t.producer >= 0 and j not in self.stages[t.producer].outputs:
+                raise GraphFormatError(f"tensor {j}: producer stage {t.producer} does not list it as an output")
+            for c in t.consumers:
+                if not 0 <= c < n or j not in self.stages[c].inputs:
+                    raise GraphFormatError(f"tensor {j}: consumer stage {c} does not list it as an input")
+                if c < t.producer:
+                    raise GraphFormatError(f"tensor {j}: consumer stage {c} runs before its producer {t.producer}")
+                if c > t.last_stage(n):
+                    raise GraphFormatError(f"tensor {j}: read at stage {c} after it was freed at {t.freed_after}")
+        return self
+
+    # ---- (de)serialisation ---------------------------------------------------------------------
+    def to_dict(self, *, with_hash: bool = True) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "schema": SCHEMA_VERSION,
+            "meta": self.meta,
+            "stages": [asdict(s) for s in self.stages],
+            "tensors": [{**asdict(t), "shape": list(t.shape)} for t in self.tensors],
+        }
+        if with_hash:
+            d["content_hash"] = self.content_hash()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "graph") -> "Graph":
+        if not isinstance(d, dict):
+            raise GraphFormatError(f"{source}: expected a mapping with keys schema, stages, tensors; "
+                                   f"got {type(d).__name__}")
+        missing = [k for k in ("schema", "stages", "tensors") if k not in d]
+        if missing:
+            raise GraphFormatError(f"{source}: missing key(s) {missing} (file truncated or not a hybridmem graph?)")
+        if d["schema"] != SCHEMA_VERSION:
+            raise GraphFormatError(f"{source}: schema version {d['schema']!r} unsupported; this hybridmem reads {SCHEMA_VERSION}")
+        stages = [_build(Stage, s, f"{source}: stages[{i}]") for i, s in enumerate(_as_list(d["stages"], source, "stages"))]
+        tensors = [_build(TensorInfo, t, f"{source}: tensors[{i}]") for i, t in enumerate(_as_list(d["tensors"], source, "tensors"))]
+        for t in tensors:
+            t.shape = tuple(t.shape)
+        g = cls(stages, tensors, dict(d.get("meta") or {}))
+        try:
+            g.validate()
+        except GraphFormatError as e:
+            raise GraphFormatError(f"{source}: {e}") from None
+        want = d.get("content_hash")
+        if want is not None and want != g.content_hash():
+            raise GraphFormatError(f"{source}: content hash {want} does not match the content ({g.content_hash()}); "
+                                   "the file was edited or corrupted")
+        return g
+
+    def save(self, path: str | Path) -> Path:
+        """Write as YAML (``.yaml``/``.yml``) or JSON (anything else)."""
+        return save_mapping(self.to_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Graph":
+        return cls.from_dict(load_mapping(path, GraphFormatError), source=str(path))
+
+    def summary(self) -> str:
+        from .units import fmt_bytes
+        return (f"{self.num_stages} stages ({self.num_forward} forward), {len(self.tensors)} tensors, "
+                f"keep-all peak {fmt_bytes(self.peak_bytes())}, saved activations {fmt_bytes(self.saved_bytes())}, "
+                f"fixed {fmt_bytes(self.fixed_bytes())}, compute {self.compute_time() * 1e3:.2f} ms")
+
+
+def link_consumers(stages: Iterable[Stage], tensors: list[TensorInfo]) -> None:
+    """Fill ``TensorInfo.consumers`` from the stages' input lists."""
+    for t in tensors:
+        t.consumers = []
+    for s in stages:
+        for tid in dict.fromkeys(s.inputs):
+            tensors[tid].consumers.append(s.index)
+
+
+# ---- shared YAML/JSON helpers (graphs and plans) ---------------------------------------------------
+def save_mapping(d: dict[str, Any], path: str | Path) -> Path:
+    import yaml
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        text = yaml.safe_dump(d, sort_keys=False, default_flow_style=None, width=120)
+    else:
+        text = json.dumps(d, indent=1)
+    path.write_text(text)
+    return path
+
+
+def load_mapping(path: str | Path, error: type[Exception]) -> Any:
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            return yaml.safe_load(text)
+        return json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise error(f"{path}: not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'} "
+                    f"(truncated or corrupted?): {str(e).splitlines()[0]}") from None
+
+
+def _as_list(v: Any, source: str, key: str) -> list:
+    if not isinstance(v, list):
+        raise GraphFormatError(f"{source}: {key} must be a list, got {type(v).__name__}")
+    return v
+
+
+_NUMERIC = (int, float)
+
+
+def _build(cls: type, d: Any, where: str, error: type[Exception] = GraphFormatError) -> Any:
+    """Build a dataclass from a dict, checking field names and basic types."""
+    if not isinstance(d, dict):
+        raise error(f"{where}: expected a mapping, got {type(d).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise error(f"{where}: unknown field(s) {unknown}; accepted: {sorted(known)}")
+    try:
+        obj = cls(**d)
+    except TypeError as e:
+        raise error(f"{where}: {e}") from None
+    for name, f in known.items():
+        v = getattr(obj, name)
+        ann = str(f.type)
+        if ann.startswith(("int", "float")) and not ann.endswith("None"):
+            if isinstance(v, bool) or not isinstance(v, _NUMERIC):
+                raise error(f"{where}: field {name!r} must be a number, got {v!r}")
+            if ann == "int" and not isinstance(v, int):
+                raise error(f"{where}: field {name!r} must be an integer, got {v!r}")
+        elif ann.startswith("list[int]") and (not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+            raise error(f"{where}: field {name!r} must be a list of integers, got {v!r}")
+        elif ann == "str" and not isinstance(v, str):
+            raise error(f"{where}: field {name!r} must be a string, got {v!r}")
+    return obj

@@ -1,0 +1,152 @@
+"""Plan: which tensors to evict, by which policy, and when to regenerate them.
+
+A plan is a list of *actions* on a Graph's tensors, each tied to a stage. Timing rules (the simulator
+and the runtime both follow them):
+
+- ``recompute`` and ``decompress`` at stage t run on the compute stream *before* op t, in list order.
+  ``recompute`` replays the tensor's producer stage; that stage's inputs must be resident then.
+- ``swap_in`` at stage t is issued at the start of stage t on the host-to-device stream; the device
+  buffer is allocated at issue; a reader stalls until the copy is done. It needs an earlier ``swap_out``
+  of the same tensor (the *host checkpoint*); several swap-ins may follow one swap-out.
+- ``swap_out`` at stage t is issued after op t on the device-to-host stream; the tensor must be resident.
+- ``compress`` at stage t runs after op t on the compute stream and replaces the device bytes by
+  ``nbytes * ratio``.
+- ``free`` at stage t drops the device copy after op t (deferred until an in-flight swap-out ends).
+
+A tensor with no actions follows its natural lifetime (Graph memory model). Regeneration after the
+tensor's natural end is pointless and rejected by validation.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import PlanFormatError, StalePlanError
+from .graph import _build, load_mapping, save_mapping
+
+if TYPE_CHECKING:
+    from .graph import Graph
+
+PLAN_SCHEMA_VERSION = 1
+ACTION_KINDS = ("swap_out", "swap_in", "recompute", "compress", "decompress", "free")
+# Which policy an action's tensor is charged to in summaries.
+POLICY_OF = {"swap_out": "swap", "swap_in": "swap", "recompute": "recompute",
+             "compress": "compress", "decompress": "compress"}
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str          # one of ACTION_KINDS
+    tensor: int        # Graph tensor id
+    stage: int         # Graph stage index (see the timing rules above)
+    codec: str = ""    # compress/decompress: codec name
+    ratio: float = 1.0  # compress: compressed bytes / original bytes
+
+
+@dataclass
+class Plan:
+    """A per-tensor schedule of evictions and regenerations for one Graph."""
+
+    actions: list[Action] = field(default_factory=list)
+    graph_hash: str = ""              # Graph.structure_hash() of the graph it was made for
+    device: str = ""                  # cost model the plan was made under
+    budget_bytes: int | None = None
+    solver: str = "keep-all"
+    predicted_time_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # solver status, objective, bound, gap, timings
+
+    @classmethod
+    def keep_all(cls, graph: "Graph | None" = None) -> "Plan":
+        return cls(graph_hash=graph.structure_hash() if graph is not None else "")
+
+    def sorted_actions(self) -> list[Action]:
+        """Actions in execution order: by stage, regenerations (before the op) first, then evictions."""
+        before = {"recompute": 0, "decompress": 0, "swap_in": 1}
+        return sorted(self.actions, key=lambda a: (a.stage, 0 if a.kind in before else 1))
+
+    def by_tensor(self) -> dict[int, list[Action]]:
+        out: dict[int, list[Action]] = {}
+        for a in self.sorted_actions():
+            out.setdefault(a.tensor, []).append(a)
+        return out
+
+    def policy_of(self, tensor: int) -> str:
+        """``keep`` or the policy that evicts this tensor (``hybrid`` if several)."""
+        kinds = {POLICY_OF[a.kind] for a in self.actions if a.tensor == tensor and a.kind in POLICY_OF}
+        return "keep" if not kinds else kinds.pop() if len(kinds) == 1 else "hybrid"
+
+    def check_graph(self, graph: "Graph") -> None:
+        """Refuse a plan made for another graph, saying why."""
+        if self.graph_hash and self.graph_hash != graph.structure_hash():
+            raise StalePlanError(
+                f"plan was made for graph {self.graph_hash} but this step's graph is {graph.structure_hash()} "
+                f"({graph.num_stages} stages): the model, its input shapes or the torch version changed; "
+                "capture and plan again (hybridmem plan)")
+        n, m = graph.num_stages, len(graph.tensors)
+        for a in self.actions:
+            if not 0 <= a.stage < n or not 0 <= a.tensor < m:
+                raise PlanFormatError(f"action {a}: stage must be in 0..{n - 1} and tensor in 0..{m - 1}")
+            if not graph.tensors[a.tensor].evictable:
+                t = graph.tensors[a.tensor]
+                raise PlanFormatError(f"action {a}: tensor {a.tensor} is a {t.kind} and may not be evicted")
+
+    # ---- (de)serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["actions"] = [_compact(a) for a in self.sorted_actions()]
+        return {"schema": PLAN_SCHEMA_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "plan") -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanFormatError(f"{source}: expected a mapping with keys schema, graph_hash, actions; "
+                                  f"got {type(d).__name__}")
+        missing = [k for k in ("schema", "actions") if k not in d]
+        if missing:
+            raise PlanFormatError(f"{source}: missing key(s) {missing} (file truncated or not a hybridmem plan?)")
+        if d["schema"] != PLAN_SCHEMA_VERSION:
+            raise PlanFormatError(f"{source}: schema version {d['schema']!r} unsupported; this hybridmem reads "
+                                  f"{PLAN_SCHEMA_VERSION}")
+        if not isinstance(d["actions"], list):
+            raise PlanFormatError(f"{source}: actions must be a list")
+        actions = []
+        for i, a in enumerate(d["actions"]):
+            act = _build(Action, a, f"{source}: actions[{i}]", PlanFormatError)
+            if act.kind not in ACTION_KINDS:
+                raise PlanFormatError(f"{source}: actions[{i}]: kind {act.kind!r} is not one of {ACTION_KINDS}")
+            if act.stage < 0 or act.tensor < 0 or not 0 < act.ratio <= 1:
+                raise PlanFormatError(f"{source}: actions[{i}]: stage and tensor must be >= 0 and ratio in (0, 1]")
+            actions.append(act)
+        rest = {k: v for k, v in d.items() if k not in ("schema", "actions")}
+        known = {"graph_hash", "device", "budget_bytes", "solver", "predicted_time_s", "predicted_peak_bytes", "info"}
+        unknown = sorted(set(rest) - known)
+        if unknown:
+            raise PlanFormatError(f"{source}: unknown key(s) {unknown}; accepted: {sorted(known | {'schema', 'actions'})}")
+        b = rest.get("budget_bytes")
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
+            raise PlanFormatError(f"{source}: budget_bytes must be a non-negative integer or null, got {b!r}")
+        return cls(actions=actions, **rest)
+
+    def save(self, path: str | Path) -> Path:
+        return save_mapping(self.to_dict(), path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_dict(load_mapping(path, PlanFormatError), source=str(path))
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for a in self.actions:
+            out[a.kind] = out.get(a.kind, 0) + 1
+        return out
+
+
+def _compact(a: Action) -> dict[str, Any]:
+    d = asdict(a)
+    if not a.codec:
+        d.pop("codec")
+    if a.ratio == 1.0:
+        d.pop("ratio")
+    return d

@@ -1,0 +1,64 @@
+"""Byte sizes: parse ``512MiB`` / ``8GB`` / ``1.5e9`` / ``60%`` and print them back."""
+from __future__ import annotations
+
+import math
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+
+ACCEPTED = ("an int of bytes", "a string like '512MiB', '8GB', '8GiB', '1.5e9'",
+            "a percentage like '60%' (of device memory, or of the keep-all peak for plans)")
+
+
+def _reject(value: object, what: str) -> ValueError:
+    return ValueError(f"invalid {what} {value!r}: expected {', '.join(ACCEPTED)}")
+
+
+def parse_bytes(value: int | float | str, *, what: str = "size", total: int | None = None) -> int:
+    """Return ``value`` in bytes.
+
+    ``total`` is what a percentage is relative to; without it a percentage is an error.
+    Negative, non-finite and non-numeric values raise ``ValueError`` naming the accepted forms.
+    """
+    if isinstance(value, bool):
+        raise _reject(value, what)
+    if isinstance(value, int):
+        if value < 0:
+            raise _reject(value, what)
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0:
+            raise _reject(value, what)
+        return int(value)
+    if not isinstance(value, str):
+        raise _reject(value, what)
+    if m := _PERCENT.match(value):
+        if total is None:
+            raise ValueError(f"invalid {what} {value!r}: a percentage needs a reference size "
+                             "(device memory on CUDA, or the keep-all peak for a plan)")
+        return int(float(m.group(1)) / 100.0 * total)
+    m = _SIZE.match(value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise _reject(value, what)
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def is_percentage(value: object) -> bool:
+    return isinstance(value, str) and bool(_PERCENT.match(value))
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable binary size: ``1.50 GiB``."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
