@@ -1,0 +1,239 @@
+"""``hybridmem`` command line: capture | plan | simulate | run | bench | report."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .units import fmt_bytes
+
+DEVICE_HELP = "device cost model (v100-16gb, a100-80gb, h100-80gb, h200, cpu)"
+
+
+def _add_model_args(p: argparse.ArgumentParser, *, graph: bool = True) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="zoo model name (e.g. resnet50) or MODULE:FACTORY returning (model, inputs, loss_fn)")
+    if graph:
+        src.add_argument("--graph", type=Path, help="a captured graph file (.yaml or .json)")
+    p.add_argument("--size", default="small", help="zoo size: tiny, small, bench, paper (default: small)")
+    p.add_argument("--batch", type=int, help="override the zoo size's batch")
+    p.add_argument("--capture-device", default=None,
+                   help="where to run the capture step: cpu or meta (default: meta for --size paper, else cpu)")
+    p.add_argument("--granularity", default="op", help="stage granularity: op or module (default: op)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hybridmem", description=(
+        "Train PyTorch models under a memory budget: capture a step, plan evictions (STR), simulate, run."))
+    ap.add_argument("--version", action="version", version=f"hybridmem {_version()}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("capture", help="record one training step into a graph file")
+    _add_model_args(p, graph=False)
+    p.add_argument("-o", "--output", type=Path, help="write the graph here (.yaml or .json)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+
+    p = sub.add_parser("plan", help="solve an eviction plan for a budget")
+    _add_model_args(p)
+    p.add_argument("--budget", required=True, help="bytes, e.g. 6GiB, or a percentage of the keep-all peak, e.g. 60%%")
+    p.add_argument("--device", default="h100-80gb", help=DEVICE_HELP)
+    p.add_argument("--solver", default="approx", help="milp, approx, or a baseline (see `hybridmem plan --list-solvers`)")
+    p.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
+    p.add_argument("--verbose", action="store_true", help="show solver output")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("-o", "--output", type=Path, help="write the plan here (.yaml)")
+
+    p = sub.add_parser("simulate", help="replay a plan on a graph under a device cost model")
+    _add_model_args(p)
+    p.add_argument("--plan", type=Path, help="plan file (default: keep everything)")
+    p.add_argument("--device", default="h100-80gb", help=DEVICE_HELP)
+    p.add_argument("--budget", default=None, help="check the plan against this budget")
+    p.add_argument("--json", action="store_true", help="print the full result as JSON")
+
+    p = sub.add_parser("run", help="run a training script with hybridmem enabled (same as HYBRIDMEM_* variables)")
+    p.add_argument("--budget", help="memory budget (e.g. 8GiB; on CUDA also 60%%)")
+    p.add_argument("--policies", help="comma-separated policies (default: swap,recompute,compress)")
+    p.add_argument("--plan", help="plan file to follow")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("script", help="the Python script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    p = sub.add_parser("bench", help="benchmark hybridmem against the alternatives")
+    p.add_argument("--quick", action="store_true", help="a short demo run (<= 2 minutes on 2 cores)")
+    p.add_argument("--models", help="comma-separated zoo models")
+    p.add_argument("--devices", help="comma-separated device models for the simulated part")
+    p.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="output folder")
+
+    p = sub.add_parser("report", help="render tables and plots from a bench results file")
+    p.add_argument("results", type=Path, help="RUN.json written by `hybridmem bench`")
+    p.add_argument("-o", "--output", type=Path, help="output folder (default: beside the results)")
+    return ap
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+# ---- commands ----------------------------------------------------------------------------------------
+def _graph_from_args(args: argparse.Namespace) -> Any:
+    from .graph import Graph
+
+    if getattr(args, "graph", None):
+        return Graph.load(args.graph)
+    from .capture import capture
+    from .factory import load_model
+
+    device = args.capture_device or ("meta" if args.size == "paper" else "cpu")
+    if device not in ("cpu", "meta"):
+        raise ValueError(f"--capture-device {device!r}: accepted: cpu, meta")
+    spec = load_model(args.model, size=args.size, batch=args.batch, device=device)
+    g = capture(spec.model, spec.inputs, spec.loss_fn, device=device, granularity=args.granularity)
+    g.meta.setdefault("model", spec.name)
+    return g
+
+
+def cmd_capture(args: argparse.Namespace) -> int:
+    g = _graph_from_args(args)
+    if args.output:
+        g.save(args.output)
+    if args.json:
+        print(json.dumps({"stages": g.num_stages, "forward_stages": g.num_forward, "tensors": len(g.tensors),
+                          "peak_bytes": g.peak_bytes(), "saved_bytes": g.saved_bytes(),
+                          "fixed_bytes": g.fixed_bytes(), "structure_hash": g.structure_hash(),
+                          "output": str(args.output) if args.output else None}))
+    else:
+        print(f"captured {g.meta.get('model', '')}: {g.summary()}")
+        if args.output:
+            print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .costs import apply_costs, get_cost_model
+    from .simulate import simulate
+    from .solvers import plan as solve
+
+    g = apply_costs(_graph_from_args(args), get_cost_model(args.device))
+    p = solve(g, args.budget, device=args.device, solver=args.solver, time_limit=args.time_limit, verbose=args.verbose)
+    base = simulate(g, None, device=args.device)
+    res = simulate(g, p, device=args.device, budget=p.budget_bytes)
+    summary = _plan_summary(g, p, res, base)
+    if args.output:
+        p.save(args.output)
+        summary["output"] = str(args.output)
+    if args.json:
+        print(json.dumps(summary, default=str))
+    else:
+        _print_table(summary)
+    return 0
+
+
+def _plan_summary(g: Any, p: Any, res: Any, base: Any) -> dict[str, Any]:
+    moved = {"swap": 0, "recompute": 0, "compress": 0}
+    seen: set[tuple[str, int]] = set()
+    for a in p.actions:
+        pol = {"swap_out": "swap", "recompute": "recompute", "compress": "compress"}.get(a.kind)
+        if pol and (pol, a.tensor) not in seen:
+            seen.add((pol, a.tensor))
+            moved[pol] += g.tensors[a.tensor].nbytes
+    return {
+        "model": g.meta.get("model", ""), "stages": g.num_stages, "solver": p.solver, "device": p.device,
+        "budget_bytes": p.budget_bytes, "keep_all_peak_bytes": base.peak_bytes, "peak_bytes": res.peak_bytes,
+        "time_s": res.time_s, "compute_s": base.time_s, "overhead": res.time_s / base.time_s - 1 if base.time_s else 0.0,
+        "stall_s": res.stall_s, "bytes_swapped": moved["swap"], "bytes_recomputed": moved["recompute"],
+        "bytes_compressed": moved["compress"], **{k: v for k, v in p.info.items() if isinstance(v, (int, float, str))},
+    }
+
+
+def _print_table(summary: dict[str, Any]) -> None:
+    rows = []
+    for k, v in summary.items():
+        if k.endswith("_bytes") and isinstance(v, (int, float)):
+            v = fmt_bytes(v)
+        elif k in ("overhead", "gap") and isinstance(v, float):
+            v = f"{v * 100:.2f} %"
+        elif k.endswith("_s") and isinstance(v, float):
+            v = f"{v * 1e3:.3f} ms"
+        rows.append((k, str(v)))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .costs import apply_costs, get_cost_model
+    from .plan import Plan
+    from .simulate import simulate
+    from .units import parse_bytes
+
+    g = _graph_from_args(args)
+    g = apply_costs(g, get_cost_model(args.device))
+    plan = Plan.load(args.plan) if args.plan else None
+    if plan is not None:
+        plan.check_graph(g)
+    budget = None
+    if args.budget is not None:
+        budget = parse_bytes(args.budget, what="budget", total=g.peak_bytes())
+    res = simulate(g, plan, device=args.device, budget=budget)
+    if args.json:
+        print(json.dumps(res.to_dict(), default=str))
+    else:
+        _print_table({"device": args.device, "time_s": res.time_s, "compute_s": res.compute_s,
+                      "stall_s": res.stall_s, "overhead": res.overhead, "peak_bytes": res.peak_bytes,
+                      "host_peak_bytes": res.host_peak_bytes, "budget_bytes": budget})
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ._autoload import run_script
+
+    settings = {"HYBRIDMEM_BUDGET": args.budget, "HYBRIDMEM_POLICIES": args.policies,
+                "HYBRIDMEM_PLAN": args.plan, "HYBRIDMEM_CONFIG": args.config}
+    return run_script([args.script, *args.args], {k: v for k, v in settings.items() if v is not None})
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .factory import zoo  # noqa: F401  (fails early with a clear message if the zoo is missing)
+    import importlib
+
+    try:
+        runner = importlib.import_module("hybridmem.bench.runner")
+    except ModuleNotFoundError:
+        runner = importlib.import_module("bench.runner")
+    return runner.main(args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import importlib
+
+    try:
+        report = importlib.import_module("hybridmem.bench.report")
+    except ModuleNotFoundError:
+        report = importlib.import_module("bench.report")
+    return report.main(args)
+
+
+COMMANDS = {"capture": cmd_capture, "plan": cmd_plan, "simulate": cmd_simulate, "run": cmd_run,
+            "bench": cmd_bench, "report": cmd_report}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if not args.command:
+        ap.print_help()
+        return 0
+    from .errors import HybridMemError
+
+    try:
+        return COMMANDS[args.command](args) or 0
+    except (HybridMemError, ValueError, FileNotFoundError) as e:
+        print(f"hybridmem {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+import pytest
+
+from hybridmem.config import Config
+from hybridmem.units import fmt_bytes, parse_bytes
+
+
+@pytest.mark.parametrize("value,expected", [
+    (1024, 1024), ("512MiB", 512 * 2**20), ("8GB", 8 * 10**9), ("8GiB", 8 * 2**30), ("1.5e3", 1500),
+    ("2 kib", 2048), ("100", 100), (2.0, 2),
+])
+def test_parse_bytes(value, expected):
+    assert parse_bytes(value) == expected
+
+
+@pytest.mark.parametrize("value", ["-1GiB", -5, "lots", "8 parsecs", None, True, float("nan"), [1]])
+def test_parse_bytes_rejects_with_accepted_forms(value):
+    with pytest.raises(ValueError, match="expected an int of bytes.*512MiB"):
+        parse_bytes(value)
+
+
+def test_percentages_need_a_reference():
+    assert parse_bytes("60%", total=1000) == 600
+    with pytest.raises(ValueError, match="percentage needs a reference"):
+        parse_bytes("60%")
+
+
+def test_fmt_bytes():
+    assert fmt_bytes(512) == "512 B" and fmt_bytes(3 * 2**30) == "3.00 GiB"
+
+
+def test_precedence_kwargs_env_yaml(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("budget: 1GiB\npolicies: [swap]\nverbose: true\nplugins: {swap: {pool: 4}}\n")
+    c = Config.resolve(config=y, env={})
+    assert c.budget == 2**30 and c.policies == ("swap",) and c.verbose and c.extra == {"swap": {"pool": 4}}
+    c = Config.resolve(env={"HYBRIDMEM_CONFIG": str(y), "HYBRIDMEM_BUDGET": "2GiB"})
+    assert c.budget == 2 * 2**30 and c.policies == ("swap",)
+    c = Config.resolve(env={"HYBRIDMEM_BUDGET": "2GiB", "HYBRIDMEM_POLICIES": "recompute, compress"}, budget="3GiB")
+    assert c.budget == 3 * 2**30 and c.policies == ("recompute", "compress")
+    assert Config.resolve(env={}, budget="60%").budget == "60%"
+    assert Config.resolve(env={}).budget is None
+
+
+def test_bad_config_values(tmp_path):
+    with pytest.raises(ValueError, match="unknown setting.*'colour'.*accepted"):
+        Config.resolve(env={}, colour="red")
+    with pytest.raises(ValueError, match="invalid budget"):
+        Config.resolve(env={"HYBRIDMEM_BUDGET": "eight gigs"})
+    y = tmp_path / "c.yaml"
+    y.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        Config.resolve(config=y, env={})
+    y.write_text("budget: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        Config.resolve(config=y, env={})

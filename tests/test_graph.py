@@ -1,0 +1,82 @@
+import json
+
+import pytest
+
+from hybridmem.errors import GraphFormatError
+from hybridmem.graph import Graph
+from tests.helpers import chain_graph
+
+
+def test_memory_profile_of_chain():
+    g = chain_graph(3, nbytes=100, param_bytes=10)
+    # forward: a0, a0+a1, a0+a1+a2; backward frees a2 at stage 3 after reading it
+    assert g.memory_profile().tolist() == [110, 210, 310, 410, 410, 310]
+    assert g.peak_bytes() == 410
+    assert g.num_forward == 3
+    assert g.saved_bytes() == 300
+    assert [t.id for t in g.evictable()] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_round_trip_keeps_hashes(tmp_path, suffix):
+    g = chain_graph(4)
+    p = g.save(tmp_path / f"g{suffix}")
+    h = Graph.load(p)
+    assert h.content_hash() == g.content_hash()
+    assert h.structure_hash() == g.structure_hash()
+    assert h.tensors[1].shape == g.tensors[1].shape
+
+
+def test_structure_hash_ignores_costs_but_content_hash_does_not():
+    g, h = chain_graph(3), chain_graph(3, cost=5.0)
+    assert g.structure_hash() == h.structure_hash()
+    assert g.content_hash() != h.content_hash()
+    assert chain_graph(3, nbytes=7).structure_hash() != g.structure_hash()
+
+
+def test_truncated_yaml_is_reported(tmp_path):
+    p = chain_graph(3).save(tmp_path / "g.yaml")
+    text = p.read_text()
+    p.write_text(text[: len(text) // 2] + "\n  - {broken: [")
+    with pytest.raises(GraphFormatError, match="not valid YAML|missing key|truncated"):
+        Graph.load(p)
+
+
+def test_missing_keys_and_wrong_types(tmp_path):
+    d = chain_graph(3).to_dict()
+    del d["tensors"]
+    p = tmp_path / "g.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(GraphFormatError, match=r"missing key\(s\) \['tensors'\]"):
+        Graph.load(p)
+    d = chain_graph(3).to_dict(with_hash=False)
+    d["tensors"][1]["nbytes"] = "lots"
+    with pytest.raises(GraphFormatError, match="nbytes.*must be a number"):
+        Graph.from_dict(d)
+    d = chain_graph(3).to_dict(with_hash=False)
+    d["tensors"][1]["nbytes"] = -5
+    with pytest.raises(GraphFormatError, match="negative"):
+        Graph.from_dict(d)
+    d = chain_graph(3).to_dict(with_hash=False)
+    d["stages"][0]["colour"] = "red"
+    with pytest.raises(GraphFormatError, match="unknown field.*colour"):
+        Graph.from_dict(d)
+
+
+def test_edited_file_fails_hash_check(tmp_path):
+    d = chain_graph(3).to_dict()
+    d["stages"][0]["cost_s"] = 123.0
+    with pytest.raises(GraphFormatError, match="content hash"):
+        Graph.from_dict(d)
+
+
+def test_inconsistent_edges_are_named():
+    g = chain_graph(3)
+    g.stages[4].inputs.remove(2)
+    with pytest.raises(GraphFormatError, match="tensor 2: consumer stage 4 does not list it"):
+        g.validate()
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(GraphFormatError, match="cannot read"):
+        Graph.load(tmp_path / "nope.yaml")
