@@ -7,6 +7,7 @@ one file: a class with these methods, registered with :func:`register` or throug
 """
 from __future__ import annotations
 
+import importlib
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
@@ -39,6 +40,12 @@ class Entry:
     last_access: float = 0.0        # runtime clock of the last pack/unpack (staleness for the scorer)
     pinned: int = 0                 # >0 while in use by a running op: never evicted
     uid: int = field(default_factory=lambda: next(_uids))
+    # runtime bookkeeping (hybridmem.runtime.saved): not for policies
+    refs: int = 0                   # live saved-tensor handles; the entry is released at 0
+    vshift: int = 0                 # tensor._version + vshift = the version counter the packs saw
+    root: Any = None                # weak reference to the tensor whose version counter `tensor` shares
+    origin: str = ""                # op around which it was first saved (for error messages)
+    view: Any = None                # geometry of `tensor` (a runtime View), to recognise saves of it
 
     @property
     def resident(self) -> bool:
@@ -72,40 +79,38 @@ class Policy(Protocol):
 
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {}
+# Built-in policies: name -> (module, class). Imported only when asked for, so a policy whose optional
+# dependency is missing fails when it is used, naming itself, and never breaks the others.
+_BUILTIN = {"swap": ("hybridmem.plugins.swap", "SwapPolicy"),
+            "recompute": ("hybridmem.plugins.recompute", "RecomputePolicy"),
+            "compress": ("hybridmem.plugins.compress", "CompressPolicy")}
 
 
 def register(name: str, factory: Callable[..., Policy]) -> None:
-    """Register a policy factory under ``name`` (in-process registry; overrides entry points)."""
+    """Register a policy factory under ``name`` (in-process registry; overrides built-ins and entry points)."""
     _REGISTRY[name] = factory
 
 
-def known_policies() -> dict[str, Callable[..., Policy]]:
-    """All policies: the built-in ones, entry points of group ``hybridmem.plugins``, then registered ones."""
-    from importlib.metadata import entry_points
-
-    found: dict[str, Callable[..., Policy]] = {}
-    for ep in entry_points(group="hybridmem.plugins"):
-        found.setdefault(ep.name, ep.load)  # load lazily: a broken third-party plugin only fails when used
-    found.update({k: (lambda f=f: f) for k, f in _builtin().items()})
-    found.update({k: (lambda f=f: f) for k, f in _REGISTRY.items()})
-    return {k: v() for k, v in found.items()}
+def known_policy_names() -> list[str]:
+    """Names of all policies: built-in, entry points of group ``hybridmem.plugins``, and registered ones."""
+    return sorted({*_BUILTIN, *(ep.name for ep in _entry_points()), *_REGISTRY})
 
 
 def get_policy(name: str, **kwargs: Any) -> Policy:
     """Instantiate the policy called ``name``; an unknown name lists the known ones."""
-    policies = known_policies()
-    if name not in policies:
-        raise UnknownNameError("policy", name, list(policies))
-    return policies[name](**kwargs)
+    factory = _REGISTRY.get(name)
+    if factory is None and name in _BUILTIN:
+        module, cls = _BUILTIN[name]
+        factory = getattr(importlib.import_module(module), cls)
+    if factory is None:
+        eps = [ep for ep in _entry_points() if ep.name == name]
+        if not eps:
+            raise UnknownNameError("policy", name, known_policy_names())
+        factory = eps[0].load()
+    return factory(**kwargs)
 
 
-def _builtin() -> dict[str, Callable[..., Policy]]:
-    out: dict[str, Callable[..., Policy]] = {}
-    for mod, cls, key in (("swap", "SwapPolicy", "swap"), ("recompute", "RecomputePolicy", "recompute"),
-                          ("compress", "CompressPolicy", "compress")):
-        try:
-            module = __import__(f"hybridmem.plugins.{mod}", fromlist=[cls])
-        except ImportError:
-            continue  # not written yet / optional dependency missing: the entry point reports it when used
-        out[key] = getattr(module, cls)
-    return out
+def _entry_points() -> list[Any]:
+    from importlib.metadata import entry_points
+
+    return [ep for ep in entry_points(group="hybridmem.plugins") if ep.name not in _BUILTIN]

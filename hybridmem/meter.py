@@ -1,0 +1,409 @@
+"""Device memory meter: how many bytes the managed device holds now, at its peak, and against a budget.
+
+    with Meter(device="cpu") as m:
+        loss = model(x).sum(); loss.backward()
+    m.peak_bytes
+
+**CUDA.** ``current_bytes`` is ``torch.cuda.memory_allocated``, ``peak_bytes`` is
+``torch.cuda.max_memory_allocated`` (reset by ``reset_peak()`` and on entering the meter). To make
+the budget a real cap, call :meth:`Meter.apply_cuda_cap` (the caching allocator then raises
+``torch.OutOfMemoryError`` beyond it). Allocation failures reach the runtime in two ways: every op
+run under :class:`MeterMode` (entered by the meter when ``on_pressure`` or a budget is set) is retried
+through :meth:`Meter.retry_oom`, which calls ``on_pressure(bytes the allocator tried to get)`` and
+retries while something is freed; an allocation the runtime makes itself outside an op (a swap-in
+buffer) should go through the same helper: ``meter.retry_oom(torch.empty, n, device=dev)``.
+
+**CPU and meta: a simulated device.** The meter counts the live bytes of the storages it *tracks*:
+
+- every storage an op returns that the meter has not seen (a new allocation) while a
+  :class:`MeterMode` of this meter is active;
+- every storage first seen as an op *input* (any tensor argument, also inside lists and ``out=``)
+  while the mode is active: parameters, buffers, inputs, optimizer state. They are registered on
+  first sight and count from then on;
+- tensors passed to :meth:`Meter.track` (e.g. the model and inputs before the step, so that the
+  meter counts them from the start, as ``Graph.fixed_bytes`` does).
+
+A storage counts once however many tensors view it (keyed by ``t.untyped_storage()``, the same Python
+object for a tensor and all its views) and counts ``storage.nbytes()`` bytes, until the storage is
+freed (a weak reference callback on the storage object subtracts it; PyTorch keeps the storage's
+Python object alive exactly as long as the storage). ``peak_bytes`` is the largest ``current_bytes``
+sampled right after each op's outputs are registered, while the op's inputs are still alive (and
+after ``track``): the memory model of :mod:`hybridmem.graph`. Frees between ops are applied at once;
+peaks are only sampled at op ends. Allocations *inside* a kernel that it frees before returning
+(workspaces, e.g. im2col buffers of a CPU convolution) are invisible at op boundaries and not
+counted; ops run inside the mode's own hooks or inside ``on_pressure`` are not metered (PyTorch
+disables a dispatch mode while its handler runs), so call :meth:`Meter.track` for device tensors
+allocated there.
+
+**Hard cap.** With ``budget`` and ``raise_on_exceed=True``, after every op the meter checks the
+budget: if ``current_bytes`` exceeds it, ``on_pressure(needed_bytes) -> freed_bytes`` is called (if
+set) and, if memory is still over budget, ``torch.OutOfMemoryError`` is raised, naming the bytes the
+op requested, the bytes live and the budget: where a device of the budget's size would have failed to
+allocate. :meth:`Meter.check` does the same check for an allocation the caller is about to make.
+"""
+from __future__ import annotations
+
+import re
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._trace import op_info, written_tensors
+from .units import fmt_bytes, parse_bytes
+
+Tensor = torch.Tensor
+PressureHook = Callable[[int], int]
+
+__all__ = ["Meter", "MeterMode", "profiler_peak"]
+
+_TRIED = re.compile(r"[Tt]ried to allocate\s+([0-9.]+\s*[KMGT]?i?B)")
+
+
+class Meter:
+    """Bytes live on one device, their peak, and an optional hard budget (see the module docstring).
+
+    ``device``: ``"cpu"`` or ``"meta"`` (simulated device) or ``"cuda[:i]"`` (allocator statistics).
+    ``budget``: bytes (int or ``"8GiB"``) or None. ``raise_on_exceed``: check the budget after every
+    op and raise ``torch.OutOfMemoryError`` when it is exceeded. ``on_pressure(needed) -> freed`` is
+    called before raising. ``mode_cls``: the :class:`MeterMode` subclass entering the meter installs.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", budget: int | str | None = None, *,
+                 raise_on_exceed: bool = False, on_pressure: PressureHook | None = None,
+                 mode_cls: type["MeterMode"] | None = None):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.simulated = self.device.type != "cuda"
+        self.budget_bytes: int | None = None if budget is None else parse_bytes(budget, what="budget")
+        self.raise_on_exceed = raise_on_exceed
+        self.on_pressure = on_pressure
+        self.mode_cls = mode_cls or MeterMode
+        # Simulated-device ledger: id(storage) -> (weak reference whose callback subtracts the bytes,
+        # bytes). Keyed by id: the callback removes the entry before the id can be reused.
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._current = 0
+        self._peak = 0
+        self._relieving = False
+        self._mode: MeterMode | None = None
+
+    # ---- readings ------------------------------------------------------------------------------
+    @property
+    def current_bytes(self) -> int:
+        if self.simulated:
+            return self._current
+        return torch.cuda.memory_allocated(self.device)
+
+    @property
+    def peak_bytes(self) -> int:
+        if self.simulated:
+            return self._peak
+        return torch.cuda.max_memory_allocated(self.device)
+
+    @property
+    def live_storages(self) -> int:
+        """Number of tracked storages alive (simulated device only; 0 on CUDA)."""
+        return len(self._live)
+
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current level."""
+        if self.simulated:
+            self._peak = self._current
+        else:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    # ---- tracking (simulated device) ----------------------------------------------------------
+    def track(self, *objs: Any) -> int:
+        """Count these tensors' storages from now on; accepts tensors, modules (parameters and buffers),
+        optimizers (state), dicts and iterables of those. Returns the bytes newly counted."""
+        if not self.simulated:
+            return 0
+        before = self._current
+        for t in _tensors_in(objs):
+            st = _storage(t)
+            if st is not None and id(st) not in self._live:
+                self._add(st)
+        if self._current > self._peak:
+            self._peak = self._current
+        return self._current - before
+
+    def refresh(self, t: Tensor | torch.UntypedStorage) -> None:
+        """Re-read the size of a tracked storage after ``storage.resize_()`` (not an op: not seen)."""
+        st = t if isinstance(t, torch.UntypedStorage) else _storage(t)
+        if st is None or not self.simulated:
+            return
+        entry = self._live.pop(id(st), None)
+        if entry is not None:
+            self._current -= entry[1]
+        self._add(st)
+        if self._current > self._peak:
+            self._peak = self._current
+
+    def _add(self, st: torch.UntypedStorage) -> int:
+        # A weakref with a callback costs about 1 us; weakref.finalize about 10x more (its registry).
+        nb = st.nbytes()
+        k = id(st)
+        self._live[k] = (weakref.ref(st, lambda r, k=k: self._freed(k, r)), nb)
+        self._current += nb
+        return nb
+
+    def _freed(self, k: int, ref: weakref.ref) -> None:
+        # Weak-reference callback: the storage is being deallocated. Check identity so a stale
+        # callback (after ``refresh`` replaced the entry) does not remove the new one.
+        entry = self._live.get(k)
+        if entry is not None and entry[0] is ref:
+            del self._live[k]
+            self._current -= entry[1]
+
+    # ---- budget --------------------------------------------------------------------------------
+    def check(self, extra_bytes: int = 0, *, what: str = "") -> None:
+        """Raise ``torch.OutOfMemoryError`` if ``extra_bytes`` more would not fit the budget, after
+        giving ``on_pressure`` the chance to free the difference. No-op without a budget."""
+        budget = self.budget_bytes
+        if budget is None or self.current_bytes + extra_bytes <= budget:
+            return
+        if self._relieve(extra_bytes):
+            return
+        self._raise(extra_bytes, self.current_bytes, what)
+
+    def _relieve(self, extra_bytes: int) -> bool:
+        """Ask ``on_pressure`` for the bytes over budget until it fits or nothing more is freed."""
+        budget = self.budget_bytes
+        assert budget is not None
+        if self.on_pressure is None or self._relieving:
+            return False
+        self._relieving = True  # eviction code runs ops: do not recurse into the listener
+        try:
+            for _ in range(16):
+                needed = self.current_bytes + extra_bytes - budget
+                if needed <= 0:
+                    return True
+                if not self.on_pressure(needed):
+                    break
+            return self.current_bytes + extra_bytes <= budget
+        finally:
+            self._relieving = False
+
+    def _raise(self, requested: int, live: int, what: str) -> None:
+        where = f"simulated {self.device.type} device" if self.simulated else str(self.device)
+        raise torch.OutOfMemoryError(
+            f"hybridmem: {where} out of memory{f' in {what}' if what else ''}: tried to allocate "
+            f"{fmt_bytes(requested)} ({requested} bytes) with {fmt_bytes(live)} ({live} bytes) live; "
+            f"budget {fmt_bytes(self.budget_bytes or 0)} ({self.budget_bytes} bytes)")
+
+    def _after_op_over(self, new_bytes: int, func: Any) -> None:
+        """An op's outputs took the device over budget (called by MeterMode)."""
+        if self._relieve(0):
+            return
+        self._raise(new_bytes, self.current_bytes - new_bytes, str(func))
+
+    def retry_oom(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn``; if the allocator raises ``torch.OutOfMemoryError``, call ``on_pressure`` with
+        the bytes it tried to allocate (parsed from the message, else 1) and retry while it frees
+        something. This is how a real device's allocation failure reaches the runtime's evictor;
+        :class:`MeterMode` wraps every op with it, so code outside ops (a swap-in copy) may call it
+        directly: ``meter.retry_oom(torch.empty, n, device="cuda")``."""
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except torch.OutOfMemoryError as e:
+                if self.on_pressure is None or self._relieving:
+                    raise
+                m = _TRIED.search(str(e))
+                needed = parse_bytes(m.group(1).replace(" ", "")) if m else 1
+                self._relieving = True
+                try:
+                    freed = self.on_pressure(needed)
+                finally:
+                    self._relieving = False
+                if not freed:
+                    raise
+
+    def apply_cuda_cap(self) -> None:
+        """Make the CUDA caching allocator itself refuse memory beyond the budget
+        (``torch.cuda.set_per_process_memory_fraction``; it caps *reserved* bytes, allocator cache
+        included), so that a real allocation fails where a device of the budget's size would."""
+        if self.simulated or self.budget_bytes is None:
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total), self.device)
+
+    # ---- context manager -----------------------------------------------------------------------
+    def __enter__(self) -> "Meter":
+        """Start a new peak window and (simulated device, or a CUDA budget to enforce) install the mode."""
+        self.reset_peak()
+        if self.simulated or (self.budget_bytes is not None and self.raise_on_exceed) or self.on_pressure:
+            self._mode = self.mode_cls(self)
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(*exc)
+
+    def __repr__(self) -> str:
+        b = "" if self.budget_bytes is None else f", budget={fmt_bytes(self.budget_bytes)}"
+        return (f"Meter({self.device}, current={fmt_bytes(self.current_bytes)}, "
+                f"peak={fmt_bytes(self.peak_bytes)}{b})")
+
+
+class MeterMode(TorchDispatchMode):
+    """The dispatch mode that meters each op for a :class:`Meter`.
+
+    Subclass it to act around every op (the runtime does): override :meth:`before_op` and
+    :meth:`after_op` and call ``super()``. ``before_op`` registers first-seen input storages;
+    ``after_op`` registers new output storages, applies the budget and samples the peak. Ops run inside
+    the hooks are not metered (PyTorch disables the mode while its handler runs).
+    """
+
+    def __init__(self, meter: Meter):
+        super().__init__()
+        self.meter = meter
+        self._sim = meter.simulated
+        self._live = meter._live
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps every subclass's __torch_dispatch__ in torch._disable_dynamo, which
+        # imports torch._dynamo on the first op (2-9 s here) and adds a wrapper call to every op. The
+        # meter runs eager steps only, so opt out (subclasses inherit this).
+        return False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        self.before_op(func, args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            if self.meter.on_pressure is None:
+                raise
+            out = self.meter.retry_oom(func, *args, **kwargs)
+        self.after_op(func, args, kwargs, out)
+        return out
+
+    def before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Called before each op. Base: register input storages seen for the first time."""
+        if not self._sim:
+            return
+        live, m = self._live, self.meter
+        for a in args:
+            if isinstance(a, Tensor):
+                try:
+                    st = a.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if id(st) not in live:
+                    m._add(st)
+            elif type(a) is list or type(a) is tuple:
+                for b in a:
+                    if isinstance(b, Tensor):
+                        st = _storage(b)
+                        if st is not None and id(st) not in live:
+                            m._add(st)
+        if kwargs:
+            for a in kwargs.values():
+                if isinstance(a, Tensor):
+                    st = _storage(a)
+                    if st is not None and id(st) not in live:
+                        m._add(st)
+
+    def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Called after each op with its outputs. Base: register new output storages, enforce the
+        budget (``raise_on_exceed``) and sample the peak."""
+        m = self.meter
+        if self._sim:
+            new = 0
+            live = self._live
+            if isinstance(out, Tensor):
+                try:
+                    st = out.untyped_storage()
+                    if id(st) not in live:
+                        new = m._add(st)
+                except (RuntimeError, NotImplementedError):
+                    pass
+            elif type(out) is tuple or type(out) is list:
+                for o in out:
+                    if isinstance(o, Tensor):
+                        st = _storage(o)
+                        if st is not None and id(st) not in live:
+                            new += m._add(st)
+                    elif type(o) is list:  # (Tensor[], ...) returns
+                        for p in o:
+                            if isinstance(p, Tensor):
+                                st = _storage(p)
+                                if st is not None and id(st) not in live:
+                                    new += m._add(st)
+            if _may_resize(func):  # a written storage may have grown: re-read its size
+                for t in written_tensors(func, args, kwargs):
+                    st = _storage(t)
+                    entry = live.get(id(st)) if st is not None else None
+                    if entry is not None and entry[1] != st.nbytes():
+                        new += st.nbytes() - entry[1]
+                        m.refresh(st)
+            if m.raise_on_exceed and m.budget_bytes is not None and m._current > m.budget_bytes:
+                m._after_op_over(new, func)
+            if m._current > m._peak:
+                m._peak = m._current
+        elif m.raise_on_exceed and m.budget_bytes is not None and m.current_bytes > m.budget_bytes:
+            m._after_op_over(0, func)
+
+
+_RESIZING: dict[Any, bool] = {}
+
+
+def _may_resize(func: Any) -> bool:
+    r = _RESIZING.get(func)
+    if r is None:
+        r = _RESIZING[func] = op_info(func).may_resize
+    return r
+
+
+def _storage(t: Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None  # sparse, nested or wrapper tensors have no plain storage
+
+
+def _tensors_in(objs: Iterable[Any]) -> Iterable[Tensor]:
+    for o in objs:
+        if isinstance(o, Tensor):
+            yield o
+        elif isinstance(o, torch.nn.Module):
+            yield from o.parameters()
+            yield from o.buffers()
+            yield from (p.grad for p in o.parameters() if p.grad is not None)
+        elif isinstance(o, torch.optim.Optimizer):
+            for state in o.state.values():
+                yield from _tensors_in(state.values())
+        elif isinstance(o, dict):
+            yield from _tensors_in(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            yield from _tensors_in(o)
+
+
+def profiler_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+    """Peak of the CPU allocator's net allocation while ``fn`` runs, measured independently of the
+    meter: ``torch.profiler`` with ``profile_memory=True`` records every allocation and free
+    (``[memory]`` events, kernel workspaces included); their bytes summed in time order give the live
+    total, whose maximum (relative to the start, so never below 0) is returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args, **kwargs)
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    if results is None:
+        raise RuntimeError("torch.profiler returned no results (another profiler active?)")
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = sorted((e for e in results.events() if e.name() == "[memory]" and e.device_type() == cpu),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        if live > peak:
+            peak = live
+    return peak

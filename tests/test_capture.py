@@ -1,0 +1,376 @@
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybridmem._trace import is_stage_op, op_info
+from hybridmem.capture import CaptureError, capture, merge_stages, module_groups, run_step
+from hybridmem.graph import Graph
+from hybridmem.meter import Meter
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---- small models ----------------------------------------------------------------------------------
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                                  nn.ReLU(inplace=True), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True),
+                                  nn.Dropout(0.25))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
+class DictModel(nn.Module):
+    """Keyword inputs, dict output."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, scale=None):
+        h = torch.tanh(self.a(x)) * scale
+        return {"logits": self.b(h), "hidden": h}
+
+
+class Attention(nn.Module):
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.proj, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab=40, d=12):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.relu(self.mix(self.emb(ids))))
+
+
+def lm_loss(logits):
+    return logits.logsumexp(-1).mean()
+
+
+CASES = {
+    "mlp": (mlp, lambda: torch.randn(8, 16), None),
+    "convbn": (ConvBN, lambda: torch.randn(4, 3, 12, 12), None),
+    "dict": (DictModel, lambda: {"x": torch.randn(5, 8), "scale": torch.full((8,), 0.5)},
+             lambda out: out["logits"].pow(2).mean()),
+    "attention": (Attention, lambda: torch.randn(2, 6, 16), None),
+    "tied": (TiedLM, lambda: (torch.randint(0, 40, (3, 7)),), lm_loss),
+}
+
+
+def meter_peak(model, inputs, loss_fn) -> int:
+    m = Meter("cpu")
+    m.track(model, inputs)
+    with m:
+        run_step(model, inputs, loss_fn)
+    for p in model.parameters():
+        p.grad = None
+    return m.peak_bytes
+
+
+def snapshot(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            [None if p.grad is None else (p.grad, p.grad.clone()) for p in model.parameters()])
+
+
+def assert_unchanged(model, snap):
+    state, grads = snap
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), f"{k} changed by capture"
+    for p, g in zip(model.parameters(), grads):
+        if g is None:
+            assert p.grad is None
+        else:
+            assert p.grad is g[0] and torch.equal(p.grad, g[1])
+
+
+# ---- graphs of small models ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CASES))
+def test_graph_validates_round_trips_and_matches_meter(name, tmp_path):
+    make_model, make_inputs, loss_fn = CASES[name]
+    model, inputs = make_model(), make_inputs()
+    snap = snapshot(model)
+    g = capture(model, inputs, loss_fn)
+    assert_unchanged(model, snap)
+    g.validate()
+    for suffix in (".yaml", ".json"):
+        h = Graph.load(g.save(tmp_path / f"g{suffix}"))
+        assert h.content_hash() == g.content_hash() and h.structure_hash() == g.structure_hash()
+    # keep-all peak of the graph == simulated-device peak of the same step (exact on the CPU)
+    assert g.peak_bytes() == meter_peak(model, inputs, loss_fn)
+    # forward stages first, then backward; ids unique; every stage is an op the runtime counts
+    phases = [s.phase for s in g.stages]
+    assert phases == sorted(phases, key=["forward", "backward"].index) and "backward" in phases
+    assert len({s.id for s in g.stages}) == g.num_stages
+    assert g.meta["num_ops"] == g.num_stages and g.meta["device"] == "cpu"
+    assert g.meta["model"] == type(model).__name__ and g.meta["torch"] == torch.__version__
+    # fixed tensors: every parameter (tied ones once), never freed
+    params = [t for t in g.tensors if t.kind == "param"]
+    assert len(params) == len(list(model.parameters()))
+    assert all(t.producer == -1 and t.freed_after is None for t in params)
+    # measured costs on the CPU
+    assert g.meta["cost_model"] == "measured"
+    assert [s.cost_s for s in g.stages] == g.meta["measured_cost_s"]
+
+
+def test_mlp_stages_tensors_and_modules():
+    model, x = mlp(), torch.randn(8, 16, requires_grad=True)
+    g = capture(model, x)
+    assert x.grad is None  # an input that requires grad gets no .grad from capture
+    fwd = [s for s in g.stages if s.phase == "forward"]
+    assert [(s.module, s.op) for s in fwd] == [("0", "addmm"), ("1", "relu"), ("2", "addmm"), ("3", "relu"),
+                                              ("4", "addmm"), ("", "sum")]
+    assert fwd[0].id == "forward/0/addmm#0" and fwd[0].flops == 2 * 8 * 16 * 32
+    # backward ops are attributed to the module whose forward created their autograd node
+    bwd = {s.module for s in g.stages if s.phase == "backward"}
+    assert {"0", "1", "2", "3", "4"} <= bwd
+    names = {t.name: t for t in g.tensors if t.producer < 0}
+    assert names["input[0]"].kind == "input" and names["0.weight"].kind == "param"
+    # ReLU outputs are saved for backward and freed by it; the loss lives until the end of backward
+    relu_out = g.tensors[g.stages[1].outputs[0]]
+    assert relu_out.saved and relu_out.kind == "activation" and relu_out.freed_after > g.num_forward
+    grads = [t for t in g.tensors if t.kind == "grad" and t.freed_after is None]
+    assert sum(t.nbytes for t in grads) == sum(p.numel() * 4 for p in model.parameters()) + x.numel() * 4
+    assert all(s.bytes_accessed > 0 for s in g.stages)
+
+
+def test_convbn_flags_inplace_and_no_side_effects():
+    model, x = ConvBN().train(), torch.randn(4, 3, 12, 12)
+    model.head.weight.grad = torch.ones_like(model.head.weight)  # pre-existing grad: must survive
+    snap = snapshot(model)
+    rng = torch.get_rng_state()
+    g = capture(model, x)
+    assert_unchanged(model, snap)
+    assert model.body[1].num_batches_tracked.item() == 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    by_op = {s.op: s for s in g.stages}
+    # BatchNorm in training updates running stats: a side effect (and so does num_batches_tracked += 1)
+    bn = next(s for s in g.stages if "batch_norm" in s.op and s.phase == "forward")
+    assert bn.side_effect and bn.module == "body.1"
+    assert by_op["add_.Tensor"].side_effect
+    # dropout draws random numbers
+    assert by_op["bernoulli_.float"].rng and sum(s.rng for s in g.stages) == 1
+    # ReLU(inplace=True): a stage that writes its input and produces no new storage
+    relu_ = [s for s in g.stages if s.op == "relu_"]
+    assert len(relu_) == 2 and all(s.outputs == [] and len(s.inputs) == 1 for s in relu_)
+    assert [g.stages[i].op for i, _ in g.meta["mutations"]].count("relu_") == 2
+    # conv backward sits in the conv modules; CPU ops are all deterministic
+    assert {s.module for s in g.stages if s.op == "convolution_backward"} == {"body.0", "body.3"}
+    assert all(s.deterministic for s in g.stages)
+    kinds = {t.name: t.kind for t in g.tensors if t.producer < 0}
+    assert kinds["body.1.running_mean"] == "buffer" and kinds["body.0.weight"] == "param"
+    assert g.peak_bytes() == meter_peak(model, x, None)
+
+
+def test_meta_capture_matches_cpu_and_leaves_the_model_alone():
+    model, x = mlp(), torch.randn(8, 16)
+    snap = snapshot(model)
+    g_cpu = capture(model, x)
+    g_meta = capture(model, x, device="meta")
+    assert_unchanged(model, snap)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert g_meta.meta["device"] == "meta" and "measured_cost_s" not in g_meta.meta
+    assert [s.id for s in g_meta.stages] == [s.id for s in g_cpu.stages]
+    assert g_meta.structure_hash() == g_cpu.structure_hash()
+    assert g_meta.peak_bytes() == g_cpu.peak_bytes()
+    costs = pytest.importorskip("hybridmem.costs")
+    device = costs.get_cost_model(costs.DEFAULT_DEVICE)
+    assert g_meta.meta["cost_model"] == device.name  # an analytic device model on meta
+    assert [s.cost_s for s in g_meta.stages] == pytest.approx(list(device.op_times(g_meta)))
+    with pytest.raises(ValueError, match="measured"):
+        capture(model, x, device="meta", cost_model="measured")
+    # a model already on meta is captured in place; CPU-held loss targets are moved to meta
+    with torch.device("meta"):
+        m2 = mlp()
+    target = torch.randint(0, 4, (8,))
+    g2 = capture(m2, x, loss_fn=lambda out: F.cross_entropy(out, target), device="meta")
+    assert g2.num_stages > g_meta.num_stages and all(p.grad is None for p in m2.parameters())
+    # on meta the graph targets CUDA: ops non-deterministic there are flagged
+    emb = nn.Embedding(10, 4)
+    g3 = capture(emb, torch.tensor([[1, 2, 2]]), device="meta")
+    assert not next(s for s in g3.stages if s.op == "embedding_dense_backward").deterministic
+
+
+def test_checkpointed_model_matches_meter():
+    # torch.utils.checkpoint stops its recomputation by raising through the module hooks: capture must
+    # not keep that exception (its traceback holds recomputed tensors) and must match the meter.
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+            self.b = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.b(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False))
+
+    model, x = Checkpointed(), torch.randn(4, 8)
+    g = capture(model, x)
+    assert g.peak_bytes() == meter_peak(model, x, None)
+    recomputed = [s for s in g.stages if s.phase == "backward" and s.op in ("addmm", "relu")]
+    assert [s.module for s in recomputed] == ["a.0", "a.1"]
+
+
+def test_cost_model_object_is_used():
+    class Flat:
+        name = "flat"
+
+        def op_time(self, stage):
+            return 1e-3 * stage.ops
+
+    g = capture(mlp(), torch.randn(8, 16), cost_model=Flat())
+    assert g.meta["cost_model"] == "flat" and all(s.cost_s == 1e-3 for s in g.stages)
+    assert len(g.meta["measured_cost_s"]) == g.num_stages  # still measured on a real run
+    costs = pytest.importorskip("hybridmem.costs")
+    g = capture(mlp(), torch.randn(8, 16), cost_model="h100")
+    assert g.meta["cost_model"] == costs.get_cost_model("h100").name and g.compute_time() > 0
+    with pytest.raises(ValueError, match="unknown device model"):
+        capture(mlp(), torch.randn(8, 16), cost_model="no-such-gpu")
+
+
+def test_attention_flops_and_saved():
+    g = capture(Attention(), torch.randn(2, 6, 16))
+    attn = next(s for s in g.stages if "attention" in s.op and s.phase == "forward")
+    assert attn.flops == 4 * 2 * 2 * 6 * 6 * 8  # two batched matmuls of (b*h) x 6 x 8 x 6
+    assert g.saved_bytes() > 0
+
+
+# ---- merging -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CASES))
+def test_module_granularity_preserves_peak_and_cost(name):
+    make_model, make_inputs, loss_fn = CASES[name]
+    g = capture(make_model(), make_inputs(), loss_fn)
+    m = merge_stages(g, module_groups(g))
+    m.validate()
+    assert m.num_stages < g.num_stages
+    assert m.peak_bytes() == g.peak_bytes()
+    assert m.compute_time() == pytest.approx(g.compute_time(), rel=1e-12)
+    assert sum(s.ops for s in m.stages) == g.num_stages
+    assert sum(s.flops for s in m.stages) == sum(s.flops for s in g.stages)
+    assert len({s.id for s in m.stages}) == m.num_stages
+    assert sum(m.meta["measured_cost_s"]) == pytest.approx(sum(g.meta["measured_cost_s"]))
+    # a merged stage's memory is the maximum of its members' memory, unless the tensors crossing its
+    # boundary alone need more (an input its first op frees + an output of its last op: an atomic
+    # stage holds both); then it has no workspace
+    before, after = g.memory_profile(), m.memory_profile()
+    for gi, grp in enumerate(module_groups(g)):
+        most = before[grp[0]:grp[-1] + 1].max()
+        assert after[gi] == most or (after[gi] > most and m.stages[gi].workspace == 0)
+
+
+def test_capture_module_granularity_and_whole_graph_merge():
+    model, x = ConvBN(), torch.randn(2, 3, 8, 8)
+    gm = capture(model, x, granularity="module")
+    assert gm.meta["granularity"] == "module" and gm.meta["merged_from_stages"] > gm.num_stages
+    bn = next(s for s in gm.stages if s.module == "body.1" and s.phase == "forward")
+    assert bn.side_effect and "+" in bn.op and bn.ops >= 2
+    g = capture(model, x)
+    one = merge_stages(g, [list(range(g.num_forward)), list(range(g.num_forward, g.num_stages))])
+    assert one.num_stages == 2 and one.peak_bytes() == g.peak_bytes()
+    assert one.stages[0].rng and not one.stages[1].rng
+    with pytest.raises(ValueError, match="cover"):
+        merge_stages(g, [[0, 1], [3]])
+    with pytest.raises(ValueError, match="mixes phases"):
+        merge_stages(g, [list(range(g.num_stages))])
+
+
+# ---- errors ----------------------------------------------------------------------------------------------
+def test_errors_are_clear():
+    with pytest.raises(ValueError, match="'op', 'module'"):
+        capture(mlp(), torch.randn(2, 16), granularity="layer")
+    with pytest.raises(TypeError, match="inputs must be a tensor"):
+        capture(mlp(), 3.0)
+    with pytest.raises(ValueError, match=r"shape \(2, 4\)"):
+        capture(mlp(), torch.randn(2, 16), loss_fn=lambda out: out * 2)
+    with pytest.raises(TypeError, match="loss_fn"):
+        capture(DictModel(), {"x": torch.randn(2, 8), "scale": torch.ones(8)})
+
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(3, 3))
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model = Broken()
+    with pytest.raises(CaptureError, match=r"module 'inner.1'.*mat1 and mat2") as e:
+        capture(model, torch.randn(2, 4))
+    assert isinstance(e.value.__cause__, RuntimeError)
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.inner[0]._forward_hooks and not model.inner[0]._forward_pre_hooks  # hooks removed
+
+
+def test_is_stage_op():
+    for f in (aten.view.default, aten.t.default, aten.transpose.int, aten.expand.default, aten.as_strided.default,
+              aten.detach.default, aten.alias.default, aten._unsafe_view.default, aten.split.Tensor,
+              aten.sym_size.int, aten._local_scalar_dense.default, aten.t_.default):
+        assert not is_stage_op(f), f
+    for f in (aten.relu_.default, aten.add.Tensor, aten.mm.default, aten.clone.default, aten._to_copy.default,
+              aten._foreach_add_.List, aten.copy_.default, aten.native_batch_norm.default):
+        assert is_stage_op(f), f
+    assert op_info(aten.bernoulli_.float).rng and not op_info(aten.add.Tensor).rng
+    assert op_info(aten.add.Tensor).name == "add.Tensor" and op_info(aten.mm.default).name == "mm"
+
+
+# ---- bench zoo -------------------------------------------------------------------------------------------
+zoo = pytest.importorskip("bench.zoo", reason="bench/zoo.py not available")
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_zoo_graph_peak_matches_meter(name):
+    e = zoo.build(name, "tiny")
+    g = capture(e.model, e.inputs, e.loss_fn)
+    g.validate()
+    torch.manual_seed(0)
+    peak = meter_peak(e.model, e.inputs, e.loss_fn)
+    assert abs(g.peak_bytes() - peak) <= 0.02 * peak, (g.peak_bytes(), peak)
+
+
+def test_resnet50_paper_meta_capture_is_fast():
+    # Warm up torch's meta kernels (their first use imports torch._dynamo & co., ~2-3 s once per
+    # process) on a tiny model, then time the paper-size capture alone.
+    capture(zoo.build("resnet50", "tiny", device="meta").model, torch.randn(2, 3, 32, 32), device="meta")
+    # CPU time of this thread, not wall time: other jobs share the 2 cores of this machine.
+    e = zoo.build("resnet50", "paper", device="meta")
+    t0, w0 = time.thread_time(), time.perf_counter()
+    g = capture(e.model, e.inputs, e.loss_fn, device="meta")
+    dt, wall = time.thread_time() - t0, time.perf_counter() - w0
+    assert dt <= 5.0, f"ResNet-50 paper-size meta capture took {dt:.2f} s CPU ({wall:.2f} s wall)"
+    assert g.num_stages > 400 and g.peak_bytes() > 4 * 2**30
+    assert g.meta["input_shapes"] == [[64, 3, 224, 224]]
