@@ -362,15 +362,9 @@ def test_zoo_graph_peak_matches_meter(name):
     assert abs(g.peak_bytes() - peak) <= 0.02 * peak, (g.peak_bytes(), peak)
 
 
-def test_resnet50_paper_meta_capture_is_fast():
-    # Warm up torch's meta kernels (their first use imports torch._dynamo & co., ~2-3 s once per
-    # process) on a tiny model, then time the paper-size capture alone.
-    capture(zoo.build("resnet50", "tiny", device="meta").model, torch.randn(2, 3, 32, 32), device="meta")
-    # CPU time of this thread, not wall time: other jobs share the 2 cores of this machine.
+def test_resnet50_paper_meta_capture():
+    # how fast this is, is measured in bench/test_bench_foundation.py (target <= 5 s)
     e = zoo.build("resnet50", "paper", device="meta")
-    t0, w0 = time.thread_time(), time.perf_counter()
     g = capture(e.model, e.inputs, e.loss_fn, device="meta")
-    dt, wall = time.thread_time() - t0, time.perf_counter() - w0
-    assert dt <= 5.0, f"ResNet-50 paper-size meta capture took {dt:.2f} s CPU ({wall:.2f} s wall)"
     assert g.num_stages > 400 and g.peak_bytes() > 4 * 2**30
     assert g.meta["input_shapes"] == [[64, 3, 224, 224]]

@@ -234,25 +234,3 @@ def test_retry_oom_asks_for_the_bytes_in_the_allocator_message():
     m.on_pressure = lambda n: 0
     with pytest.raises(torch.OutOfMemoryError):
         m.retry_oom(lambda: (_ for _ in ()).throw(torch.OutOfMemoryError("Tried to allocate 1.00 MiB")))
-
-
-def test_meter_mode_overhead_per_op_is_small():
-    # Loose guard against a pathological hot path; typical: +2-4 us/op over an empty dispatch mode.
-    x, w = torch.randn(4), torch.randn(4)
-
-    def per_op(ctx_factory) -> float:
-        best = float("inf")
-        for _ in range(5):
-            with ctx_factory():
-                t0 = time.perf_counter()
-                for _ in range(2000):
-                    torch.add(x, w)
-                best = min(best, (time.perf_counter() - t0) / 2000)
-        return best
-
-    class Empty(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    extra = per_op(lambda: Meter("cpu")) - per_op(Empty)
-    assert extra < 50e-6, f"MeterMode adds {extra * 1e6:.1f} us per op"

@@ -6,7 +6,6 @@ to copy, and stage costs are whole seconds (``use_graph_costs=True``): every exp
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -386,17 +385,9 @@ def big_graph(n: int = 1000) -> tuple[Graph, Plan]:
     return g, Plan(actions=actions)
 
 
-def test_simulate_speed_1000_stages():
+def test_big_plan_is_feasible_and_saves_memory():
+    # its speed is measured in bench/test_bench_foundation.py
     g, plan = big_graph()
-    dev = get_cost_model("h100-80gb")
-    r = simulate(g, plan, dev, use_graph_costs=True)
+    r = simulate(g, plan, get_cost_model("h100-80gb"), use_graph_costs=True)
     assert len(plan.actions) > 1000 and g.num_stages == 1000 and r.feasible
-    best = min(_timed(lambda: simulate(g, plan, dev)) for _ in range(5))
-    assert best < 0.05, f"simulate took {best * 1e3:.1f} ms"
     assert r.peak_bytes < g.peak_bytes()
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t

@@ -59,17 +59,13 @@ def test_tiny_trains_on_cpu(name: str):
     entry = build(name, "tiny")
     assert entry.name == name and entry.size == "tiny" and entry.description
     assert entry.model.training
-    start = time.perf_counter()
     loss = _step(entry)
-    elapsed = time.perf_counter() - start
     assert loss.dim() == 0 and loss.dtype == torch.float32
     assert torch.isfinite(loss)
     for pname, p in entry.model.named_parameters():
         assert p.grad is not None, f"{name}: no gradient for {pname}"
         assert torch.isfinite(p.grad).all(), f"{name}: non-finite gradient for {pname}"
     assert any(p.grad.abs().sum() > 0 for p in entry.model.parameters())
-    # Tiny is for unit tests: well under a second even on a cold first call on a shared core.
-    assert elapsed < 1.0, f"{name} tiny step took {elapsed:.2f} s"
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -100,15 +96,11 @@ def test_paper_size_on_meta(name: str, meta_warm):
     assert all(p.grad is not None for p in entry.model.parameters())
 
 
-def test_meta_is_fast(meta_warm):
-    start = time.perf_counter()
-    build("resnet152", "paper", device="meta")
-    assert time.perf_counter() - start < 1.0
+def test_paper_resnet_on_meta(meta_warm):
+    # build and forward times are measured in bench/test_bench_foundation.py
     entry = build("resnet50", "paper", device="meta")
     assert entry.config.batch == 64 and entry.inputs.shape == (64, 3, 224, 224)
-    start = time.perf_counter()
-    entry.loss()
-    assert time.perf_counter() - start < 3.0
+    assert entry.loss().device.type == "meta"
 
 
 def test_paper_sizes_match_the_paper():
