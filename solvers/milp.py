@@ -1,0 +1,495 @@
+"""STR's exact planner as a mixed-integer programme (python-mip; CBC by default, HiGHS on request).
+
+Sets. Stages ``t = 0 .. T-1``; candidates ``i`` (forward activations saved for the backward pass, see
+:func:`solvers._common.build_problem`) with producer ``p_i``, last reader ``e_i``, bytes ``b_i``. Every
+variable of tensor ``i`` lives on its natural lifetime ``p_i < t <= e_i`` only; everything else keeps
+the graph's natural lifetime and is a constant ``base[t]`` of the memory rows.
+
+Variables (all binary)::
+
+    S[t,i]    i is on the device, readable, at op t, kept from stage t-1 (or landed by a swap-in)
+    R[t,i]    i is recomputed before op t (replay of stage p_i)
+    X[t,p]    stage p is replayed before op t (only for producers with several candidate outputs:
+              one replay serves them all, as in the simulator; otherwise X = R)
+    P[t,f,i]  swap-out of i issued after op t, its device bytes held through stage f (the copy ends
+              in f: fixed by the timing with link="stage", a choice with link="fifo")
+    Y[q,u,i]  swap-in of i issued at the start of stage q, first read at stage u; u = ready(q) is a
+              hidden copy, u < ready(q) stalls the compute stream for cum[q] + h2d_i - cum[u] seconds
+    stall[q,u,i] >= 0 (continuous, link="fifo" only): the stall, bounded below by the FIFO arrival time
+
+Constraint families (one block each in :func:`build_model`): dependencies (an op's candidate inputs
+present), recompute sources (a replay's candidate inputs present, replayed first at the same stage if
+need be), residency (kept only if present the stage before or landed now), host checkpoint (one
+swap-out, issued while present, holding the bytes until it ends; swap-ins, any number, after it ended),
+host link (one copy per direction at a time), memory (per stage, everything present + swap-in buffers in
+flight + the constant part <= budget) and memory during replays (their workspace and other outputs).
+
+Discrete timing (see :mod:`solvers._common`): compute times without recomputes or stalls decide where
+copies end; recomputes and stalls only stretch the compute stream, so every copy ends no later than the
+model says. That is what makes every solution a valid plan for the simulator.
+
+Objective: iteration time = compute (constant) + recompute + swap-in stalls (modelled, not forbidden:
+a copy that cannot land in time is charged its stall), plus a tiny charge per copy (1e-9 s) so that
+useless transfers are never chosen; it is reported without that charge. Swap-outs never stall: a
+swap-out that does not end inside the step is not offered, and the copy keeps its device bytes until
+it ends. The objective is in microseconds and memory rows in MiB, so coefficients stay near 1.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hybridmem.errors import BudgetInfeasibleError, HybridMemError
+
+from ._common import Problem, Schedule, TensorSchedule, quiet_fd, source_available
+
+COPY_CHARGE = 1e-9         # seconds charged per transfer: breaks ties against useless copies
+TIME_UNIT = 1e-6           # objective in microseconds and memory rows in MiB: coefficients near 1 keep
+BYTE_UNIT = 2.0**20        # the solvers' tolerances meaningful (seconds and bytes span 1e-9 .. 1e10)
+FIFO_MAX_STAGES = 12       # the exact FIFO link model has O(copies^2) rows: small problems only
+MEM_MARGIN = 0             # bytes kept free in each memory row (scaling by 2**20 is exact in binary)
+
+
+class SolverUnavailableError(HybridMemError, RuntimeError):
+    """The requested MILP backend is not installed."""
+
+
+@dataclass
+class StrModel:
+    """The python-mip model and its variables, keyed by (stage, candidate position)."""
+
+    problem: Problem
+    m: Any
+    S: dict[tuple[int, int], Any] = field(default_factory=dict)
+    R: dict[tuple[int, int], Any] = field(default_factory=dict)
+    X: dict[tuple[int, int], Any] = field(default_factory=dict)
+    P: dict[tuple[int, int], Any] = field(default_factory=dict)
+    Y: dict[tuple[int, int, int], Any] = field(default_factory=dict)
+    stall: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    sigma: dict[tuple[int, int, int], Any] = field(default_factory=dict)   # fifo: stall variables (us)
+    build_s: float = 0.0
+
+    @property
+    def num_vars(self) -> int:
+        return self.m.num_cols
+
+    @property
+    def num_constraints(self) -> int:
+        return self.m.num_rows
+
+
+def new_model(solver: str = "cbc", verbose: bool = False, name: str = "str"):
+    import mip
+
+    key = solver.lower()
+    if key == "highs":
+        try:
+            import highspy  # noqa: F401
+        except ImportError:
+            raise SolverUnavailableError(
+                "solver 'highs' needs the highspy package: pip install 'hybridmem[highs]' "
+                "(highspy<1.16; 1.16 does not load under python-mip 2.0)") from None
+        m = mip.Model(name, sense=mip.MINIMIZE, solver_name=mip.HIGHS)
+    elif key == "cbc":
+        m = mip.Model(name, sense=mip.MINIMIZE, solver_name=mip.CBC)
+    else:
+        raise ValueError(f"unknown MILP backend {solver!r}: cbc or highs")
+    m.verbose = 1 if verbose else 0
+    return m
+
+
+def swap_in_options(p: Problem, k: int, max_stall_variants: int | None = None,
+                    window: int | None = None, reads: set[int] | None = None) -> list[tuple[int, int, float]]:
+    """``(issue q, first read u, stall seconds)`` of the swap-ins of candidate ``k`` worth offering.
+
+    A swap-in needs a swap-out that has ended (the earliest possible one is issued after the producer).
+    Only arrivals at a *read* matter (its op reads it, or a replay may start from it): landing earlier
+    and waiting on the device holds the same bytes as the buffer in flight. So ``u`` is the first read
+    at or after ``ready(q)`` (hidden) or, stalling, a read in ``q .. ready(q) - 1``. ``window`` (compact
+    models) limits how many stages before the latest hidden issue stage a copy may start.
+    """
+    c = p.candidates[k]
+    f0 = p.out_finish(c.start, c.d2h_s)
+    if f0 is None:
+        return []
+    rd = sorted(reads if reads is not None else set(c.uses) | p.source_stages(k))
+    out = []
+    for q in range(f0 + 1, c.end + 1):
+        ready = p.in_ready(q, c.h2d_s)
+        later = [u for u in rd if u >= max(ready, q)]
+        if later and (window is None or _latest_hidden(p, later[0], c.h2d_s) - q <= window):
+            out.append((q, later[0], 0.0))
+        stalled = [u for u in rd if q <= u < ready]
+        if max_stall_variants is not None:
+            stalled = stalled[:max_stall_variants] if max_stall_variants > 0 else []
+        out.extend((q, u, p.in_stall(q, u, c.h2d_s)) for u in stalled)
+    return out
+
+
+def _latest_hidden(p: Problem, u: int, d: float) -> int:
+    """The latest issue stage whose copy lands before op u."""
+    q = int(np.searchsorted(p.cum, p.cum[u] - d + 1e-15, side="right")) - 1
+    return max(q, 0)
+
+
+def read_closure(p: Problem) -> list[set[int]]:
+    """Stages where a recompute of each candidate can matter: its reads, and (recursively) the stages
+    where a candidate whose producer reads it may be recomputed."""
+    C = p.candidates
+    readers: dict[int, list[int]] = {}
+    for k, c in enumerate(C):
+        for j in c.src:
+            kj = p.index.get(j)
+            if kj is not None and kj != k:
+                readers.setdefault(kj, []).append(k)
+    out = [set(u for u in c.uses if u > c.start) for c in C]
+    for k in sorted(range(len(C)), key=lambda k: -C[k].start):   # later producers first
+        for r in readers.get(k, ()):
+            out[k] |= {t for t in out[r] if C[k].start < t <= C[k].end}
+    return out
+
+
+def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax: bool = False,
+                swap: bool = True, recompute: bool = True, compact: bool = False,
+                max_stall_variants: int | None = None, window: int | None = None,
+                link: str | None = None, name: str = "str") -> StrModel:
+    """The STR MILP of ``p`` (``relax=True``: continuous variables in [0, 1], the LP relaxation).
+
+    ``compact`` (large problems) offers fewer decisions, each restriction one that rarely costs anything:
+    swap-outs only right after a read, recomputes only where the tensor (or, recursively, a tensor
+    replayed from it) is read, swap-ins issued at most ``window`` stages (default 6) before the latest
+    issue that still hides the copy, and one stalling arrival per issue stage.
+
+    ``link`` is how one copy per direction at a time is modelled. ``"fifo"`` (default up to
+    ``FIFO_MAX_STAGES`` stages):
+    exactly as the simulator runs it, copies in issue order, each starting when the previous one ends;
+    a swap-out holds its device bytes through a chosen finish stage ``f`` and must end by then, a swap-in's
+    stall is a variable bounded by its FIFO arrival time (big-M rows, one per earlier issue stage).
+    ``"stage"`` (larger problems): a copy occupies every stage it overlaps alone, which needs one row per
+    stage but wastes the rest of the stage in which a copy ends.
+    """
+    import mip
+    from mip import xsum
+
+    t0 = time.perf_counter()
+    link = link or ("fifo" if p.T <= FIFO_MAX_STAGES and not compact else "stage")
+    if link not in ("stage", "fifo"):
+        raise ValueError(f"link model {link!r}: 'stage' or 'fifo'")
+    fifo = link == "fifo"
+    m = new_model(solver, verbose, name)
+    vt = mip.CONTINUOUS if relax else mip.BINARY
+    sm = StrModel(p, m)
+    S, R, X, P, Y = sm.S, sm.R, sm.X, sm.P, sm.Y
+    C = p.candidates
+    T = p.T
+
+    # ---- variables: only on each candidate's natural lifetime --------------------------------------
+    if compact:
+        window = 6 if window is None else window
+        max_stall_variants = 1 if max_stall_variants is None else max_stall_variants
+        rec_at = read_closure(p)
+        # stages where some replay may read candidate k: where a reader of k may be recomputed
+        rec_src = [set() for _ in C]
+        for kk, c in enumerate(C):
+            for j in c.src:
+                kj = p.index.get(j)
+                if kj is not None and kj != kk:
+                    rec_src[kj] |= rec_at[kk]
+    for k, c in enumerate(C):
+        for t in range(c.start + 1, c.end + 1):
+            S[t, k] = m.add_var(f"S_{t}_{k}", var_type=vt, ub=1)
+        if recompute and c.can_recompute:
+            stages = sorted(rec_at[k]) if compact else range(c.start + 1, c.end + 1)
+            for t in stages:
+                if all(source_available(p, j, t) is not False for j in c.src):
+                    R[t, k] = m.add_var(f"R_{t}_{k}", var_type=vt, ub=1)
+        if swap:
+            reads = (set(c.uses) | (p.source_stages(k) & rec_src[k])) if compact else None
+            options = swap_in_options(p, k, max_stall_variants, window, reads)
+            if options:
+                last_q = max(q for q, _, _ in options)
+                issue = [c.start, *c.uses] if compact else range(c.start, c.end)
+                finish = {t: p.out_finish(t, c.d2h_s) for t in issue if t < c.end}
+                outs = [t for t, f in finish.items() if f is not None and f < last_q]
+                for t in outs:
+                    # fifo: the copy may wait behind earlier ones, so the stage it ends in is a choice
+                    for f in (range(finish[t], last_q) if fifo else (finish[t],)):
+                        P[t, f, k] = m.add_var(f"P_{t}_{f}_{k}", var_type=vt, ub=1)
+                first_done = min(finish[t] for t in outs) if outs else T
+                for q, u, st in options:
+                    if q > first_done:
+                        Y[q, u, k] = m.add_var(f"Y_{q}_{u}_{k}", var_type=vt, ub=1)
+                        sm.stall[q, u, k] = st
+                        if fifo:
+                            sm.sigma[q, u, k] = m.add_var(f"stall_{q}_{u}_{k}", lb=0.0)
+    # one replay per (stage, producer set): outputs of the same producers recomputed together share it
+    R_of: dict[int, list[int]] = {}
+    for (t, k) in R:
+        R_of.setdefault(k, []).append(t)
+    by_producer: dict[tuple[int, ...], list[int]] = {}
+    for k, c in enumerate(C):
+        by_producer.setdefault(p.producers(k), []).append(k)
+    replay_cost: list[tuple[float, Any]] = []
+    for prod, ks in by_producer.items():
+        if len(ks) == 1:
+            replay_cost += [(C[ks[0]].recompute_s, R[t, ks[0]]) for t in R_of.get(ks[0], ())]
+            continue
+        pid = prod[0]
+        for t in sorted({t for kk in ks for t in R_of.get(kk, ())}):
+            X[t, pid] = m.add_var(f"X_{t}_{pid}", var_type=vt, ub=1)
+            replay_cost.append((C[ks[0]].recompute_s, X[t, pid]))
+            # a replay of these producers serves every output recomputed at t
+            for kk in ks:
+                if (t, kk) in R:
+                    m += R[t, kk] <= X[t, pid], f"replay_{t}_{pid}_{kk}"
+
+    def present(t: int, k: int):
+        """1 if candidate k is readable at op t (kept, landed or recomputed); a constant at its producer."""
+        if t == C[k].start:
+            return 1
+        return S[t, k] + R[t, k] if (t, k) in R else S[t, k]
+
+    # ---- objective: recompute + stalls (+ a tiny charge per transfer) -------------------------------
+    if fifo:       # stall seconds are variables (in microseconds), bounded below by FIFO arrival times
+        stall_terms = xsum(sm.sigma.values()) + xsum(COPY_CHARGE / TIME_UNIT * v for v in Y.values())
+    else:
+        stall_terms = xsum((sm.stall[key] + COPY_CHARGE) / TIME_UNIT * v for key, v in Y.items())
+    m.objective = (xsum(cost / TIME_UNIT * v for cost, v in replay_cost) + stall_terms
+                   + xsum(COPY_CHARGE / TIME_UNIT * v for v in P.values()))
+
+    # ---- dependencies: an op runs only with its candidate inputs on the device ----------------------
+    for k, c in enumerate(C):
+        for t in c.uses:
+            m += present(t, k) >= 1, f"use_{t}_{k}"
+
+    # ---- recompute sources: a replay of p_i needs p_i's candidate inputs kept, landed or recomputed
+    #      first at the same stage (sources are replayed before their readers: list order)
+    for (t, k), r in R.items():
+        for j in C[k].src:
+            kj = p.index.get(j)
+            if kj is not None and kj != k:
+                m += r <= present(t, kj), f"src_{t}_{k}_{kj}"
+
+    # ---- residency: kept at t only if on the device at t-1 or landed by a swap-in read first at t ---
+    arrivals: dict[tuple[int, int], list[Any]] = {}
+    for (q, u, k), y in Y.items():
+        arrivals.setdefault((u, k), []).append(y)
+    for (t, k), s in S.items():
+        if t == C[k].start + 1:
+            continue                       # produced at t-1: may be kept
+        m += s <= present(t - 1, k) + xsum(arrivals.get((t, k), [])), f"keep_{t}_{k}"
+
+    # ---- host checkpoint: one swap-out per tensor, issued while it is on the device; it keeps its
+    #      device bytes until the copy ends; swap-ins (any number) only after the copy ended ----------
+    outs_of: dict[int, list[tuple[int, int, Any]]] = {}
+    for (t, f, k), v in P.items():
+        outs_of.setdefault(k, []).append((t, f, v))
+    for k, outs in outs_of.items():
+        for t in sorted({t for t, _, _ in outs}):
+            at_t = [v for tt, _, v in outs if tt == t]
+            if t > C[k].start:
+                m += xsum(at_t) <= present(t, k), f"out_resident_{t}_{k}"
+        for t, f, v in outs:
+            for s_ in range(t + 1, f + 1):
+                m += S[s_, k] >= v, f"out_inflight_{t}_{f}_{s_}_{k}"
+        if len(outs) > 1:
+            m += xsum(v for _, _, v in outs) <= 1, f"out_once_{k}"
+    ins_by_issue: dict[tuple[int, int], list[Any]] = {}
+    for (q, u, k), y in Y.items():
+        ins_by_issue.setdefault((q, k), []).append(y)
+    for (q, k), ys in ins_by_issue.items():
+        done = [v for t, f, v in outs_of.get(k, []) if f < q]
+        m += xsum(ys) <= xsum(done), f"in_after_out_{q}_{k}"
+
+    # ---- host link: one copy per direction at a time --------------------------------------------------
+    inflight: dict[tuple[int, int], list[Any]] = {}
+    for (q, u, k), y in Y.items():
+        for s_ in range(q, u):
+            inflight.setdefault((s_, k), []).append(y)
+    cum = [float(x) for x in p.cum]
+    if fifo:
+        # d2h, FIFO in issue order (after op t; same stage: candidate order): a copy ends by the end of
+        # its finish stage f if, for every earlier issue stage a, the copies issued from a on up to it
+        # fit between the end of op a and the end of stage f
+        order = sorted(P, key=lambda key: (key[0], key[2], key[1]))
+        big = sum(c.d2h_s for c in C) + cum[-1]
+        for j, (c_, f, k) in enumerate(order):
+            for a in sorted({t for t, _, _ in order if t <= c_}):
+                ahead = [(C[kk].d2h_s, P[t, ff, kk]) for (t, ff, kk) in order
+                         if a <= t and (t, kk) < (c_, k)]
+                m += (xsum(d / TIME_UNIT * v for d, v in ahead) + C[k].d2h_s / TIME_UNIT
+                      <= (cum[f + 1] - cum[a + 1]) / TIME_UNIT + big / TIME_UNIT * (1 - P[c_, f, k])), \
+                    f"d2h_fifo_{c_}_{f}_{k}_{a}"
+        # h2d, FIFO in issue order (start of stage q; same stage: candidate order): the stall at the
+        # first read u is at least the arrival time minus the start of u
+        order = sorted(Y, key=lambda key: (key[0], key[2], key[1]))
+        big = sum(c.h2d_s for c in C) + cum[-1]
+        for (q, u, k) in order:
+            for a in sorted({qq for qq, _, _ in order if qq <= q}):
+                ahead = [(C[kk].h2d_s, Y[qq, uu, kk]) for (qq, uu, kk) in order if a <= qq and (qq, kk) < (q, k)]
+                m += (sm.sigma[q, u, k] >= xsum(d / TIME_UNIT * v for d, v in ahead)
+                      + (cum[a] + C[k].h2d_s - cum[u]) / TIME_UNIT - big / TIME_UNIT * (1 - Y[q, u, k])), \
+                    f"h2d_fifo_{q}_{u}_{k}_{a}"
+    else:
+        # stage occupancy: a copy holds its direction during every stage it overlaps
+        d2h_busy: dict[int, list[Any]] = {}
+        for (t, f, k), v in P.items():
+            for s_ in range(t + 1, f + 1):
+                d2h_busy.setdefault(s_, []).append(v)
+        h2d_busy: dict[int, list[Any]] = {}
+        for (q, u, k), y in Y.items():
+            ready = p.in_ready(q, C[k].h2d_s)
+            for s_ in range(q, max(q, min(u, ready - 1)) + 1):
+                h2d_busy.setdefault(s_, []).append(y)
+        for s_, vs in d2h_busy.items():
+            if len(vs) > 1:
+                m += xsum(vs) <= 1, f"d2h_link_{s_}"
+        for s_, vs in h2d_busy.items():
+            if len(vs) > 1:
+                m += xsum(vs) <= 1, f"h2d_link_{s_}"
+
+    # ---- memory: at every stage, everything on the device (kept, recomputed, swap-in buffers in
+    #      flight, swap-outs in flight via S) + the constant part (other tensors, the op's outputs and
+    #      workspace) <= budget ---------------------------------------------------------------------
+    mb = [c.nbytes / BYTE_UNIT for c in C]
+    mem: dict[int, list[Any]] = {t: [] for t in range(T)}
+    for (t, k), s in S.items():
+        mem[t].append(mb[k] * s)
+    for (t, k), r in R.items():
+        mem[t].append(mb[k] * r)
+    for (s, k), ys in inflight.items():
+        mem[s].extend(mb[k] * y for y in ys)
+    slack = p.budget - p.base_mem
+    rhs = (slack - MEM_MARGIN) / BYTE_UNIT
+    for t in range(T):
+        if mem[t]:
+            m += xsum(mem[t]) <= float(rhs[t]), f"mem_{t}"
+        elif slack[t] < 0:
+            raise BudgetInfeasibleError(f"stage {t} needs {int(p.base_mem[t])} bytes without any candidate",
+                                        int(p.base_mem.max()))
+
+    # ---- memory while a replay runs before op t: its other outputs and workspace are transient; only
+    #      rows where that can exceed what op t itself adds are needed --------------------------------
+    op_extra = p.op_extra()
+    for (t, k), r in R.items():
+        extra = p.replay_extra(k)
+        if extra > op_extra[t]:
+            m += xsum(mem[t]) + (extra - op_extra[t]) / BYTE_UNIT * r <= float(rhs[t]), f"mem_replay_{t}_{k}"
+
+    sm.build_s = time.perf_counter() - t0
+    return sm
+
+
+# ---- solutions -----------------------------------------------------------------------------------
+def extract_schedule(sm: StrModel, threshold: float = 0.5) -> Schedule:
+    """The schedule of an integral solution (values rounded at ``threshold``)."""
+    p = sm.problem
+    sched = Schedule()
+    val = _values(sm)
+    for k, c in enumerate(p.candidates):
+        n = c.end - c.start + 1
+        pres = np.zeros(n, dtype=bool)
+        pres[0] = True
+        rec: list[int] = []
+        for t in range(c.start + 1, c.end + 1):
+            s = val(sm.S.get((t, k))) > threshold
+            r = val(sm.R.get((t, k))) > threshold
+            pres[t - c.start] = s or r
+            if r and not s:
+                rec.append(t)
+        outs = [t for (t, _, kk), v in sm.P.items() if kk == k and val(v) > threshold]
+        ins = [(q, u) for (q, u, kk), v in sm.Y.items() if kk == k and val(v) > threshold]
+        sched.tensors[c.tensor] = TensorSchedule(c.tensor, c.start, pres, rec, outs[0] if outs else None, ins)
+    return sched
+
+
+def _values(sm: StrModel):
+    def val(v) -> float:
+        if v is None:
+            return 0.0
+        x = v.x
+        return 0.0 if x is None else float(x)
+    return val
+
+
+def start_from_schedule(sm: StrModel, sched: Schedule) -> list[tuple[Any, float]]:
+    """A python-mip start (``m.start``) that encodes ``sched``; variables not in it are 0."""
+    p = sm.problem
+    start: list[tuple[Any, float]] = []
+    for k, c in enumerate(p.candidates):
+        ts = sched.tensors.get(c.tensor)
+        if ts is None:
+            for t in range(c.start + 1, c.end + 1):
+                start.append((sm.S[t, k], 1.0))
+            continue
+        rec = set(ts.recompute)
+        arrivals = {u for _, u in ts.swap_in}
+        for t in range(c.start + 1, c.end + 1):
+            here = ts.is_present(t)
+            if here and t in rec and (t, k) in sm.R:
+                start.append((sm.R[t, k], 1.0))
+                prod = c.start
+                if (t, prod) in sm.X:
+                    start.append((sm.X[t, prod], 1.0))
+            elif here:
+                start.append((sm.S[t, k], 1.0))
+        if ts.swap_out is not None:
+            fs = sorted(f for (t, f, kk) in sm.P if kk == k and t == ts.swap_out)
+            if fs:
+                start.append((sm.P[ts.swap_out, fs[0], k], 1.0))
+        for q, u in ts.swap_in:
+            if (q, u, k) in sm.Y and u in arrivals:
+                start.append((sm.Y[q, u, k], 1.0))
+    # X may be shared by several outputs: deduplicate
+    seen: dict[int, tuple[Any, float]] = {}
+    for v, x in start:
+        seen[id(v)] = (v, x)
+    return list(seen.values())
+
+
+@dataclass
+class SolveResult:
+    status: str
+    objective: float | None
+    bound: float | None
+    gap: float | None
+    solve_s: float
+    schedule: Schedule | None
+    num_vars: int
+    num_constraints: int
+    build_s: float
+
+
+def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | None = None,
+          relax: bool = False, threads: int | None = None) -> SolveResult:
+    """Optimise; the schedule is None when no integral solution was found."""
+    import mip
+
+    m = sm.m
+    if start is not None and not relax:
+        m.start = start_from_schedule(sm, start)
+    if threads is not None:
+        m.threads = threads
+    t0 = time.perf_counter()
+    kw: dict[str, Any] = {"relax": relax}
+    if time_limit is not None:
+        kw["max_seconds"] = max(float(time_limit), 0.01)
+    with quiet_fd(not m.verbose):
+        status = m.optimize(**kw)
+    dt = time.perf_counter() - t0
+    has = status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE)
+    obj = float(m.objective_value) * TIME_UNIT if has and m.objective_value is not None else None
+    bound = m.objective_bound if not relax else (obj / TIME_UNIT if obj is not None else None)
+    bound = float(bound) * TIME_UNIT if bound is not None and math.isfinite(bound) else None
+    gap = None
+    if obj is not None and bound is not None:
+        gap = max(0.0, obj - bound)
+    sched = extract_schedule(sm) if has and not relax else None
+    if sched is not None and obj is not None:
+        copies = sum(1 for v in (*sm.P.values(), *sm.Y.values()) if (v.x or 0.0) > 0.5)
+        obj -= copies * COPY_CHARGE          # report seconds of step time only
+    return SolveResult(status.name.lower(), obj, bound, gap, dt, sched, m.num_cols, m.num_rows, sm.build_s)

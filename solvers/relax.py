@@ -1,0 +1,626 @@
+"""STR's approximate planner: the LP relaxation of the MILP, made integral by recursive source tracing.
+
+1. Solve the LP relaxation of :mod:`solvers.milp` (fast: it is a pure LP). Its value is a lower bound
+   on the recompute + stall overhead of any plan in the model, reported as ``plan.info["lp_bound_s"]``.
+2. Round per *gap*. Between two consecutive reads ``lo < hi`` of a candidate (its producer counts as a
+   read), the tensor is either kept, or dropped after ``lo`` and regenerated for ``hi`` by a recompute or
+   by a swap-in issued at some ``q`` (from its host checkpoint). The LP's mass on each way (mean of S over
+   the gap, R at ``hi``, Y landing at ``hi``) picks the first choice.
+3. Trace sources. A recompute at ``hi`` needs the producer's inputs there: kept, landed, or recomputed
+   in turn at ``hi`` (recursively, sharing replays), else that recompute is not possible.
+4. Repair memory, stage by stage in time order: at the first stage over budget, the cheapest change per
+   byte freed there (keep -> swap-in hidden behind compute, keep -> recompute, an earlier swap-in issued
+   later) is applied, until every stage fits.
+5. Extend residency where memory allows: costly regenerations are turned back into keeps (or into
+   cheaper swap-ins) while every stage still fits.
+
+The same machinery without the LP (all gaps start as keeps) is the ``greedy`` planner used to warm-start
+the MILP. Everything runs on the discrete timing model of :mod:`solvers._common`; the simulator then
+judges the plan.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._common import Problem, Schedule, TensorSchedule, source_available
+
+KEEP, REC, SWAP = "keep", "rec", "swap"
+
+
+@dataclass
+class Gap:
+    k: int
+    lo: int
+    hi: int
+    kind: str = KEEP
+    q: int = -1                    # swap-in issue stage (SWAP)
+
+
+@dataclass
+class Realized:
+    readable: np.ndarray           # (K, T) bool: readable at op t (produced, kept, landed or recomputed)
+    pres: np.ndarray               # (K, T) bool: holds device bytes at stage t (readable, copy in flight)
+    mem: np.ndarray                # (T,) int64 bytes at each stage (op rows)
+    replay_over: np.ndarray        # (T,) int64 extra bytes while a replay runs (0 if none or not binding)
+    recs: dict[int, set[int]]      # stage -> candidates recomputed there (incl. traced sources)
+    cost: float                    # recompute + stall seconds (stalls against the unstretched clock)
+    late: bool                     # a copy ends after the last op
+    broken: list[Gap] = field(default_factory=list)   # recompute gaps whose sources cannot be traced
+
+    def over(self, budget: int) -> np.ndarray:
+        return np.maximum(self.mem + self.replay_over - budget, 0)
+
+
+class GapPlanner:
+    """Integral schedules as one choice per gap; realised, repaired and improved.
+
+    Copies follow the simulator's rule (FIFO per direction, a swap-in waits for the host copy) on the
+    unstretched compute clock ``cum``: recomputes and stalls only delay the compute stream, so a copy
+    ends no later, relative to the stages, than computed here.
+    """
+
+    def __init__(self, p: Problem, *, link_weight: float = 0.0, allow_swap: bool = True,
+                 allow_recompute: bool = True):
+        self.p = p
+        self.link_weight = link_weight
+        self.allow_swap = allow_swap
+        self.allow_recompute = allow_recompute
+        C = p.candidates
+        self.K, self.T = len(C), p.T
+        self.b = np.array([c.nbytes for c in C], dtype=np.int64)
+        self.gaps: list[Gap] = []
+        self.gaps_of: list[list[int]] = []
+        for k, c in enumerate(C):
+            reads = [c.start] + [u for u in c.uses if u > c.start]
+            mine = []
+            for lo, hi in zip(reads[:-1], reads[1:]):
+                if hi - lo >= 2:
+                    mine.append(len(self.gaps))
+                    self.gaps.append(Gap(k, lo, hi))
+            self.gaps_of.append(mine)
+        self.read_list = [sorted(set([c.start, *c.uses])) for c in C]
+        self.out: list[int | None] = [None] * self.K      # swap-out stage per candidate
+        self.op_extra = p.op_extra()
+        self.replay_extra = np.array([p.replay_extra(k) for k in range(self.K)], dtype=np.int64)
+        self._can_rec: dict[tuple[int, int], bool] = {}
+        self.src_cands = [[p.index[j] for j in c.src if j in p.index and p.index[j] != k] for k, c in enumerate(C)]
+        self.rec_s = np.array([c.recompute_s for c in C])
+        self.d2h_s = np.array([c.d2h_s for c in C])
+        self.h2d_s = np.array([c.h2d_s for c in C])
+        self.rep = _replay_representatives(p)
+        self.cum = p.cum
+        self.cum_l = [float(x) for x in p.cum]
+        self.d2h_l = [float(x) for x in self.d2h_s]
+        self.h2d_l = [float(x) for x in self.h2d_s]
+        self.start = np.array([c.start for c in C], dtype=np.int64)
+        self.base_read = np.zeros((self.K, self.T), dtype=bool)
+        for k, rl in enumerate(self.read_list):
+            self.base_read[k, rl] = True
+
+    # ---- facts -------------------------------------------------------------------------------------
+    def can_rec(self, k: int, t: int) -> bool:
+        key = (k, t)
+        v = self._can_rec.get(key)
+        if v is None:
+            c = self.p.candidates[k]
+            v = self.allow_recompute and c.can_recompute and all(source_available(self.p, j, t) is not False
+                                                                  for j in c.src)
+            self._can_rec[key] = v
+        return v
+
+    def stage_of(self, when: float, after: int) -> int:
+        """The stage during which time ``when`` falls on the unstretched clock (at least ``after``)."""
+        f = bisect.bisect_left(self.cum_l, when - 1e-12) - 1
+        return f if f > after else after
+
+    # ---- realise the current choices ----------------------------------------------------------------
+    def realize(self) -> Realized:
+        K, T, cum = self.K, self.T, self.cum
+        readable = self.base_read.copy()
+        pres = np.zeros((K, T), dtype=bool)
+        cost = 0.0
+        late = False
+        swaps = []
+        for g in self.gaps:
+            if g.kind == KEEP:
+                readable[g.k, g.lo:g.hi + 1] = True
+            elif g.kind == SWAP:
+                swaps.append(g)
+            elif g.lo < g.q < g.hi:           # recomputed early (with a replay it shares), kept to hi
+                readable[g.k, g.q + 1:g.hi + 1] = True
+        # d2h: FIFO in issue order; the device copy is held until the copy ends
+        cl = self.cum_l
+        host_ready = [math.inf] * K
+        free = 0.0
+        for o, k in sorted((o, k) for k, o in enumerate(self.out) if o is not None):
+            start = cl[o + 1] if cl[o + 1] > free else free
+            free = host_ready[k] = start + self.d2h_l[k]
+            f = self.stage_of(free, o + 1)
+            if f >= T:
+                late = True
+                f = T - 1
+            pres[k, o + 1:f + 1] = True
+        # h2d: FIFO in issue order; a swap-in waits for its host copy
+        free = 0.0
+        swaps.sort(key=lambda g: (g.q, g.k))
+        for g in swaps:
+            k = g.k
+            o = self.out[k]
+            if o is None or o > g.lo:
+                late = True          # no host copy: invalid, reported as a violation
+                continue
+            start = max(cl[g.q], free, host_ready[k])
+            free = start + self.h2d_l[k]
+            if free > cl[g.hi]:
+                cost += free - cl[g.hi]
+            pres[k, g.q:g.hi] = True
+        # recomputes at the regeneration stages, sources traced recursively
+        recs: dict[int, set[int]] = {}
+        broken: list[Gap] = []
+        blocked = pres & ~readable           # in flight: cannot be recomputed there
+        for g in self.gaps:
+            if g.kind == REC:
+                at = g.q if g.lo < g.q < g.hi else g.hi
+                acc = recs.setdefault(at, set())
+                trial = set(acc)
+                if self._trace(g.k, at, readable, blocked, trial, set()):
+                    acc |= trial
+                else:
+                    broken.append(g)
+        over = np.zeros(T, dtype=np.int64)
+        for t, ks in recs.items():
+            for k in ks:
+                readable[k, t] = True
+            if ks:
+                cost += float(sum(self.rec_s[k] for k in {self.rep[k] for k in ks}))
+                over[t] = max(max(int(self.replay_extra[k]) for k in ks) - int(self.op_extra[t]), 0)
+        pres |= readable
+        pres[np.arange(K), self.start] = False      # at its producer a candidate is in base_mem
+        mem = self.p.base_mem + self.b @ pres
+        return Realized(readable, pres, mem, over, recs, cost, late, broken)
+
+    def _trace(self, k: int, t: int, readable: np.ndarray, blocked: np.ndarray, acc: set[int], stack: set[int]) -> bool:
+        """Recompute k at t: add it and, recursively, its sources that are not readable at t."""
+        if k in acc:
+            return True
+        if not self.can_rec(k, t) or k in stack or blocked[k, t]:
+            return False
+        stack.add(k)
+        for j in self.src_cands[k]:
+            if readable[j, t] or j in acc:
+                continue
+            if not self._trace(j, t, readable, blocked, acc, stack):
+                stack.discard(k)
+                return False
+        stack.discard(k)
+        acc.add(k)
+        return True
+
+    def feasible(self, r: Realized) -> bool:
+        return not r.broken and not r.late and not r.over(self.p.budget).any()
+
+    # ---- moves ---------------------------------------------------------------------------------------
+    def gap_at(self, k: int, t: int) -> Gap | None:
+        for i in self.gaps_of[k]:
+            g = self.gaps[i]
+            if g.lo < t < g.hi or (g.kind == SWAP and g.lo < t <= g.hi):
+                return g
+        return None
+
+    def latest_hidden_q(self, g: Gap) -> int:
+        """The latest issue stage whose copy (alone on the link) lands before op hi."""
+        target = self.cum[g.hi] - self.h2d_s[g.k]
+        q = int(np.searchsorted(self.cum, target + 1e-15, side="right")) - 1
+        return min(max(q, g.lo + 1), g.hi)
+
+    def _snapshot(self) -> tuple:
+        return [(g.kind, g.q) for g in self.gaps], list(self.out)
+
+    def _restore(self, snap: tuple) -> None:
+        for g, (kind, q) in zip(self.gaps, snap[0]):
+            g.kind, g.q = kind, q
+        self.out = list(snap[1])
+
+    def _set(self, g: Gap, kind: str, q: int = -1) -> None:
+        g.kind, g.q = kind, q
+        k = g.k
+        if kind == SWAP and (self.out[k] is None or self.out[k] > g.lo):
+            self.out[k] = self.p.candidates[k].start
+        if kind != SWAP and self.out[k] is not None and not any(self.gaps[i].kind == SWAP for i in self.gaps_of[k]):
+            self.out[k] = None
+
+    def _moves(self, k: int, t: int, r: Realized) -> list[tuple[float, tuple]]:
+        """Changes that may take candidate k off the device at stage t, with a rough added cost."""
+        moves: list[tuple[float, tuple]] = []
+        g = self.gap_at(k, t)
+        if g is not None and g.kind == REC and g.lo < g.q < t:
+            return [(0.0, ("set", g, REC, -1))]     # recomputed early: recompute it where it is read
+        held_by_out = self.out[k] is not None and not r.readable[k, t] and (g is None or g.kind != SWAP or g.q > t)
+        if held_by_out:
+            o = self.out[k]
+            start = self.p.candidates[k].start
+            if o != start:
+                moves.append((0.0, ("out", k, start)))
+            cost = sum(self.rec_s[k] for i in self.gaps_of[k] if self.gaps[i].kind == SWAP)
+            moves.append((cost, ("drop_out", k)))
+            return moves
+        if g is None or g.kind == REC:
+            return moves
+        if self.can_rec(k, g.hi):
+            extra = sum(self.rec_s[j] for j in self.src_cands[k] if not r.readable[j, g.hi])
+            moves.append((self.rec_s[k] + extra, ("set", g, REC, -1)))
+        if self.allow_swap and self.can_swap(g):
+            q_late = self.latest_hidden_q(g)
+            link = self.link_weight * (self.h2d_s[k] + (self.d2h_s[k] if self.out[k] is None else 0.0))
+            for q in sorted({t + 1, max(q_late, t + 1)}):
+                if q <= g.hi:
+                    moves.append((self.p.in_stall(q, g.hi, self.h2d_s[k]) + link, ("set", g, SWAP, q)))
+        return moves
+
+    def can_swap(self, g: Gap) -> bool:
+        k = g.k
+        o = self.out[k]
+        if o is not None and o <= g.lo:
+            return True
+        return self.p.out_finish(self.p.candidates[k].start, self.d2h_s[k]) is not None
+
+    def _do(self, move: tuple) -> None:
+        if move[0] == "out":
+            self.out[move[1]] = move[2]
+        elif move[0] == "drop_out":
+            k = move[1]
+            for i in self.gaps_of[k]:
+                g = self.gaps[i]
+                if g.kind == SWAP:
+                    g.kind, g.q = (REC if self.can_rec(k, g.hi) else KEEP), -1
+            self.out[k] = None
+        else:
+            _, g, kind, q = move
+            self._set(g, kind, q)
+
+    def repair(self, deadline: float, tries: int = 4) -> Realized:
+        """Fix memory violations in time order: at the first stage over budget, the change with the least
+        added time per byte freed there (among the ``tries`` most promising) that does not add overflow."""
+        B = self.p.budget
+        r = self.realize()
+        steps = 0
+        while time.perf_counter() < deadline:
+            if r.broken:
+                steps += 1
+                if steps > 20 * (len(self.gaps) + self.K):
+                    break
+                for g in r.broken:          # its sources went away: swap it in if possible, else keep it
+                    self._set(g, SWAP, self.latest_hidden_q(g)) if self.can_swap(g) else self._set(g, KEEP)
+                r = self.realize()
+                if r.broken:
+                    for g in r.broken:
+                        self._set(g, KEEP)
+                    r = self.realize()
+                continue
+            over = r.over(B)
+            bad = np.flatnonzero(over)
+            if not bad.size:
+                break
+            t = int(bad[0])
+            need = int(over[t])
+            moves = []
+            for k in np.flatnonzero(r.pres[:, t] & ~self.base_read[:, t]):
+                for cost, mv in self._moves(int(k), t, r):
+                    moves.append(((cost + 1e-9) / min(int(self.b[k]), need), mv))
+            moves.sort(key=lambda m: m[0])
+            best = self._best_move([mv for _, mv in moves[:tries]], t, r, over)
+            if best is None:
+                # nothing frees t alone: a swap-out queued behind earlier ones may end in time if one
+                # of those gives its host checkpoint up (its gaps recomputed or kept)
+                combos = []
+                for _, mv in moves:
+                    if mv[0] == "set" and mv[2] == SWAP:
+                        k = mv[1].k
+                        ahead = [j for j in range(self.K) if j != k and self.out[j] is not None
+                                 and self.out[j] <= (self.out[k] if self.out[k] is not None else self.p.candidates[k].start)]
+                        combos += [(("drop_out", j), mv) for j in ahead]
+                best = self._best_move(combos[:4 * tries], t, r, over)
+            if best is None:
+                break
+            for mv in best[1]:
+                self._do(mv)
+            r = best[2]
+            steps += 1
+            if steps > 20 * (len(self.gaps) + self.K):
+                break
+        return r
+
+    def _best_move(self, moves: list, t: int, r: Realized, over: np.ndarray):
+        """Try each move (or tuple of moves); the least added time per byte freed at t, without new overflow."""
+        B = self.p.budget
+        best = None
+        total_over = int(over.sum())
+        snap = self._snapshot()
+        for mv in moves:
+            seq = mv if isinstance(mv[0], tuple) else (mv,)
+            for m in seq:
+                self._do(m)
+            r2 = self.realize()
+            over2 = r2.over(B)
+            freed = int(over[t] - over2[t])
+            if freed > 0 and not r2.late:
+                dcost = r2.cost - r.cost
+                growth = max(int(over2.sum()) - total_over + freed, 0)
+                score = (max(dcost, 0.0) + 1e-9) / freed + (1e3 if growth else 0.0) + 1e6 * len(r2.broken)
+                if best is None or score < best[0]:
+                    best = (score, seq, r2)
+            self._restore(snap)
+        return best
+
+    def improve(self, r: Realized, deadline: float) -> Realized:
+        """Extend residency where memory allows; else try a cheaper regeneration. Repeats until stable."""
+        changed = True
+        while changed and time.perf_counter() < deadline:
+            changed = False
+            costly = [g for g in self.gaps if g.kind != KEEP]
+            costly.sort(key=lambda g: -(self.rec_s[g.k] if g.kind == REC else self.p.in_stall(g.q, g.hi, self.h2d_s[g.k])))
+            for g in costly:
+                if time.perf_counter() >= deadline:
+                    break
+                snap = self._snapshot()
+                trials: list[tuple[str, int]] = [(KEEP, -1)]
+                if self.allow_swap and self.can_swap(g):
+                    trials += [(SWAP, q) for q in sorted({g.lo + 1, self.latest_hidden_q(g)}) if q != g.q]
+                if g.kind == SWAP and self.can_rec(g.k, g.hi):
+                    trials.append((REC, -1))
+                if g.kind == REC:      # regenerate where a replay of it runs anyway (as a source), keep to hi
+                    trials += [(REC, t) for t, ks in r.recs.items() if g.lo < t < g.hi and g.k in ks and t != g.q]
+                    if g.lo < g.q < g.hi:
+                        trials.append((REC, -1))
+                best = None
+                for kind, q in trials:
+                    self._set(g, kind, q)
+                    r2 = self.realize()
+                    if self.feasible(r2) and r2.cost < r.cost - 1e-12 and (best is None or r2.cost < best[0]):
+                        best = (r2.cost, kind, q, r2)
+                    self._restore(snap)
+                if best is not None:
+                    self._set(g, best[1], best[2])
+                    r = best[3]
+                    changed = True
+        return r
+
+    # ---- output ------------------------------------------------------------------------------------
+    def schedule(self, r: Realized) -> Schedule:
+        p = self.p
+        sched = Schedule()
+        for k, c in enumerate(p.candidates):
+            pres = r.readable[k, c.start:c.end + 1].copy()
+            pres[0] = True
+            recs = sorted(t for t, ks in r.recs.items() if k in ks)
+            swaps = [(g.q, g.hi) for g in (self.gaps[i] for i in self.gaps_of[k]) if g.kind == SWAP]
+            sched.tensors[c.tensor] = TensorSchedule(c.tensor, c.start, pres, recs, self.out[k], swaps)
+        return sched
+
+    def capuchin_fill(self) -> tuple[Realized, int, int]:
+        """Capuchin's order from keep-everything: swaps of the longest-idle gaps first, each kept only if
+        its copy stays hidden and it lowers the overflow; then recomputes by memory saved per second."""
+        p, B = self.p, self.p.budget
+        r = self.realize()
+        idle = []
+        for gi, gap in enumerate(self.gaps):
+            free_time = p.cum[gap.hi] - p.cum[gap.lo + 1]
+            c = p.candidates[gap.k]
+            if free_time > c.d2h_s + c.h2d_s:
+                idle.append((-free_time, gi))
+        idle.sort()
+        swapped = recomputed = 0
+        for _, gi in idle:
+            if not r.over(B).any():
+                break
+            gap = self.gaps[gi]
+            if not self.can_swap(gap):
+                continue
+            snap = self._snapshot()
+            self._set(gap, SWAP, self.latest_hidden_q(gap))
+            self.out[gap.k] = gap.lo
+            r2 = self.realize()
+            if r2.cost > r.cost + 1e-9 or r2.late or r2.broken or r2.over(B).sum() >= r.over(B).sum():
+                self._restore(snap)
+                continue
+            r = r2
+            swapped += 1
+        msps = sorted((-(p.candidates[g.k].nbytes / max(p.candidates[g.k].recompute_s, 1e-12)), gi)
+                      for gi, g in enumerate(self.gaps) if g.kind == KEEP)
+        for _, gi in msps:
+            if not r.over(B).any():
+                break
+            gap = self.gaps[gi]
+            if not self.can_rec(gap.k, gap.hi):
+                continue
+            snap = self._snapshot()
+            self._set(gap, REC)
+            r2 = self.realize()
+            if r2.broken or r2.over(B).sum() >= r.over(B).sum():
+                self._restore(snap)
+                continue
+            r = r2
+            recomputed += 1
+        return r, swapped, recomputed
+
+    def load_actions(self, actions: list) -> None:
+        """Choices that follow a plan's actions (e.g. a coarse plan written on this problem's graph)."""
+        by_t: dict[int, dict[str, list[int]]] = {}
+        for a in actions:
+            k = self.p.index.get(a.tensor)
+            if k is not None:
+                by_t.setdefault(k, {}).setdefault(a.kind, []).append(a.stage)
+        for k in range(self.K):
+            acts = by_t.get(k, {})
+            outs = sorted(acts.get("swap_out", []))
+            self.out[k] = outs[0] if outs else None
+            for i in self.gaps_of[k]:
+                g = self.gaps[i]
+                frees = [f for f in acts.get("free", []) if g.lo <= f < g.hi]
+                g.kind, g.q = KEEP, -1
+                if not frees:
+                    continue
+                f = min(frees)
+                ins = [q for q in acts.get("swap_in", []) if f < q <= g.hi]
+                recs = [t for t in acts.get("recompute", []) if f < t <= g.hi]
+                if ins and self.out[k] is not None and self.out[k] <= g.lo:
+                    g.kind, g.q = SWAP, max(ins)
+                elif recs and self.can_rec(k, g.hi):
+                    g.kind, g.q = REC, (min(recs) if min(recs) < g.hi else -1)
+            if self.out[k] is not None and not any(self.gaps[i].kind == SWAP for i in self.gaps_of[k]):
+                self.out[k] = None
+
+    def load_lp(self, lp: "LPValues") -> None:
+        """First choice per gap from the LP's mass on keep / recompute / swap-in."""
+        for g in self.gaps:
+            k = g.k
+            keep = float(np.mean([lp.S.get((t, k), 0.0) for t in range(g.lo + 1, g.hi)]))
+            rec = lp.R.get((g.hi, k), 0.0)
+            swap_by_q: dict[int, float] = {}
+            for (q, u, _), v in lp.Y_by_k.get(k, {}).items():
+                if u == g.hi and g.lo < q <= g.hi:
+                    swap_by_q[q] = swap_by_q.get(q, 0.0) + v
+            swap = sum(swap_by_q.values())
+            if rec >= max(keep, swap) and rec > 0 and self.can_rec(k, g.hi):
+                self._set(g, REC)
+            elif swap > keep and swap_by_q and self.can_swap(g):
+                self._set(g, SWAP, max(swap_by_q, key=swap_by_q.get))
+            else:
+                self._set(g, KEEP)
+        for k in range(self.K):
+            if self.out[k] is not None:
+                lo = min(self.gaps[i].lo for i in self.gaps_of[k] if self.gaps[i].kind == SWAP)
+                outs = {t: v for t, v in lp.P_by_k.get(k, {}).items() if t <= lo and self.base_read[k, t]}
+                if outs:
+                    self.out[k] = max(outs, key=outs.get)
+
+
+@dataclass
+class LPValues:
+    S: dict[tuple[int, int], float]
+    R: dict[tuple[int, int], float]
+    P_by_k: dict[int, dict[int, float]]
+    Y_by_k: dict[int, dict[tuple[int, int, int], float]]
+
+
+def lp_values(sm: Any) -> LPValues:
+    def v(x: Any) -> float:
+        return float(x.x or 0.0)
+    P_by_k: dict[int, dict[int, float]] = {}
+    for (t, _, k), x in sm.P.items():
+        d = P_by_k.setdefault(k, {})
+        d[t] = d.get(t, 0.0) + v(x)
+    Y_by_k: dict[int, dict[tuple[int, int, int], float]] = {}
+    for key, x in sm.Y.items():
+        val = v(x)
+        if val > 1e-6:
+            Y_by_k.setdefault(key[2], {})[key] = val
+    return LPValues({kk: v(x) for kk, x in sm.S.items()}, {kk: v(x) for kk, x in sm.R.items()}, P_by_k, Y_by_k)
+
+
+VARIANTS = ({"link_weight": 0.0}, {"link_weight": 1.0}, {"link_weight": 0.0, "allow_swap": False},
+            {"link_weight": 0.0, "allow_recompute": False})
+
+
+def round_schedule(p: Problem, lp: LPValues | None, *, time_budget: float = 10.0,
+                   variants: tuple[dict[str, Any], ...] = VARIANTS) -> tuple[Schedule | None, dict[str, Any]]:
+    """Source-tracing rounding of ``lp`` (None: start from keep-everything, the greedy planner).
+
+    A few variants of the repair (how much a new copy's link time counts against it; recompute only)
+    run from the LP's choices and from keep-everything; the cheapest feasible result wins.
+    """
+    t0 = time.perf_counter()
+    deadline = t0 + time_budget
+    best: tuple[float, GapPlanner, Realized, str] | None = None
+    starts = ([("lp", lp)] if lp is not None else []) + [("keep", None)]
+    tried = 0
+    for name, src in starts:
+        for v in variants:
+            if time.perf_counter() >= deadline and best is not None:
+                break
+            gp = GapPlanner(p, **v)
+            if src is not None:
+                gp.load_lp(src)
+            left = max(deadline - time.perf_counter(), 0.05)
+            r = gp.repair(time.perf_counter() + left / 2)
+            tried += 1
+            if not gp.feasible(r):
+                continue
+            r = gp.improve(r, time.perf_counter() + max(deadline - time.perf_counter(), 0.05) / 2)
+            if best is None or r.cost < best[0] - 1e-12:
+                best = (r.cost, gp, r, f"{name}:{'+'.join(f'{k}={x}' for k, x in v.items())}")
+        if best is not None and best[0] <= 1e-12:
+            break
+    info: dict[str, Any] = {"rounding_s": round(time.perf_counter() - t0, 4), "rounding_tries": tried}
+    if best is None:
+        info["rounding"] = "no variant fitted the budget"
+        return None, info
+    info["rounded_overhead_s"] = best[0]
+    info["rounding"] = best[3]
+    return best[1].schedule(best[2]), info
+
+
+def _replay_representatives(p: Problem) -> list[int]:
+    """Per candidate, the first candidate with the same producers (one replay serves them all)."""
+    first: dict[tuple[int, ...], int] = {}
+    return [first.setdefault(p.producers(k), k) for k in range(len(p.candidates))]
+
+
+def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.0) -> list[tuple[str, Schedule, float]]:
+    """Improve plans on ``p`` (the full graph) gap by gap: each start is ``("actions", list)`` (a plan's
+    actions, e.g. the coarse plan written on the full graph: repaired first if it does not fit there)
+    or ``("capuchin", None)`` (Capuchin's construction). Returns ``(name, schedule, model seconds)`` for
+    every start that fits, improved by extending residency and cheaper regenerations where memory allows."""
+    t0 = time.perf_counter()
+    out = []
+    for i, (name, arg) in enumerate(starts):
+        share = (t0 + time_budget - time.perf_counter()) / (len(starts) - i)
+        if share <= 0.05:
+            break
+        t1 = time.perf_counter()
+        gp = GapPlanner(p)
+        if name == "capuchin":
+            r, _, _ = gp.capuchin_fill()
+        else:
+            gp.load_actions(arg)
+            r = gp.realize()
+        if not gp.feasible(r):
+            r = gp.repair(t1 + share / 2)
+            if not gp.feasible(r):
+                continue
+        out.append((f"{name}", gp.schedule(r), r.cost))
+        r = gp.improve(r, t1 + share)
+        out.append((f"{name}+improve", gp.schedule(r), r.cost))
+    return out
+
+
+def is_large(p: Problem) -> bool:
+    """Problems where the compact model is used (the full one is for exactness on small graphs)."""
+    return p.T * max(len(p.candidates), 1) > 3000
+
+
+def solve_relaxed(p: Problem, *, time_limit: float | None = None, verbose: bool = False,
+                  **model_options: Any) -> tuple[Schedule | None, dict[str, Any]]:
+    """LP relaxation + source-tracing rounding. ``info`` has the LP bound (seconds of step time)."""
+    from . import milp
+
+    t0 = time.perf_counter()
+    model_options.setdefault("compact", is_large(p))
+    sm = milp.build_model(p, relax=True, verbose=verbose, **model_options)
+    res = milp.solve(sm, relax=True, time_limit=time_limit)
+    info: dict[str, Any] = {"lp_status": res.status, "lp_vars": res.num_vars, "lp_constraints": res.num_constraints,
+                            "lp_s": round(res.solve_s + sm.build_s, 4)}
+    lp = None
+    if res.objective is not None and res.status == "optimal":
+        info["lp_bound_s"] = p.compute_s + max(res.objective, 0.0)
+        lp = lp_values(sm)
+    remaining = 8.0 if time_limit is None else max(time_limit - (time.perf_counter() - t0), 1.0)
+    sched, rinfo = round_schedule(p, lp, time_budget=remaining)
+    info.update(rinfo)
+    return sched, info
