@@ -1,0 +1,128 @@
+"""Train under a hard device-memory budget, with no change to the model code.
+
+    import hybridmem
+    hybridmem.enable(budget="8GiB")            # or: HYBRIDMEM_BUDGET=8GiB python train.py
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step(); opt.zero_grad()
+    print(hybridmem.stats())
+
+    with hybridmem.session(budget="512MiB", policies=("recompute",)) as s:
+        ...
+    s.stats().peak_bytes
+
+While enabled, every tensor autograd saves for backward on the managed device goes through a
+saved-tensor hooks pair, and every op through a dispatch mode that meters device bytes. Before an op
+would take the live bytes over the budget, saved activations are evicted (swapped to the host,
+dropped for recomputation, or compressed) and regenerated when backward reads them, bit-identical
+for the lossless policies. ``budget=None`` only measures. Hooks and the mode are thread-local: enable
+on the thread that trains. Only the innermost ``saved_tensors_hooks`` pair runs, so tensors saved
+inside ``torch.utils.checkpoint`` or ``save_on_cpu`` regions are left to them.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from ..config import DEFAULT_POLICIES, Config
+from ..plan import Plan
+from .stats import PolicyStats, Stats
+
+__all__ = ["enable", "disable", "session", "stats", "reset_stats", "enabled", "Session", "Stats", "PolicyStats"]
+
+_current: Any = None  # the enabled Runtime, if any
+
+
+def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFAULT_POLICIES,
+           plan: "Plan | str | Path | None" = None, device: str | None = None,
+           config: "str | Path | Mapping[str, Any] | Config | None" = None) -> None:
+    """Start managing saved activations on this thread; replaces a runtime already enabled.
+
+    ``budget``: bytes the managed device may hold (an int, ``"512MiB"``, ``"8GB"``, ``"8GiB"``; on CUDA
+    also ``"60%"`` of device memory), or None to only measure. ``policies``: which of ``swap``,
+    ``recompute``, ``compress`` (or registered plugins) may evict; ``plan``: a Plan or plan file to
+    follow (its evictions at its stages, the online scorer for the rest). ``device``: ``"cpu"``
+    (a simulated device: the meter counts live bytes) or ``"cuda[:N]"``; default CUDA if available.
+    ``config``: YAML file or mapping. Precedence: arguments > ``HYBRIDMEM_*`` variables > YAML > defaults
+    (``policies`` left at its default does not override ``HYBRIDMEM_POLICIES``). Raises ValueError on a
+    malformed budget or setting, UnknownNameError (a ValueError) on an unknown policy.
+    """
+    global _current
+    from .core import Runtime, resolve_plan
+
+    plan_obj = plan if isinstance(plan, Plan) else None
+    cfg = Config.resolve(config, budget=budget, device=device,
+                         policies=None if policies is DEFAULT_POLICIES else policies,
+                         plan=None if plan is None or plan_obj is not None else str(plan))
+    rt = Runtime(cfg, plan_obj if plan_obj is not None else resolve_plan(cfg.plan))
+    if _current is not None:
+        disable()
+    rt.install()
+    _current = rt
+
+
+def disable() -> None:
+    """Stop managing new saved tensors. Entries already evicted are still regenerated when read."""
+    global _current
+    rt, _current = _current, None
+    if rt is not None:
+        try:
+            rt.uninstall()
+        except Exception:
+            _current = rt
+            raise
+
+
+def enabled() -> bool:
+    return _current is not None
+
+
+def stats() -> Stats:
+    """Measurements since ``enable()`` or the last ``reset_stats()`` (see :class:`Stats`)."""
+    if _current is None:
+        raise RuntimeError("hybridmem is not enabled: call hybridmem.enable() (or set HYBRIDMEM_BUDGET) first")
+    return _current.snapshot()
+
+
+def reset_stats() -> None:
+    """Restart the peak at the current level and zero the counters."""
+    if _current is not None:
+        _current.reset_stats()
+
+
+class Session:
+    """Handle of a :func:`session`; ``stats()`` works during and after it."""
+
+    def __init__(self, runtime: Any):
+        self.runtime = runtime
+
+    def stats(self) -> Stats:
+        return self.runtime.snapshot()
+
+    def reset_stats(self) -> None:
+        self.runtime.reset_stats()
+
+
+@contextmanager
+def session(budget: int | str | None = None, policies: Sequence[str] | str = DEFAULT_POLICIES,
+            plan: "Plan | str | Path | None" = None, device: str | None = None,
+            config: "str | Path | Mapping[str, Any] | Config | None" = None) -> Iterator[Session]:
+    """``enable(...)`` for the duration of a ``with`` block; the runtime enabled before (if any) comes back."""
+    global _current
+    outer = _current
+    if outer is not None:
+        outer.uninstall()
+        _current = None
+    try:
+        enable(budget=budget, policies=policies, plan=plan, device=device, config=config)
+        s = Session(_current)
+        try:
+            yield s
+        finally:
+            disable()
+    finally:
+        if outer is not None:
+            outer.install(reset_peak=False)
+            _current = outer

@@ -1,0 +1,201 @@
+"""The runtime object: builds the pieces for one configuration, installs and removes the hooks.
+
+Pieces (one job each): :class:`~.produced.ProducedTable` (which storages are activations),
+:class:`~.saved.SavedStore` (saved-tensor hooks and entries), :class:`~.residency.Residency` (the cap:
+evict, regenerate, out-of-memory), :class:`~.lineage.Recorder`/:class:`~.lineage.Replayer` (recompute),
+:class:`~.steps.StepTracker`, :class:`~.estimate.OutputEstimator`, :class:`~.follow.PlanFollower`,
+and :class:`~.mode.RuntimeMode`, which calls them around every op.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridmem.plugins.base import Policy, get_policy
+
+from ..config import Config
+from ..meter import Meter
+from ..plan import Plan
+from ..units import parse_bytes
+from .estimate import OutputEstimator
+from .fixed import FixedMarker
+from .follow import PlanFollower
+from .lineage import OpCost, Recorder, Replayer
+from .mode import RuntimeMode
+from .prefetch import Prefetcher
+from .produced import ProducedTable
+from .residency import NoMode, Residency
+from .saved import SavedStore
+from .stats import Stats, StatsRecorder
+from .steps import Clock, StepTracker
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None``: the current CUDA device if there is one, else the CPU (a simulated device)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"invalid device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available here; use 'cpu' (a simulated device)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"device {device!r} is not supported: expected 'cpu', 'cuda' or 'cuda:N'")
+    return dev
+
+
+def resolve_budget(value: Any, device: torch.device) -> int | None:
+    """Budget in bytes; on CUDA a percentage is of the device's total memory."""
+    if value is None:
+        return None
+    total = None
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    return parse_bytes(value, what="budget", total=total)
+
+
+def cost_model_for(device: torch.device, cfg: Config) -> Any:
+    """The cost model recompute costs come from: ``plugins: {cost_model: NAME}`` in the config, else
+    the CPU model, or on CUDA the model named like the GPU (H100, H200, A100, V100; else H100)."""
+    from ..costs import get_cost_model
+
+    name = cfg.extra.get("cost_model")
+    if name is None and device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device).lower()
+        name = next((n for n in ("h200", "h100", "a100", "v100") if n in gpu), "h100")
+    return get_cost_model(name or "cpu")
+
+
+def resolve_plan(plan: Any) -> Plan | None:
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    raise ValueError(f"plan must be a Plan, a path to a plan file, or None; got {type(plan).__name__}")
+
+
+class Runtime:
+    """One enabled configuration. ``install`` starts managing the calling thread; ``uninstall`` stops."""
+
+    def __init__(self, cfg: Config, plan: Plan | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.budget = resolve_budget(cfg.budget, self.device)
+        if self.budget is None and plan is not None and plan.budget_bytes:
+            self.budget = plan.budget_bytes  # the online scorer keeps the plan's budget where it is left
+        self.plan = plan
+        self.stats = StatsRecorder()
+        self.clock = Clock()
+        self.meter = Meter(self.device)  # the runtime enforces the budget itself, before each op
+        self.produced = ProducedTable()
+        self.store = SavedStore(self.device, self.produced, self.stats, self.clock)
+        self.policies = self._make_policies(cfg)
+        self.residency = Residency(self.store, self.policies, self.meter, self.stats, self.budget)
+        manages = self.budget is not None or plan is not None
+        self.recorder: Recorder | None = None
+        self.replayer: Replayer | None = None
+        if manages and "recompute" in self.policies:
+            self.recorder = Recorder(self.produced.get, torch.are_deterministic_algorithms_enabled,
+                                     OpCost(cost_model_for(self.device, cfg)))
+            self.replayer = Replayer(self.residency.fetch, self.residency.adopt_replayed, lambda: self.steps.steps)
+        self.steps = StepTracker(self._step_started, self._step_ended)
+        self.fixed = FixedMarker(self.produced, self.meter, self.steps.module_called)
+        self.prefetcher: Prefetcher | None = None
+        # Prefetching pays where copies overlap compute (CUDA side streams); on the simulated CPU
+        # device a prefetch is a synchronous regeneration done early, memory spent for nothing.
+        if self.device.type == "cuda" and self.budget is not None and any(
+                n != "recompute" for n in self.policies):
+            self.prefetcher = Prefetcher(self.residency, self.steps)
+            self.store.on_saved, self.store.on_read = self.prefetcher.saved, self.prefetcher.read
+        self.estimator = OutputEstimator()
+        self.follower = PlanFollower(plan, self) if plan is not None else None
+        if self.follower is not None:
+            self.stats.plan = "pending"
+        for p in self.policies.values():
+            bind = getattr(p, "bind", None)
+            if bind is not None:
+                bind(self)
+        self.mode: RuntimeMode | None = None
+        self._hooks: Any = None
+        # ``plugins: {light: true}`` on CUDA without a budget or plan: only the allocator's statistics
+        # (peak, current), no hooks and no per-op work; saved-activation bytes and steps are not counted.
+        self.light = self.device.type == "cuda" and not manages and bool(cfg.extra.get("light", False))
+
+    @staticmethod
+    def _make_policies(cfg: Config) -> dict[str, Policy]:
+        out: dict[str, Policy] = {}
+        for name in cfg.policies:
+            options = dict(cfg.extra.get(name) or {})
+            if name == "compress" and cfg.lossy and "lossy" not in options:
+                options["lossy"] = cfg.lossy
+            out[name] = get_policy(name, **options)
+        return out
+
+    # ---- install / uninstall -----------------------------------------------------------------
+    def install(self, reset_peak: bool = True) -> None:
+        if reset_peak:
+            self.meter.reset_peak()
+        if self.light:
+            return
+        self.mode = RuntimeMode(self.meter, self)
+        self.residency.mode = self.mode
+        if self.device.type == "cuda":
+            self.meter.on_pressure = self.residency.relieve_oom  # allocation failure: evict, retry
+            if self.budget is not None and self.cfg.extra.get("cuda_cap", False):
+                self.meter.budget_bytes = self.budget
+                self.meter.apply_cuda_cap()
+        self.mode.__enter__()
+        self.fixed.install()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.store.pack, self.store.unpack)
+        self._hooks.__enter__()
+
+    def uninstall(self) -> None:
+        if self.light or self.mode is None:
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] != self.store.pack:
+            raise RuntimeError("hybridmem.disable() called inside another saved_tensors_hooks context "
+                               "(e.g. torch.autograd.graph.save_on_cpu) opened after enable(): leave it first")
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+        if _get_current_dispatch_mode() is not self.mode:
+            raise RuntimeError("hybridmem.disable() called inside another TorchDispatchMode entered after "
+                               "enable(): leave it first")
+        self._hooks.__exit__(None, None, None)
+        self.fixed.uninstall()
+        self.mode.__exit__(None, None, None)
+        self._hooks = None
+        self.mode = None
+        self.residency.mode = NoMode()  # entries still alive regenerate unmetered from now on
+        if self.device.type == "cuda" and self.cfg.extra.get("cuda_cap", False):
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def _step_started(self) -> None:
+        self.estimator.new_step()
+        self.residency.forget_offers()
+        if self.follower is not None:
+            self.follower.step_started()
+
+    def _step_ended(self, stages: int) -> None:
+        self.stats.step_done(stages)
+        if self.recorder is not None:
+            self.recorder.end_step()
+        if self.prefetcher is not None:
+            self.prefetcher.step_ended()
+        if self.follower is not None:
+            self.follower.step_ended(stages)
+
+    # ---- stats ---------------------------------------------------------------------------------
+    def snapshot(self) -> Stats:
+        return self.stats.snapshot(device=str(self.device), budget=self.budget, peak=self.meter.peak_bytes,
+                                   current=self.meter.current_bytes)
+
+    def reset_stats(self) -> None:
+        self.meter.reset_peak()
+        self.stats.reset()

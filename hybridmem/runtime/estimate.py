@@ -1,0 +1,107 @@
+"""How many new bytes an op is about to allocate, known before it runs (the cap acts before the op).
+
+Sources, cheapest first:
+
+1. *The previous step*: the bytes the op at the same stage index allocated, if it was the same op
+   (training steps repeat; a changed input shape changes the op's arguments, not its name, so the
+   record is used only while the step's stage count and op names keep matching, and the post-op
+   check catches the rest).
+2. *Shape inference on meta*: the op run on meta copies of its arguments (tens of microseconds), in
+   the first step (no record yet) or when the record does not match, unless the device is far below
+   the budget: less than half of it used and 8x the largest allocation seen so far still free.
+3. Far below the budget an op without a record is assumed to allocate nothing: it cannot matter. If
+   the meta kernel fails, the largest input's size is the guess. An op that still overruns is counted
+   in ``Stats.cap_overruns`` and the runtime evicts right after it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .lineage import replay_info
+
+Tensor = torch.Tensor
+
+
+class OutputEstimator:
+    """Per-stage allocation records of the last step, and meta inference near the budget."""
+
+    def __init__(self) -> None:
+        self.prev: list[tuple[Any, int]] = []   # stage -> (func, bytes) of the previous step
+        self.cur: list[tuple[Any, int]] = []
+        self.largest = 0                        # most new bytes one op allocated so far
+
+    def learn(self, stage: int, func: Any, nbytes: int) -> None:
+        if nbytes > self.largest:
+            self.largest = nbytes
+        if stage >= 0:
+            cur = self.cur
+            if stage == len(cur):
+                cur.append((func, nbytes))
+            elif stage < len(cur):
+                cur[stage] = (func, nbytes)
+
+    def new_step(self) -> None:
+        if self.cur:
+            self.prev, self.cur = self.cur, []
+
+    def estimate(self, stage: int, func: Any, args: tuple, kwargs: dict, headroom: int, budget: int) -> int:
+        """New bytes ``func`` will allocate; cheap unless ``headroom`` (budget - live) is small."""
+        if 0 <= stage < len(self.prev):
+            f, nbytes = self.prev[stage]
+            if f is func:
+                return nbytes
+        if 2 * headroom > budget and headroom > 8 * self.largest > 0:
+            return 0  # far below the budget: nothing one op allocates can matter
+        est = meta_bytes(func, args, kwargs)
+        return est if est is not None else _largest_input(args, kwargs)
+
+
+def meta_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
+    """Bytes of the new storages ``func`` returns, from its meta kernel (None if it has none)."""
+    fresh = replay_info(func).fresh
+    if not any(fresh):
+        return 0
+    try:
+        with torch._C._DisableTorchDispatch():
+            margs = tuple(_meta(a) for a in args)
+            mkw = {k: _meta(v) for k, v in kwargs.items()}
+            out = func(*margs, **mkw)
+    except Exception:
+        return None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    total = 0
+    for i, o in enumerate(outs):
+        if i < len(fresh) and not fresh[i]:
+            continue
+        for t in (o if isinstance(o, (list, tuple)) else (o,)):
+            if isinstance(t, Tensor):
+                total += _storage_bytes(t)
+    return total
+
+
+def _meta(a: Any) -> Any:
+    if isinstance(a, Tensor):
+        if a.device.type == "meta":
+            return a
+        return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device="meta")
+    if type(a) in (list, tuple):
+        return type(a)(_meta(b) for b in a)
+    return a
+
+
+def _storage_bytes(t: Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return (t.storage_offset() + span) * t.element_size()
+
+
+def _largest_input(args: tuple, kwargs: dict) -> int:
+    best = 0
+    for a in (*args, *kwargs.values()):
+        for t in (a if type(a) in (list, tuple) else (a,)):
+            if isinstance(t, Tensor):
+                best = max(best, t.numel() * t.element_size())
+    return best

@@ -1,0 +1,56 @@
+"""Parameters and buffers are never activations, even when created while the runtime runs.
+
+The runtime calls a storage an activation when an op produced it while enabled. A model built after
+``enable()`` (the ``HYBRIDMEM_BUDGET=... python train.py`` path) has parameters and buffers produced
+by ops too, so a global module forward pre-hook takes every module's parameters and buffers out of
+the produced table the first time the module (or a module containing it) runs. Matching storages,
+not tensors, also covers views such as the ``weight.t()`` a linear layer saves, and tied weights.
+
+The same hook hands them to the meter, so the simulated device counts the whole model from the
+first forward (as ``Graph.fixed_bytes`` does), not each parameter from the op that first reads it:
+otherwise a first-seen weight would raise the live bytes in the middle of the cap's arithmetic.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ..meter import Meter
+from .produced import ProducedTable
+
+
+class FixedMarker:
+    """Global module pre-hook that un-marks module parameters and buffers as activations."""
+
+    def __init__(self, produced: ProducedTable, meter: Meter, on_call: Callable[[], None]):
+        self.produced = produced
+        self.meter = meter
+        self.on_call = on_call  # every module call (the step tracker starts steps here)
+        self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._handle: Any = None
+
+    def install(self) -> None:
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pre)
+
+    def uninstall(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        self.on_call()
+        if module in self._seen:
+            return
+        slots = self.produced.slots
+        fixed = []
+        for m in module.modules():
+            self._seen.add(m)
+            for t in (*m._parameters.values(), *m._buffers.values()):
+                if t is not None:
+                    fixed.append(t)
+                    slot = slots.pop(id(t.untyped_storage()), None)
+                    if slot is not None:
+                        slot.node = slot.entry = None
+        self.meter.track(*fixed)

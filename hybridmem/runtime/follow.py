@@ -1,0 +1,253 @@
+"""Follow an offline plan: run its actions at its stages, and stop where reality departs from it.
+
+A plan names graph tensors and stages. The runtime knows ops as they run, so a plan carries a small
+runtime annotation (:func:`annotate`, done when the plan is made): per action tensor its producer
+stage and output index (and size), the number of ops per stage (module-granularity plans), and an
+*op signature*: a hash of the step's stage op names, in order. The signature does not
+depend on module names, tensor lifetimes or evictions, so the runtime can compute it from the very
+first step even while the online scorer is evicting to stay under the budget.
+
+- Step 1 runs under the online scorer and records the stage ops; at its end the signature is
+  compared: a different one refuses the plan (:class:`~hybridmem.errors.StalePlanError`, raised from
+  ``backward()``). From step 2 the plan's actions run at their stages (timing rules in
+  :mod:`hybridmem.plan`): ``recompute``/``decompress`` before op t regenerate at once, ``swap_in``
+  starts a prefetch; after op t ``compress`` evicts by compress, ``swap_out`` marks a swap and
+  ``free`` evicts (by swap after a ``swap_out``, else by recompute).
+- Each stage op is checked against step 1's; at the first mismatch the plan is left for the rest of
+  the run (``Stats.plan == "diverged"`` and ``plan_note`` says where), and the online scorer, which
+  always enforces the budget, carries on alone.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PlanFormatError, StalePlanError
+from ..plan import Plan
+
+if TYPE_CHECKING:
+    from ..graph import Graph
+    from .core import Runtime
+
+_MAX_OP_CHARS = 96  # merged stage names: the rule of hybridmem.capture.merge_stages
+_BEFORE = ("recompute", "decompress", "swap_in")
+
+
+# ---- plan side -----------------------------------------------------------------------------------------
+def op_signature(ops: list[str], group_sizes: list[int] | None = None) -> str:
+    """Hash of a step's stage op names, in order; with ``group_sizes``, of the merged stages (runs of
+    that many ops) named as ``merge_stages`` names them. Phases are left out: ``backward()`` makes the
+    gradient seed (``ones_like``) before the autograd engine starts, so where the backward begins is a
+    matter of definition, not of the program."""
+    h = hashlib.sha256()
+    if group_sizes is None:
+        for op in ops:
+            h.update(f"{op}\n".encode())
+    else:
+        i = 0
+        for n in group_sizes:
+            h.update(f"{_merged_name(ops[i:i + n])}|{n}\n".encode())
+            i += n
+        if i != len(ops):
+            h.update(f"extra {len(ops) - i}".encode())
+    return h.hexdigest()[:16]
+
+
+def _merged_name(names: list[str]) -> str:
+    ops = list(dict.fromkeys(names))
+    op = "+".join(ops)
+    if len(op) > _MAX_OP_CHARS:
+        op = op[:_MAX_OP_CHARS].rsplit("+", 1)[0] + f"+...({len(ops)} ops)"
+    return op
+
+
+def graph_signature(graph: "Graph") -> str:
+    """The op signature of a captured graph (op or module granularity)."""
+    if all(s.ops == 1 for s in graph.stages):
+        return op_signature([s.op for s in graph.stages])
+    h = hashlib.sha256()
+    for s in graph.stages:
+        h.update(f"{s.op}|{s.ops}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def annotate(plan: Plan, graph: "Graph") -> Plan:
+    """Add what the runtime needs to follow ``plan`` (made for ``graph``) to ``plan.info["runtime"]``."""
+    tensors: dict[str, list[int]] = {}
+    for a in plan.actions:
+        t = graph.tensors[a.tensor]
+        if t.producer < 0:
+            continue
+        outs = graph.stages[t.producer].outputs
+        tensors[str(a.tensor)] = [t.producer, outs.index(t.id), t.nbytes]
+    ann: dict[str, Any] = {"signature": graph_signature(graph), "stages": graph.num_stages, "tensors": tensors}
+    groups = [s.ops for s in graph.stages]
+    if any(n != 1 for n in groups):
+        ann["ops_per_stage"] = groups
+    plan.info["runtime"] = ann
+    return plan
+
+
+# ---- runtime side --------------------------------------------------------------------------------------
+class PlanFollower:
+    """Executes one plan's actions at runtime stages; see the module docstring."""
+
+    def __init__(self, plan: Plan, rt: "Runtime"):
+        ann = plan.info.get("runtime") if isinstance(plan.info, dict) else None
+        if plan.actions and not isinstance(ann, dict):
+            raise PlanFormatError(
+                "this plan has no runtime annotation (plan.info['runtime']): make it with `hybridmem plan` / "
+                "hybridmem.plan(), or call hybridmem.runtime.follow.annotate(plan, graph) with the graph it was "
+                "made for")
+        ann = ann or {"signature": "", "stages": 0, "tensors": {}}
+        self.rt = rt
+        self.plan = plan
+        self.signature: str = ann.get("signature", "")
+        self.groups: list[int] | None = ann.get("ops_per_stage")
+        self.where: dict[int, tuple[int, int, int]] = {int(k): tuple(v) for k, v in ann.get("tensors", {}).items()}
+        # op-level stage -> actions; a merged stage's "before" runs before its first op, "after" after its last
+        starts, ends = self._bounds()
+        self.regen_at: dict[int, list[Any]] = {}
+        self.evict_at: dict[int, list[Any]] = {}
+        for a in plan.sorted_actions():
+            if a.stage >= len(starts):
+                continue
+            if a.kind in _BEFORE:
+                self.regen_at.setdefault(starts[a.stage], []).append(a)
+            else:
+                self.evict_at.setdefault(ends[a.stage], []).append(a)
+        self.state = "pending"        # pending (step 1: verifying) -> following | diverged | refused
+        self.expected: list[str] = []              # op names of step 1's stages
+        self.seen: list[str] = []
+        self.outputs: list[list[Any]] = []         # per stage of this step: produced slots, in order
+        self.swapping: set[int] = set()            # tensors with a swap_out and no free yet
+        self.pending: list[tuple[Any, Any]] = []   # (entry, policy) evictions waiting for sole ownership
+
+    def _bounds(self) -> tuple[list[int], list[int]]:
+        if self.groups is None:
+            n = max([a.stage for a in self.plan.actions] + [-1]) + 1
+            return list(range(n)), list(range(n))
+        starts, ends, i = [], [], 0
+        for n in self.groups:
+            starts.append(i)
+            ends.append(i + n - 1)
+            i += n
+        return starts, ends
+
+    # ---- step boundaries -----------------------------------------------------------------------
+    def step_started(self) -> None:
+        self.seen = []
+        self.outputs = []
+        self.swapping.clear()
+        self.pending = []
+
+    def step_ended(self, stages: int) -> None:
+        if self.state == "pending":
+            self._verify()
+        elif self.state == "following" and len(self.seen) != len(self.expected):
+            self._diverge(f"the step had {len(self.seen)} stage ops, the plan's {len(self.expected)}")
+
+    def _verify(self) -> None:
+        sig = op_signature(self.seen, self.groups)
+        stats = self.rt.stats
+        if self.signature and sig != self.signature:
+            self.state = "refused"
+            stats.plan, stats.plan_note = "refused", f"op signature {sig} != plan's {self.signature}"
+            raise StalePlanError(
+                f"the plan was made for a different step: its op signature is {self.signature}, this run's first "
+                f"step gives {sig} ({len(self.seen)} stage ops). The model, its input shapes, the torch version "
+                "or the code around the model changed: capture and plan again (hybridmem capture / plan). "
+                "The runtime goes on with the online scorer alone.")
+        self.expected = list(self.seen)
+        self.state = "following"
+        stats.plan, stats.plan_note = "following", f"verified on step 1 ({len(self.seen)} stage ops)"
+
+    def _diverge(self, why: str) -> None:
+        self.state = "diverged"
+        self.rt.stats.plan, self.rt.stats.plan_note = "diverged", why
+
+    # ---- per op ----------------------------------------------------------------------------------
+    def before(self, stage: int, func: Any) -> None:
+        from .mode import facts
+        name = facts(func).name
+        self.seen.append(name)
+        self.outputs.append([])
+        if self.state != "following":
+            return
+        if self.pending:
+            self._flush()
+        exp = self.expected[stage] if stage < len(self.expected) else "nothing"
+        if exp != name:
+            self._diverge(f"stage {stage}: the plan expects {exp}, the program ran {name}")
+            return
+        for a in self.regen_at.get(stage, ()):
+            self._regenerate(a)
+
+    def after(self, stage: int, func: Any, fresh: list[tuple[int, Any, Any]]) -> None:
+        if self.outputs:
+            self.outputs[-1].extend(slot for _, slot, _ in fresh)
+        if self.state != "following":
+            return
+        for a in self.evict_at.get(stage, ()):
+            self._evict(a)
+
+    def after_other(self, fresh: list[tuple[int, Any, Any]]) -> None:
+        """A non-stage op allocated: its storages belong to the last stage (as in capture)."""
+        if self.outputs and fresh and self.rt.steps.phase != 0:
+            self.outputs[-1].extend(slot for _, slot, _ in fresh)
+
+    # ---- actions ---------------------------------------------------------------------------------
+    def _entry(self, tensor: int) -> Any:
+        where = self.where.get(tensor)
+        if where is None:
+            return None
+        p, k, nbytes = where
+        if p >= len(self.outputs) or k >= len(self.outputs[p]):
+            self._diverge(f"tensor {tensor}: stage {p} has no output {k} in this run")
+            return None
+        slot = self.outputs[p][k]
+        st = slot()
+        e = slot.entry if st is not None else slot.last_entry  # freed: the entry it had, if evicted
+        if st is not None and st.nbytes() != nbytes:
+            self._diverge(f"tensor {tensor}: {st.nbytes()} bytes in this run, {nbytes} in the plan")
+            return None
+        return e
+
+    def _evict(self, a: Any) -> None:
+        if a.kind == "swap_out":
+            self.swapping.add(a.tensor)
+            return
+        e = self._entry(a.tensor)
+        if e is None or e.tensor is None:
+            return  # not saved for backward, or already evicted
+        name = "compress" if a.kind == "compress" else "swap" if a.tensor in self.swapping else "recompute"
+        self.swapping.discard(a.tensor)
+        policy = self.rt.policies.get(name)
+        if policy is None or not policy.applicable(e):
+            self.rt.stats.note(f"plan: {name} not applicable to tensor {a.tensor}; left to the online scorer")
+            return
+        self.pending.append((e, policy))
+        self._flush()
+
+    def _flush(self) -> None:
+        """Evict what the plan asked for once only the runtime holds it: right after the op that
+        last reads it, the program's own variable usually still does (until its next statement)."""
+        keep = []
+        store = self.rt.store
+        for e, policy in self.pending:
+            if e.tensor is None or e.refs == 0:
+                continue
+            if store.sole_owner(e) and not e.pinned:
+                self.rt.residency.evict(e, policy)
+            else:
+                keep.append((e, policy))
+        self.pending = keep
+
+    def _regenerate(self, a: Any) -> None:
+        e = self._entry(a.tensor)
+        if e is None or e.tensor is not None or e.policy is None:
+            return
+        if a.kind == "swap_in" and self.rt.device.type == "cuda":
+            self.rt.residency.prefetch([e])  # the copy starts now on its stream; the read waits for it
+        else:
+            self.rt.residency.ensure(e)

@@ -1,0 +1,703 @@
+"""Lineage: which ops produced each activation storage, so that it can be recomputed bit for bit.
+
+The runtime's dispatch mode records, for every storage an op allocates during the forward pass, a
+:class:`Node`: the producing op and then every in-place op that later wrote into it (``conv`` then
+``relu_`` for ``ReLU(inplace=True)``). A node's *version* ``k`` is its content after its first ``k``
+ops. Tensor arguments of a recorded op are kept as references, never as tensors:
+
+- :class:`NodeRef`: another activation storage at a given version, plus the view (size, stride,
+  offset, dtype) the op saw;
+- :class:`FixedRef`: a storage that existed before (parameter, buffer, input), as a detached alias
+  (no autograd graph, same version counter) and the version it had, checked again before a replay;
+- :data:`OPAQUE`: a storage without lineage (made while nothing was recorded): not replayable.
+
+:class:`Replayer` regenerates a node at a version: from its live storage when that is still there,
+from an entry evicted by another policy (a swapped-out host checkpoint, a compressed copy), or by
+replaying its ops under ``no_grad`` with inputs regenerated the same way, iteratively (no Python
+recursion limit on long chains). RNG ops replay with the RNG state saved before them; arguments the
+op writes besides the regenerated storage (BatchNorm running statistics) get private clones, so side
+effects are never applied twice.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+
+from .._trace import op_info
+
+if TYPE_CHECKING:
+    from hybridmem.plugins.base import Entry
+
+Tensor = torch.Tensor
+MAX_OPS_PER_NODE = 64   # a storage written in place more often than this (an accumulator) is not replayed
+PRUNE_AFTER = 200_000   # nodes recorded without a step end (forward passes without backward) before pruning
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """Where a tensor sits in its storage: enough to rebuild it on any tensor over that storage."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: Tensor) -> "View":
+        return cls(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+
+    def on(self, base: Tensor) -> Tensor:
+        """This view of ``base``'s storage (a view of ``base``, so it shares its version counter)."""
+        with torch._C._DisableTorchDispatch():  # metadata only: not worth a trip through the mode
+            if base.dtype == self.dtype:
+                return base.as_strided(self.size, self.stride, self.offset)
+            return torch.empty((0,), dtype=self.dtype, device=base.device).set_(
+                base.untyped_storage(), self.offset, self.size, self.stride)
+
+
+class NodeRef:
+    """An argument that is (a view of) an activation storage at one version."""
+
+    __slots__ = ("node", "version", "view")
+
+    def __init__(self, node: "Node", version: int, view: View):
+        self.node, self.version, self.view = node, version, view
+
+
+class FixedRef:
+    """An argument that is (a view of) a storage which existed before: parameter, buffer, input.
+    ``alias`` is the tensor (its autograd base), whose version counter every view shares."""
+
+    __slots__ = ("alias", "version", "view")
+
+    def __init__(self, alias: Tensor, version: int, view: View):
+        self.alias, self.version, self.view = alias, version, view  # version -1: value not used
+
+
+class GenState:
+    """An explicit ``generator=`` argument, as the state it had when the op ran."""
+
+    __slots__ = ("device", "state")
+
+    def __init__(self, device: torch.device, state: Tensor):
+        self.device, self.state = device, state
+
+    def make(self) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.set_state(self.state)
+        return g
+
+
+class _Opaque:
+    """An argument without lineage: an op reading it cannot be replayed."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "OPAQUE"
+
+
+OPAQUE = _Opaque()
+_REFS = (NodeRef, FixedRef, _Opaque)
+
+
+class OpRecord:
+    """One recorded op call, with tensor arguments replaced by references. ``func is None`` marks a
+    barrier: the storage was written by something unrecorded, or its lineage was dropped."""
+
+    __slots__ = ("func", "args", "kwargs", "rng", "cost_s", "why_not")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, rng: Any, why_not: str):
+        self.func, self.args, self.kwargs, self.rng = func, args, kwargs, rng
+        self.cost_s = 0.0
+        self.why_not = why_not  # "" when replayable, else the reason (non-deterministic op, ...)
+
+    def refs(self) -> Iterator[Any]:
+        for a in self.args:
+            if isinstance(a, _REFS):
+                yield a
+            elif type(a) in (list, tuple):
+                yield from (b for b in a if isinstance(b, _REFS))
+        for a in self.kwargs.values():
+            if isinstance(a, _REFS):
+                yield a
+            elif type(a) in (list, tuple):
+                yield from (b for b in a if isinstance(b, _REFS))
+
+
+def _barrier(reason: str) -> tuple[OpRecord, int]:
+    return OpRecord(None, (), {}, None, reason), -1
+
+
+class Node:
+    """The lineage of one activation storage: its producer op, then the in-place ops that wrote it.
+
+    ``ops[i] = (record, output position)``; position is the index of this storage among the
+    producer's flattened outputs, or -1 for a write. ``storage`` is a weak reference to the storage
+    while it lives; ``entry`` the saved-tensor entry managing it, if any. ``stale``: the live
+    storage was written by something unrecorded, so its content is no known version.
+    """
+
+    __slots__ = ("ops", "nbytes", "dtype", "device", "storage", "entry", "stale", "ok_memo", "_deps",
+                 "__weakref__")
+
+    def __init__(self, record: OpRecord, position: int, nbytes: int, dtype: torch.dtype, device: torch.device,
+                 storage: weakref.ref):
+        self.ops: list[tuple[OpRecord, int]] = [(record, position)]
+        self.nbytes, self.dtype, self.device = nbytes, dtype, device
+        self.storage = storage
+        self.entry: "Entry | None" = None
+        self.stale = False
+        self.ok_memo: tuple[int, int, str] | None = None  # (epoch, version, reason) of the last check
+        self._deps: tuple[int, float, tuple[tuple["Node", int], ...]] | None = None
+
+    def deps(self, v: int) -> tuple[float, tuple[tuple["Node", int], ...]]:
+        """(seconds the ops up to ``v`` took, the other nodes they read): cached per version."""
+        d = self._deps
+        if d is None or d[0] != v:
+            cost = 0.0
+            inputs: dict[tuple[int, int], tuple[Node, int]] = {}
+            for rec, _ in self.ops[:v]:
+                cost += rec.cost_s
+                for r in rec.refs():
+                    if isinstance(r, NodeRef) and r.node is not self:
+                        inputs.setdefault((id(r.node), r.version), (r.node, r.version))
+            d = self._deps = (v, cost, tuple(inputs.values()))
+        return d[1], d[2]
+
+    @property
+    def version(self) -> int:
+        return len(self.ops)
+
+    def live(self) -> torch.UntypedStorage | None:
+        return self.storage() if self.storage is not None else None
+
+    def break_here(self, reason: str) -> None:
+        """Unrecorded write: the live content is unknown from now on, and so is every later version."""
+        if not self.stale:
+            self.ops.append(_barrier(reason))
+            self.stale = True
+
+
+# ---- recording -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _ReplayInfo:
+    """Per-op facts for recording and replay, read once from the schema."""
+
+    written: frozenset[int]           # positional arguments the op writes
+    written_kw: frozenset[str]
+    stats: tuple[int, ...]            # BatchNorm running_mean/var positions (values unused in training)
+    training: int                     # position of BatchNorm's ``training`` argument, or -1
+    fresh: tuple[bool, ...]           # per return: a new storage (no alias annotation)
+    why_not: str                      # "" or why this op is never replayed
+
+
+_INFO: dict[Any, _ReplayInfo] = {}
+
+
+def replay_info(func: Any) -> _ReplayInfo:
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = _make_replay_info(func)
+    return info
+
+
+def _make_replay_info(func: Any) -> _ReplayInfo:
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return _ReplayInfo(frozenset(), frozenset(), (), -1, (), f"{func} is not an aten op")
+    names = [a.name for a in schema.arguments]
+    base = op_info(func)
+    stats = tuple(i for i, n in enumerate(names) if n in ("running_mean", "running_var"))
+    training = names.index("training") if "training" in names and stats else -1
+    written = set(base.written)
+    if base.bn_training >= 0:  # legacy BatchNorm kernels write running stats without saying so
+        written |= set(stats)
+    fresh = tuple(r.alias_info is None for r in schema.returns)
+    ns = getattr(func, "namespace", "aten")
+    why = "" if ns in ("aten", "prims") else f"{base.name} is not an aten op (side effects unknown)"
+    return _ReplayInfo(frozenset(written), frozenset(base.written_kw), stats, training, fresh, why)
+
+
+class Recorder:
+    """Builds :class:`OpRecord` and :class:`Node` objects from the ops the runtime's mode sees.
+
+    ``lookup(storage)`` returns the storage's produced-table slot (with ``.node``) or None for a
+    storage that existed before. Nodes created in a step lose their ops at the step's end unless a
+    live entry depends on them, so lineage never keeps a finished step's inputs alive.
+    """
+
+    def __init__(self, lookup: Callable[[torch.UntypedStorage], Any], cuda_deterministic: Callable[[], bool],
+                 cost: "OpCost | None" = None):
+        self.lookup = lookup
+        self.cuda_deterministic = cuda_deterministic
+        self.cost = cost
+        self._step_nodes: list[Node] = []
+        self._gens: dict[int, Tensor] = {}  # generator states before the op being recorded
+
+    # -- references ----------------------------------------------------------------------------
+    def ref(self, t: Tensor, value_unused: bool = False) -> Any:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return OPAQUE
+        slot = self.lookup(st)
+        if slot is not None:
+            node = slot.node
+            if node is None:
+                return OPAQUE
+            return NodeRef(node, len(node.ops), View.of(t))
+        # The tensor itself (its autograd base), not a detached alias: this runs below autograd,
+        # where a new alias would get a version counter of its own and in-place writes would go
+        # unnoticed. Pre-existing tensors cannot hold the runtime's handles, so no cycle forms.
+        root = t._base if t._base is not None else t
+        return FixedRef(root, -1 if value_unused else t._version, View.of(t))
+
+    def _refs(self, v: Any) -> Any:
+        if isinstance(v, Tensor):
+            return self.ref(v)
+        if type(v) in (list, tuple) and any(isinstance(b, Tensor) for b in v):
+            return type(v)(self.ref(b) if isinstance(b, Tensor) else b for b in v)
+        if isinstance(v, torch.Generator):
+            # replay draws from a copy in the state the op found; the user's generator stays put
+            return GenState(v.device, self._gens.get(id(v), v.get_state()))
+        return v
+
+    # -- ops -----------------------------------------------------------------------------------
+    def record(self, func: Any, args: tuple, kwargs: dict, rng: Any, fresh: list[tuple[int, Any, Tensor]],
+               out: Any = None, out_bytes: int = 0) -> OpRecord:
+        """Record one op call. ``fresh``: (output position, produced slot, tensor) of new storages;
+        each gets a Node. In-place writes into activation storages are appended to their nodes."""
+        info = replay_info(func)
+        self._gens = rng.generators if rng is not None else {}
+        why = info.why_not
+        if not why and op_info(func).cuda_nondeterministic and not self.cuda_deterministic():
+            if any(isinstance(a, Tensor) and a.is_cuda for a in args):
+                why = f"{op_info(func).name} is non-deterministic on CUDA"
+        unused = _unused_stats(info, args)
+        rargs = tuple(self.ref(a, i in unused) if isinstance(a, Tensor) else self._refs(a)
+                      for i, a in enumerate(args))
+        rkw = {k: self._refs(v) for k, v in kwargs.items()} if kwargs else {}
+        rec = OpRecord(func, rargs, rkw, rng.default if rng is not None else None,
+                       why or _fixed_write_reason(info, rargs, unused))
+        if self.cost is not None:
+            rec.cost_s = self.cost(func, args, kwargs, out, out_bytes)
+        for i in info.written:
+            if i < len(rargs):
+                _append_write(rargs[i], rec)
+        for k in info.written_kw:
+            if k in rkw:
+                _append_write(rkw[k], rec)
+        for pos, slot, t in fresh:
+            st = slot()
+            if st is not None:
+                node = slot.node = Node(rec, pos, st.nbytes(), t.dtype, t.device, slot)
+                self._step_nodes.append(node)
+        return rec
+
+    def unrecorded_write(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """An op that is not recorded wrote into storages: their later versions have unknown lineage."""
+        info = replay_info(func)
+        for i in info.written:
+            if i < len(args):
+                self._break(args[i], func)
+        for k in info.written_kw:
+            if k in kwargs:
+                self._break(kwargs[k], func)
+
+    def _break(self, v: Any, func: Any) -> None:
+        for t in (v if type(v) in (list, tuple) else (v,)):
+            if isinstance(t, Tensor):
+                slot = self.lookup(t.untyped_storage())
+                if slot is not None and slot.node is not None:
+                    slot.node.break_here(f"written by {op_info(func).name} outside the recorded forward pass")
+
+    def end_step(self) -> None:
+        """Forget the ops of this step's nodes that no live entry depends on."""
+        self._prune()
+
+    def maybe_prune(self) -> None:
+        """Bound lineage kept by forward passes that never reach a backward pass (grad-mode eval)."""
+        if len(self._step_nodes) > PRUNE_AFTER:
+            self._prune()
+
+    def _prune(self) -> None:
+        nodes, self._step_nodes = self._step_nodes, []
+        keep: set[int] = set()
+        stack = [n for n in nodes if n.entry is not None]
+        while stack:  # everything an entry's lineage may replay stays
+            n = stack.pop()
+            if id(n) in keep:
+                continue
+            keep.add(id(n))
+            for rec, _ in n.ops:
+                stack.extend(r.node for r in rec.refs() if isinstance(r, NodeRef))
+        for n in nodes:
+            if id(n) in keep:
+                self._step_nodes.append(n)
+            elif not (len(n.ops) == 1 and n.ops[0][0].func is None):
+                # the live content (if any) stays usable as version 1; nothing before it is replayable
+                n.ops = [_barrier("its lineage was dropped at the end of its step")]
+                n.stale = False
+
+
+def _unused_stats(info: _ReplayInfo, args: tuple) -> frozenset[int]:
+    """Running statistics whose values a training-mode BatchNorm does not read."""
+    if not info.stats or info.training < 0 or info.training >= len(args) or not args[info.training]:
+        return frozenset()
+    return frozenset(info.stats)
+
+
+def _fixed_write_reason(info: _ReplayInfo, rargs: tuple, unused: frozenset[int]) -> str:
+    # An op that reads and writes a pre-existing tensor would see a different value when replayed.
+    for i in info.written:
+        if i < len(rargs) and i not in unused and isinstance(rargs[i], FixedRef):
+            return "it writes a parameter, buffer or input in place"
+    return ""
+
+
+def _append_write(ref: Any, rec: OpRecord) -> None:
+    for r in (ref if type(ref) in (list, tuple) else (ref,)):
+        if isinstance(r, NodeRef):
+            node = r.node
+            if node.stale:
+                continue
+            if len(node.ops) >= MAX_OPS_PER_NODE:
+                node.break_here(f"written in place more than {MAX_OPS_PER_NODE} times")
+            else:
+                node.ops.append((rec, -1))
+
+
+class OpCost:
+    """Seconds an op takes under the runtime's cost model (roofline: FLOPs of its matrix products and
+    convolutions, bytes read and written). Not the measured time: a model makes eviction decisions (and the statistics they
+    produce) identical from run to run, and is the one the planner and the simulator use."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict, out: Any, out_bytes: int) -> float:
+        nbytes = out_bytes
+        for a in (*args, *kwargs.values()):
+            for t in (a if type(a) in (list, tuple) else (a,)):
+                if isinstance(t, Tensor):
+                    nbytes += t.numel() * t.element_size()
+        return float(self.model.op_time(_Work(matmul_flops(func, args, out), nbytes)))
+
+
+def matmul_flops(func: Any, args: tuple, out: Any) -> float:
+    """FLOPs of the compute-bound ops (matrix products, convolutions, attention); 0 for the rest,
+    which the cost model then prices by bytes. (torch.utils.flop_counter has them all, but importing
+    it pulls in torch._dynamo: seconds at the first recorded op.)"""
+    name = getattr(func, "_opname", "")
+    o = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(o, Tensor):
+        return 0.0
+    if name in ("mm", "addmm", "bmm", "baddbmm", "matmul"):
+        a = args[1] if name in ("addmm", "baddbmm") else args[0]
+        return 2.0 * o.numel() * (a.shape[-1] if isinstance(a, Tensor) else 1)
+    if name == "convolution" and isinstance(args[1], Tensor):
+        w = args[1]  # (out_channels, in_channels / groups, *kernel): each output element sums over that
+        return 2.0 * o.numel() * (w.numel() // max(w.shape[0], 1))
+    if name.startswith("_scaled_dot_product") and isinstance(args[0], Tensor) and isinstance(args[1], Tensor):
+        q, k = args[0], args[1]  # (..., L, E) x (..., S, E): QK^T and the product with V
+        return 4.0 * q.numel() * k.shape[-2]
+    return 0.0
+
+
+class _Work:
+    """What a cost model's ``op_time`` reads from a stage."""
+
+    __slots__ = ("flops", "bytes_accessed", "ops")
+
+    def __init__(self, flops: float, nbytes: int):
+        self.flops, self.bytes_accessed, self.ops = flops, nbytes, 1
+
+
+# ---- RNG ---------------------------------------------------------------------------------------------
+class RngBefore:
+    """The RNG states an op drew from: the default generators' and explicit ``generator=`` ones'."""
+
+    __slots__ = ("default", "generators")
+
+    def __init__(self, default: tuple[Tensor, Tensor | None], generators: dict[int, Tensor]):
+        self.default, self.generators = default, generators
+
+
+def rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """The default generators' states an RNG op on ``device`` draws from (CPU, and CUDA if used)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+class _ForkedRNG:
+    """Run with a recorded RNG state, then put the current state back (a replay leaves the training
+    run's RNG stream untouched)."""
+
+    def __init__(self, state: tuple[Tensor, Tensor | None], device: torch.device):
+        self.state, self.device = state, device
+
+    def __enter__(self) -> None:
+        self.saved = rng_state(self.device)
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_rng_state(self.saved[0])
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state(self.saved[1], self.device)
+
+
+# ---- replay --------------------------------------------------------------------------------------------
+class ReplayError(RuntimeError):
+    """A node cannot be regenerated (its lineage was refused or an input changed)."""
+
+
+class Replayer:
+    """Regenerates nodes; see the module docstring.
+
+    ``fetch(entry)`` makes an entry evicted by another policy resident and returns its storage as a
+    flat tensor; ``adopt(entry, tensor)`` hands a tensor recomputed for an entry evicted by recompute
+    back to that entry (it becomes resident again, DTR-style: it will likely be read soon).
+    ``epoch()`` changes at each step so validity checks are redone once per step.
+    """
+
+    def __init__(self, fetch: Callable[["Entry"], Tensor], adopt: Callable[["Entry", Tensor], None],
+                 epoch: Callable[[], int]):
+        self.fetch, self.adopt, self.epoch = fetch, adopt, epoch
+
+    # -- validity and cost ---------------------------------------------------------------------
+    def why_not(self, node: Node, version: int) -> str:
+        """"" if ``node`` at ``version`` can be replayed, else why not. The whole chain back to fixed
+        inputs must be replayable: an input that is live now may be gone when the replay runs."""
+        epoch = self.epoch()
+        stack = [(node, version)]
+        seen: set[tuple[int, int]] = set()
+        while stack:
+            n, v = stack.pop()
+            key = (id(n), v)
+            if key in seen:
+                continue
+            seen.add(key)
+            memo = n.ok_memo
+            if memo is not None and memo[0] == epoch and memo[1] == v:
+                if memo[2]:
+                    return memo[2]
+                continue
+            reason = _own_reason(n, v)
+            n.ok_memo = (epoch, v, reason)
+            if reason:
+                return reason
+            for rec, _ in n.ops[:v]:
+                for r in rec.refs():
+                    if isinstance(r, NodeRef) and r.node is not n:
+                        stack.append((r.node, r.version))
+        return ""
+
+    def cost(self, node: Node, version: int, memo: dict[tuple[int, int], float]) -> float:
+        """Seconds to replay ``node`` at ``version``, plus its inputs that are not available now
+        (each counted once per ``memo``: one eviction decision)."""
+        total = 0.0
+        stack = [(node, version)]
+        while stack:
+            n, v = stack.pop()
+            key = (id(n), v)
+            if key in memo:
+                continue
+            memo[key] = 0.0
+            cost, inputs = n.deps(v)
+            total += cost
+            for m, w in inputs:
+                if not self.available(m, w):
+                    stack.append((m, w))
+        return total
+
+    @staticmethod
+    def available(n: Node, v: int) -> bool:
+        """Whether ``n`` at ``v`` exists without replaying it: live, or held by a non-recompute policy."""
+        if v != len(n.ops) or n.stale:
+            return False
+        if n.live() is not None:
+            return True
+        e = n.entry
+        return e is not None and (e.tensor is not None or e.policy not in (None, "recompute"))
+
+    # -- regeneration ----------------------------------------------------------------------------
+    def materialize(self, node: Node, version: int) -> Tensor:
+        """A flat tensor over a storage holding ``node``'s content at ``version``.
+
+        Plans the chain first (which versions must be replayed, in dependency order), then runs it,
+        dropping each intermediate result as soon as its last consumer in the chain has run, so a
+        long chain holds only its frontier."""
+        order, deps = self._plan(node, version)
+        uses: dict[tuple[int, int], int] = {}
+        for k in order:
+            for d in deps[k][1]:
+                uses[d] = uses.get(d, 0) + 1
+        memo: dict[tuple[int, int], Tensor] = {}
+        for k in order:
+            n, v = deps[k][0]
+            for d in deps[k][1]:
+                if d not in memo:
+                    dn, dv = deps[d][0]
+                    got = self._get(dn, dv)
+                    assert got is not None, "planned as available"
+                    memo[d] = got
+            memo[k] = self._replay(n, v, memo)
+            for d in deps[k][1]:
+                uses[d] -= 1
+                if uses[d] == 0:
+                    del memo[d]  # its last consumer in this chain has run
+        key = (id(node), version)
+        if key in memo:
+            return memo[key]
+        got = self._get(node, version)
+        assert got is not None
+        return got
+
+    def _plan(self, node: Node, version: int) -> tuple[list[tuple[int, int]], dict[tuple[int, int], Any]]:
+        """Post-order of the (node, version) pairs to replay, and per pair ((node, version), inputs)."""
+        deps: dict[tuple[int, int], Any] = {}
+        order: list[tuple[int, int]] = []
+        if self.available(node, version):
+            return order, deps
+        stack: list[tuple[Node, int, bool]] = [(node, version, False)]
+        while stack:
+            n, v, expanded = stack.pop()
+            key = (id(n), v)
+            if expanded:
+                order.append(key)
+                continue
+            if key in deps:
+                continue
+            inputs: list[tuple[int, int]] = []
+            todo: list[tuple[Node, int]] = []
+            for rec, _ in n.ops[:v]:
+                for r in rec.refs():
+                    if isinstance(r, NodeRef) and r.node is not n:
+                        k = (id(r.node), r.version)
+                        if k not in inputs:
+                            inputs.append(k)
+                            todo.append((r.node, r.version))
+            deps[key] = ((n, v), inputs)
+            stack.append((n, v, True))
+            for m, w in todo:
+                k = (id(m), w)
+                if k in deps:
+                    continue
+                if self.available(m, w):
+                    deps[k] = ((m, w), [])  # fetched when first needed, never replayed
+                else:
+                    stack.append((m, w, False))
+        return order, deps
+
+    def _get(self, n: Node, v: int) -> Tensor | None:
+        """The content of ``n`` at ``v`` without replaying it: its live storage, or its entry's copy."""
+        if v != len(n.ops) or n.stale:
+            return None
+        st = n.live()
+        if st is not None:
+            return flat(st, n.dtype, n.device)
+        e = n.entry
+        if e is None:
+            return None
+        if e.tensor is not None:
+            return e.tensor
+        if e.policy not in (None, "recompute"):
+            return self.fetch(e)  # a host checkpoint or compressed copy: where the chain starts
+        return None
+
+    def _replay(self, n: Node, v: int, memo: dict[tuple[int, int], Tensor]) -> Tensor:
+        reason = _own_reason(n, v)
+        if reason:
+            raise ReplayError(f"cannot recompute a {n.dtype} storage of {n.nbytes} bytes: {reason}")
+        rec, pos = n.ops[0]
+        out = self._run(rec, memo, None, None)
+        base = flat(_flat_outputs(out)[pos].untyped_storage(), n.dtype, n.device)
+        del out  # the producer's other outputs are not needed
+        for rec, _ in n.ops[1:v]:
+            self._run(rec, memo, n, base)
+        e = n.entry
+        if e is not None and e.tensor is None and e.policy == "recompute" and v == len(n.ops):
+            self.adopt(e, base)
+        return base
+
+    def _run(self, rec: OpRecord, memo: dict[tuple[int, int], Tensor], target: Node | None,
+             base: Tensor | None) -> Any:
+        info = replay_info(rec.func)
+        with torch.no_grad():
+            args = [self._arg(a, memo, target, base, i in info.written) for i, a in enumerate(rec.args)]
+            kwargs = {k: self._arg(a, memo, target, base, k in info.written_kw) for k, a in rec.kwargs.items()}
+            if rec.rng is not None:
+                with _ForkedRNG(rec.rng, _device_of(args)):
+                    return rec.func(*args, **kwargs)
+            return rec.func(*args, **kwargs)
+
+    def _arg(self, a: Any, memo: dict[tuple[int, int], Tensor], target: Node | None, base: Tensor | None,
+             written: bool) -> Any:
+        if type(a) in (list, tuple):
+            if any(isinstance(b, (NodeRef, FixedRef)) for b in a):
+                return type(a)(self._arg(b, memo, target, base, written) for b in a)
+            return a
+        if isinstance(a, NodeRef):
+            if a.node is target:
+                return a.view.on(base)  # the storage being rebuilt, at the version this op saw
+            t = a.view.on(memo[(id(a.node), a.version)])
+            return t.clone() if written else t  # never write into another node's storage
+        if isinstance(a, FixedRef):
+            if a.version >= 0 and a.alias._version != a.version:
+                raise ReplayError(f"an input of shape {list(a.view.size)} changed in place since it was recorded")
+            t = a.view.on(a.alias)
+            return t.clone() if written else t  # BatchNorm running stats: update a private copy
+        if isinstance(a, GenState):
+            return a.make()
+        return a
+
+
+def _own_reason(n: Node, v: int) -> str:
+    """Why ``n``'s own ops up to ``v`` cannot be replayed ("" if they can), inputs not included."""
+    if not 1 <= v <= len(n.ops):
+        return "its lineage was dropped"
+    for rec, _ in n.ops[:v]:
+        if rec.why_not:
+            return rec.why_not
+        for r in rec.refs():
+            if r is OPAQUE:
+                return "an input has no lineage (made outside the recorded forward pass)"
+            if isinstance(r, FixedRef) and r.version >= 0 and r.alias._version != r.version:
+                return f"an input of shape {list(r.view.size)} was modified in place since"
+    return ""
+
+
+def flat(st: torch.UntypedStorage, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The whole storage as a 1-D tensor of ``dtype`` (bytes if the size is not a multiple)."""
+    item = dtype.itemsize
+    n = st.nbytes()
+    if n % item:
+        dtype, item = torch.uint8, 1
+    with torch._C._DisableTorchDispatch():
+        return torch.empty((0,), dtype=dtype, device=device).set_(st, 0, (n // item,), (1,))
+
+
+def _flat_outputs(out: Any) -> list[Any]:
+    """Outputs flattened in schema order (one level of lists): the positions a Node records."""
+    if isinstance(out, Tensor):
+        return [out]
+    res: list[Any] = []
+    for o in out if isinstance(out, (list, tuple)) else ():
+        if isinstance(o, (list, tuple)):
+            res.extend(o)
+        else:
+            res.append(o)
+    return res
+
+
+def _device_of(args: list[Any]) -> torch.device:
+    for a in args:
+        if isinstance(a, Tensor):
+            return a.device
+    return torch.device("cpu")

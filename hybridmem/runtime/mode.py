@@ -1,0 +1,230 @@
+"""The runtime's dispatch mode: the meter's mode plus what the runtime does around each op.
+
+Per op, in order: the meter registers inputs; the step tracker assigns the stage index; a plan's
+regenerations for this stage run; the cap makes room for the op's estimated new bytes. After it:
+new output storages join the produced table (they are activations; anything else is fixed); the
+meter registers them and samples the peak; lineage is recorded (recompute enabled, forward pass);
+a plan's evictions for this stage run; the estimator learns the op's bytes.
+
+Far below the budget (or without one) this is a few dictionary lookups and attribute reads per op on
+top of the meter; per-op facts are cached by ``id(func)`` (hashing an ``OpOverload`` runs Python).
+Work the runtime does itself is either *quiet* (not metered, not counted: policies) or *internal*
+(metered and capped, but no stage, no lineage: recompute's replayed ops).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+
+import torch
+
+from .._trace import op_info, uses_rng
+from ..meter import Meter, MeterMode
+from .lineage import RngBefore, replay_info, rng_state
+
+if TYPE_CHECKING:
+    from .core import Runtime
+
+Tensor = torch.Tensor
+
+
+class OpFacts(NamedTuple):
+    """What the mode needs to know about one op, computed once."""
+
+    name: str
+    stage: bool
+    fresh: tuple[bool, ...]     # per return: a new storage
+    any_fresh: bool
+    writes: bool                # writes some argument in place
+    maybe_rng: bool             # may draw random numbers (checked per call only then)
+
+
+_FACTS: dict[int, OpFacts] = {}
+
+
+def facts(func: Any) -> OpFacts:
+    f = _FACTS.get(id(func))
+    if f is None:
+        info = op_info(func)
+        fresh = replay_info(func).fresh
+        f = _FACTS[id(func)] = OpFacts(info.name, info.stage, fresh, any(fresh),
+                                       bool(info.written or info.written_kw or info.bn_training >= 0),
+                                       info.rng or info.dropout_arg >= 0)
+    return f
+
+
+class RuntimeMode(MeterMode):
+    """``MeterMode`` subclass driving the runtime (see the module docstring)."""
+
+    def __init__(self, meter: Meter, rt: "Runtime"):
+        super().__init__(meter)
+        self.rt = rt
+        self.depth = 0          # > 0 while inside this mode's handler (the mode is off for nested ops)
+        self.quiet_depth = 0    # > 0: ops pass through unseen (policy work)
+        self.internal = 0       # > 0: ops are the runtime's own work (metered, capped, not stages)
+        self.budget = rt.budget
+        self.recorder = rt.recorder
+        self.follower = rt.follower
+        self.prefetcher = rt.prefetcher
+        self.steps = rt.steps
+        self.estimator = rt.estimator
+        self.produced = rt.produced
+        self.slots = rt.produced.slots
+        self.residency = rt.residency
+        self.store = rt.store
+        self.stats = rt.stats
+        self.clock = rt.clock
+        self._stage = -1
+        self._facts: OpFacts | None = None
+        self._recording = False
+        self._rng: Any = None
+
+    # ---- contexts for the runtime's own work -----------------------------------------------------
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        self.quiet_depth += 1
+        try:
+            yield
+        finally:
+            self.quiet_depth -= 1
+
+    @contextmanager
+    def metered(self) -> Iterator[None]:
+        # Inside the handler PyTorch has popped this mode: push it again so nested ops are seen.
+        self.internal += 1
+        saved = (self._stage, self._facts, self._recording, self._rng)  # the op in flight
+        try:
+            if self.depth:
+                with self:
+                    yield
+            else:
+                yield
+        finally:
+            self.internal -= 1
+            self._stage, self._facts, self._recording, self._rng = saved
+
+    # ---- dispatch --------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.quiet_depth:
+            return func(*args, **(kwargs or {}))
+        self.depth += 1
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self.depth -= 1
+
+    def before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
+        super().before_op(func, args, kwargs)
+        self.clock.now += 1
+        f = self._facts = _FACTS.get(id(func)) or facts(func)
+        if self.internal:
+            self._stage = -1
+            if self.budget is not None:
+                self._cap(func, args, kwargs, -1, f)
+            return
+        stage = self._stage = self.steps.observe(f.stage, args)
+        if stage >= 0:
+            if self.follower is not None:
+                self.follower.before(stage, func)
+            if self.prefetcher is not None and self.steps.in_backward:
+                self.prefetcher.at(stage)
+        if self.budget is not None:
+            self._cap(func, args, kwargs, stage, f)
+        if self.recorder is not None:
+            rec = self._recording = self.steps.recording
+            if rec:
+                self._rng = (RngBefore(rng_state(_device(args, kwargs)), _generator_states(args, kwargs))
+                             if f.maybe_rng and uses_rng(func, args, kwargs) else None)
+
+    def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        f = self._facts or facts(func)
+        fresh, nbytes = self._fresh(f, out) if f.any_fresh else (_NONE, 0)
+        super().after_op(func, args, kwargs, out)
+        budget = self.budget
+        if self.internal:
+            if budget is not None and self.meter.current_bytes > budget:
+                self._overrun(f)
+            return
+        self.store.last_op = f.name
+        stage = self._stage
+        rec = self.recorder
+        if rec is not None:
+            if self._recording:
+                rec.record(func, args, kwargs, self._rng, fresh, out, nbytes)
+                self._rng = None
+            elif f.writes:
+                rec.unrecorded_write(func, args, kwargs)
+        if budget is not None:
+            self.estimator.learn(stage, func, nbytes)
+            if self.meter.current_bytes > budget:
+                self._overrun(f)
+        if self.follower is not None:
+            if stage >= 0:
+                self.follower.after(stage, func, fresh)
+            elif fresh:
+                self.follower.after_other(fresh)
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def _fresh(self, f: OpFacts, out: Any) -> tuple[list[tuple[int, Any, Tensor]], int]:
+        """New output storages (not aliases of inputs), registered as produced, with positions."""
+        slots = self.slots
+        seen = self._live if self._sim else _EMPTY  # CPU: a storage the meter already knows is not new
+        if isinstance(out, Tensor):
+            try:
+                st = out.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return _NONE, 0
+            k = id(st)
+            if k in slots or k in seen:
+                return _NONE, 0
+            return [(0, self.produced.add(st), out)], st.nbytes()
+        res: list[tuple[int, Any, Tensor]] = []
+        nbytes = 0
+        pos = 0
+        flags = f.fresh
+        for i, o in enumerate(out if isinstance(out, (tuple, list)) else ()):
+            group = o if isinstance(o, (list, tuple)) else (o,)
+            new = i < len(flags) and flags[i]
+            for t in group:
+                if new and isinstance(t, Tensor):
+                    try:
+                        st = t.untyped_storage()
+                    except (RuntimeError, NotImplementedError):
+                        st = None
+                    if st is not None and id(st) not in slots and id(st) not in seen:
+                        res.append((pos, self.produced.add(st), t))
+                        nbytes += st.nbytes()
+                pos += 1
+        return res, nbytes
+
+    def _cap(self, func: Any, args: tuple, kwargs: dict, stage: int, f: OpFacts) -> None:
+        if not f.any_fresh:
+            return  # views and in-place ops allocate nothing
+        headroom = self.budget - self.meter.current_bytes
+        est = self.estimator.estimate(stage, func, args, kwargs, headroom, self.budget)
+        if est > headroom:
+            self.residency.make_room(est, f"op {f.name}")
+
+    def _overrun(self, f: OpFacts) -> None:
+        """Live bytes exceeded the budget after an op (its estimate was too low): evict now."""
+        self.stats.cap_overruns += 1
+        self.residency.relieve(self.meter.current_bytes - self.budget)
+        if self.meter.current_bytes > self.budget:
+            raise self.residency.out_of_memory(0, f"the output of op {f.name}")
+
+
+_NONE: list = []
+_EMPTY: frozenset = frozenset()
+
+
+def _generator_states(args: tuple, kwargs: dict) -> dict[int, Any]:
+    """States of explicit ``generator=`` arguments before the op draws from them."""
+    return {id(g): g.get_state() for g in (*args, *kwargs.values()) if isinstance(g, torch.Generator)}
+
+
+def _device(args: tuple, kwargs: dict) -> torch.device:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            return a.device
+    d = kwargs.get("device")
+    return torch.device(d) if d is not None else torch.device("cpu")

@@ -1,0 +1,311 @@
+"""Residency: evict entries until an allocation fits the budget, and regenerate them on demand.
+
+Victims are chosen among resident, unpinned entries whose storage only the runtime still references
+(evicting a tensor the program also holds frees nothing), over every applicable policy, by the
+scorer (``cost / (bytes freed x staleness)``, DTR-style). When nothing more can be evicted the
+runtime raises ``torch.OutOfMemoryError`` naming the smallest budget that could have worked.
+
+Policy work runs *quiet* (unmetered): a swap's host buffer is not device memory. The device tensors
+a policy keeps (a compressed copy) or returns (a swapped-in tensor) are handed to the meter
+explicitly. A policy with ``metered = True`` (recompute) instead runs ordinary ops that the mode
+meters and caps one by one.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from typing import Any, Iterable, Protocol
+
+import numpy as np
+import torch
+
+from hybridmem.plugins.base import Entry, Policy
+
+from ..meter import Meter
+from ..units import fmt_bytes
+from .saved import SavedStore
+from .stats import StatsRecorder
+
+Tensor = torch.Tensor
+
+
+class Contexts(Protocol):
+    """What the dispatch mode offers residency: run ops unmetered, or metered as internal work."""
+
+    def quiet(self) -> AbstractContextManager[None]: ...
+
+    def metered(self) -> AbstractContextManager[None]: ...
+
+
+class NoMode:
+    """Contexts when no dispatch mode is active (the runtime was disabled while entries live on)."""
+
+    def quiet(self) -> AbstractContextManager[None]:
+        from contextlib import nullcontext
+        return nullcontext()
+
+    metered = quiet
+
+
+class Residency:
+    """Evicts and regenerates entries of one :class:`SavedStore` under one budget."""
+
+    def __init__(self, store: SavedStore, policies: dict[str, Policy], meter: Meter, stats: StatsRecorder,
+                 budget: int | None):
+        self.store, self.policies, self.meter, self.stats = store, policies, meter, stats
+        self.budget = budget
+        # Hysteresis: free this much beyond what an op needs (1/64 of the budget), so that a run of
+        # allocations near the cap pays one scoring pass instead of one per op.
+        self.slack = 0 if budget is None else budget // 64
+        self.mode: Contexts = NoMode()
+        self._order = list(policies.values())
+        self._touched: dict[int, None] = {}   # uids of entries ever evicted (policies may keep state)
+        self._offer_cache: dict[int, list[tuple[Policy, float | None, int]]] = {}
+        self._ensuring: set[int] = set()
+        store.ensure = self.ensure
+        store.discard = self.discard
+        store.changed = self.forget_offers
+
+    # ---- eviction ------------------------------------------------------------------------------
+    def evict(self, e: Entry, policy: Policy) -> int:
+        """Evict ``e`` by ``policy``; returns the device bytes that went away."""
+        before = self.meter.current_bytes
+        self.store.before_evict(e)
+        self._touched[e.uid] = None
+        self._offer_cache.pop(e.uid, None)
+        with self.mode.quiet():
+            handle = policy.evict(e)
+        self._track_kept(policy, handle)
+        self.store.after_evict(e, policy.name, handle)
+        self.stats.evicted(policy.name, e.nbytes)
+        return before - self.meter.current_bytes
+
+    def _track_kept(self, policy: Policy, handle: Any) -> None:
+        # A policy's handle may keep device memory (a compressed copy); on the simulated device the
+        # meter only counts it if told. Host copies look like device tensors on the CPU, so a policy
+        # that moves bytes to the host says so (``moves_to_host``) or names its device tensors
+        # (``device_tensors(handle)``); otherwise every tensor in the handle counts.
+        if not self.meter.simulated or handle is None or isinstance(handle, (int, float, str)):
+            return
+        named = getattr(policy, "device_tensors", None)
+        if named is not None:
+            kept = list(named(handle))
+        elif not getattr(policy, "moves_to_host", policy.name == "swap"):
+            kept = _tensors_in(handle, self.store.device)
+        else:
+            kept = []
+        if kept:
+            self.meter.track(*kept)
+
+    def discard(self, e: Entry) -> None:
+        """A once-evicted entry died: let policies free what they keep for it (host checkpoints)."""
+        self._offer_cache.pop(e.uid, None)
+        if self._touched.pop(e.uid, None) is None:
+            return
+        with self.mode.quiet():
+            for p in self._order:
+                hook = getattr(p, "release", None)
+                if hook is not None:
+                    hook(e)
+
+    def candidates(self) -> list[Entry]:
+        store = self.store
+        return [e for e in store.resident.values() if not e.pinned and store.sole_owner(e)]
+
+    def relieve(self, need: int, extra: int = 0, slack: int = 0) -> int:
+        """Evict until ``need`` bytes are freed or nothing more can go; returns the bytes freed.
+        ``extra``: bytes about to be allocated (for the minimum-budget bound). ``slack``: evict up to
+        this much more if it comes with the same victims' order (spares the next ops a scoring pass)."""
+        need_min, need = need, need + slack
+        freed = 0
+        while freed < need:
+            pairs, costs, saves, last = self._score_inputs()
+            self._note_floor(extra, saves, pairs)
+            if not pairs:
+                break
+            from ..scorer import select_victims
+            picks = select_victims(costs, saves, last, float(self.store.clock.now), need - freed)
+            done: set[int] = set()
+            progress = False
+            for i in picks:
+                e, p = pairs[int(i)]
+                if e.uid in done or e.tensor is None:
+                    continue
+                done.add(e.uid)
+                freed += self.evict(e, p)
+                progress = True
+                if freed >= need:
+                    break
+            if not progress:
+                break
+            if freed >= need_min:
+                break  # the slack is best effort: one scoring pass only
+        return freed
+
+    def relieve_oom(self, need: int) -> int:
+        """The CUDA allocator failed to allocate ``need`` bytes (``Meter.on_pressure``)."""
+        return self.relieve(max(need, 1), need)
+
+    def _score_inputs(self) -> tuple[list[tuple[Entry, Policy]], np.ndarray, np.ndarray, np.ndarray]:
+        pairs: list[tuple[Entry, Policy]] = []
+        costs: list[float] = []
+        saves: list[int] = []
+        last: list[float] = []
+        for e in self.candidates():
+            for p, cost, save in self._offers(e):
+                pairs.append((e, p))
+                costs.append(p.cost(e) if cost is None else cost)
+                saves.append(save)
+                last.append(e.last_access)
+        return (pairs, np.asarray(costs, np.float64), np.asarray(saves, np.int64),
+                np.asarray(last, np.float64))
+
+    def _offers(self, e: Entry) -> list[tuple[Policy, float | None, int]]:
+        """(policy, cost or None = ask each time, savings) for each policy applicable to ``e``.
+
+        Cached until the entry's bytes change (eviction, regeneration) or the step ends: asking
+        every policy about every candidate at every eviction is what would make the cap slow.
+        Policies whose cost moves with other entries' state (``dynamic_cost``: recompute's chain)
+        are asked for the cost each time."""
+        got = self._offer_cache.get(e.uid)
+        if got is None:
+            got = self._offer_cache[e.uid] = [
+                (p, None if getattr(p, "dynamic_cost", False) else p.cost(e), p.savings(e))
+                for p in self._order if p.applicable(e)]
+        return got
+
+    def forget_offers(self, e: Entry | None = None) -> None:
+        if e is None:
+            self._offer_cache.clear()
+        else:
+            self._offer_cache.pop(e.uid, None)
+
+    def _note_floor(self, extra: int, saves: np.ndarray, pairs: list[tuple[Entry, Policy]]) -> None:
+        """Lower bound on any workable budget: what no policy can evict now, plus the new bytes."""
+        best: dict[int, int] = {}
+        for (e, _), s in zip(pairs, saves.tolist()):
+            best[e.uid] = max(best.get(e.uid, 0), s)
+        floor = self.meter.current_bytes - sum(best.values()) + extra
+        if floor > self.stats.min_budget_bytes:
+            self.stats.min_budget_bytes = floor
+
+    # ---- the cap -------------------------------------------------------------------------------
+    def make_room(self, extra: int, what: str) -> None:
+        """Ensure ``extra`` more bytes fit the budget, evicting as needed; raise OOM if they cannot."""
+        budget = self.budget
+        if budget is None:
+            return
+        over = self.meter.current_bytes + extra - budget
+        if over <= 0:
+            return
+        self.relieve(over, extra, self.slack)
+        if self.meter.current_bytes + extra > budget:
+            raise self.out_of_memory(extra, what)
+
+    def out_of_memory(self, extra: int, what: str) -> torch.OutOfMemoryError:
+        budget = self.budget or 0
+        live = self.meter.current_bytes
+        floor = max(self.stats.min_budget_bytes, live + extra - self._evictable_bytes())
+        self.stats.min_budget_bytes = floor
+        held, pinned, shared = self._resident_summary()
+        return torch.OutOfMemoryError(
+            f"hybridmem: the budget of {fmt_bytes(budget)} ({budget} bytes) is too small: {what} needs "
+            f"{fmt_bytes(extra)} ({extra} bytes) more with {fmt_bytes(live)} ({live} bytes) live, and nothing "
+            f"more can be evicted. Smallest budget that could work: at least {fmt_bytes(floor)} ({floor} bytes) "
+            f"(a lower bound: the bytes no policy could evict at the tightest op seen so far plus that op's "
+            f"new outputs; later ops of the step may need more). Resident: {held}; {pinned}; {shared}; the rest "
+            f"({fmt_bytes(max(live - self.store.resident_bytes(), 0))}) is parameters, buffers, inputs, "
+            f"gradients, optimizer state and tensors the program holds.")
+
+    def _evictable_bytes(self) -> int:
+        total = 0
+        for e in self.candidates():
+            s = [p.savings(e) for p in self._order if p.applicable(e)]
+            total += max(s, default=0)
+        return total
+
+    def _resident_summary(self) -> tuple[str, str, str]:
+        entries = list(self.store.resident.values())
+        pinned = [e for e in entries if e.pinned]
+        shared = [e for e in entries if not e.pinned and not self.store.sole_owner(e)]
+        free = [e for e in entries if not e.pinned and self.store.sole_owner(e)]
+        big = sorted(entries, key=lambda e: -e.nbytes)[:3]
+        held = (f"{len(entries)} saved tensors ({fmt_bytes(sum(e.nbytes for e in entries))}), largest "
+                + ", ".join(f"{fmt_bytes(e.nbytes)} {str(e.dtype).removeprefix('torch.')}"
+                            + (f" from {e.origin}" if e.origin else "") for e in big)) if entries else "no saved tensors"
+        no_policy = [e for e in free if not any(p.applicable(e) for p in self._order)]
+        return (held, f"{len(pinned)} in use by the running op, {len(no_policy)} with no applicable policy "
+                      f"({', '.join(self.policies)})",
+                f"{len(shared)} also referenced by the program ({fmt_bytes(sum(e.nbytes for e in shared))})")
+
+    # ---- regeneration --------------------------------------------------------------------------
+    def ensure(self, e: Entry) -> None:
+        """Make an evicted entry resident again (unpack, a plan action, or a recompute chain)."""
+        if e.tensor is not None:
+            return
+        name = e.policy or ""
+        policy = self.policies.get(name)
+        if policy is None:
+            raise RuntimeError(f"hybridmem: a saved tensor was evicted by policy {name!r}, which is not active")
+        t0 = time.perf_counter()
+        self.make_room(e.nbytes, f"regenerating a saved {str(e.dtype).removeprefix('torch.')} tensor "
+                                 f"({fmt_bytes(e.nbytes)}) by {name}")
+        t1 = time.perf_counter()
+        self._ensuring.add(e.uid)
+        try:
+            if getattr(policy, "metered", False):
+                with self.mode.metered():
+                    t = policy.regenerate(e)
+            else:
+                with self.mode.quiet():
+                    t = policy.regenerate(e)
+                self.meter.track(t)
+        finally:
+            self._ensuring.discard(e.uid)
+        t2 = time.perf_counter()
+        if e.uid not in self.store.resident:  # recompute hands its result back itself (adopt)
+            self.store.adopt(e, t)
+        self.stats.regenerated(name, e.nbytes, t2 - t1, t2 - t0)
+
+    def adopt_replayed(self, e: Entry, t: Tensor) -> None:
+        """A recompute chain rebuilt ``e`` on its way (``Replayer.adopt``): resident again, counted."""
+        name = e.policy or "recompute"
+        self.store.adopt(e, t)
+        if e.uid not in self._ensuring:  # the entry ensure() asked for is counted there, with its time
+            self.stats.regenerated(name, e.nbytes, 0.0, 0.0)  # its time is in the outer regeneration's
+
+    def fetch(self, e: Entry) -> Tensor:
+        """``ensure`` and return the entry's tensor (a recompute chain starting from a host checkpoint)."""
+        self.ensure(e)
+        assert e.tensor is not None
+        return e.tensor
+
+    def prefetch(self, entries: Iterable[Entry]) -> None:
+        """Start regenerating ``entries`` ahead of use where the budget has room now (a prefetch never
+        evicts: it would trade a certain cost for a hoped-for one)."""
+        for e in entries:
+            policy = self.policies.get(e.policy or "")
+            if e.tensor is not None or policy is None:
+                continue
+            if self.budget is not None and self.meter.current_bytes + e.nbytes > self.budget:
+                continue
+            with self.mode.quiet():
+                policy.prefetch(e)
+
+
+def _tensors_in(obj: Any, device: torch.device, depth: int = 3) -> list[Tensor]:
+    """Tensors on ``device`` inside a policy handle (attributes, sequences, mappings; a few levels)."""
+    if isinstance(obj, Tensor):
+        return [obj] if obj.device == device else []
+    if depth == 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return []
+    if isinstance(obj, dict):
+        items: Iterable[Any] = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+        names = list(getattr(obj, "__dict__", {})) or list(getattr(obj, "__slots__", ()))
+        items = [getattr(obj, n, None) for n in names]
+    else:
+        return []
+    return [t for v in items for t in _tensors_in(v, device, depth - 1)]

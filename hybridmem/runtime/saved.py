@@ -1,0 +1,238 @@
+"""The saved-tensor hooks' state: one entry per saved activation storage, and small handles for autograd.
+
+``pack`` turns a tensor autograd saves into a handle: a *kept* handle (the tensor itself, detached
+from its node) for storages that existed before the runtime saw them (parameters, buffers, inputs,
+tensors on another device), or a *saved* handle pointing to the storage's :class:`Entry` plus the
+view (size, stride, offset, dtype) and the version counter the tensor had. Many saves of one storage
+share one entry; the entry lives while handles do (autograd frees them with its nodes).
+
+``unpack`` makes the entry resident (regenerating it if a policy evicted it), checks the version
+counter (saved-tensor hooks switch off PyTorch's own check, so a saved tensor modified in place
+would otherwise give silently wrong gradients) and rebuilds the view.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from hybridmem.plugins.base import Entry
+
+from .lineage import View, flat
+from .produced import ProducedTable
+from .stats import StatsRecorder
+from .steps import Clock
+
+Tensor = torch.Tensor
+_use_count = torch._C._storage_Use_Count
+
+
+def _calibrate_sole() -> int:
+    """Storage use count when one tensor holds a storage whose Python object exists (it is kept
+    alive with the storage once created, and counts as a reference)."""
+    t = torch.empty(1)
+    t.untyped_storage()
+    return _use_count(t.untyped_storage()._cdata)
+
+
+_SOLE = _calibrate_sole()
+
+
+class Kept:
+    """Handle of a storage the runtime does not manage: the tensor itself and its version."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: Tensor, version: int):
+        self.tensor, self.version = tensor, version
+
+
+class Saved:
+    """Handle of a managed saved tensor; dropping the last one releases the entry. ``view`` is None
+    when the saved tensor has exactly the geometry of the entry's tensor."""
+
+    __slots__ = ("store", "entry", "view", "version", "counter")
+
+    def __init__(self, store: "SavedStore", entry: Entry, view: View, version: int, counter: Any):
+        self.store, self.entry, self.view, self.version, self.counter = store, entry, view, version, counter
+
+    def __del__(self) -> None:
+        e = self.entry
+        e.refs -= 1
+        if e.refs == 0:
+            try:
+                self.store.release(e)
+            except Exception:  # interpreter shutdown: modules half torn down, nothing left to free
+                pass
+
+
+class SavedStore:
+    """Entries of saved activation storages and the pack/unpack hooks that use them.
+
+    ``ensure(entry)`` (set by the runtime) makes an evicted entry resident again. ``resident`` maps
+    ``uid -> entry`` for the entries whose bytes are on the device: the eviction candidates.
+    """
+
+    def __init__(self, device: torch.device, produced: ProducedTable, stats: StatsRecorder, clock: Clock):
+        self.device = device
+        self.clock = clock
+        self.produced = produced
+        self.stats = stats
+        self.resident: dict[int, Entry] = {}
+        self.ensure: Callable[[Entry], None] = _no_regeneration
+        self.discard: Callable[[Entry], None] = _nothing
+        self.changed: Callable[[Entry], None] = _nothing  # an entry's bytes were regenerated
+        self.on_saved: Callable[[Entry], None] = _nothing  # a new entry (prefetch learns save order)
+        self.on_read: Callable[[Entry], None] = _nothing   # an unpack (prefetch learns read order)
+        self.last_op = ""  # set by the mode: named in error messages
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def pack(self, t: Tensor) -> Any:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return t  # sparse, nested, wrapper subclasses: not ours to manage
+        if t.device != self.device:
+            return self._keep(t)
+        slot = self.produced.get(st)
+        if slot is None:
+            return self._keep(t)
+        e = slot.entry
+        if e is None:
+            e = self._new_entry(t, st, slot)
+        e.refs += 1
+        e.last_access = self.clock.now
+        root = t._base if t._base is not None else t
+        counter = None if e.root is not None and e.root() is root else weakref.ref(root)
+        view = View.of(t)
+        return Saved(self, e, None if view == e.view else view, t._version, counter)
+
+    def unpack(self, h: Any) -> Tensor:
+        if type(h) is Kept:
+            if h.tensor._version != h.version:
+                raise _modified(tuple(h.tensor.shape), h.tensor.dtype, "", h.version, h.tensor._version)
+            return h.tensor
+        if type(h) is not Saved:
+            return h
+        e = h.entry
+        self.on_read(e)
+        if e.tensor is None:
+            self.ensure(e)
+        if h.counter is None:
+            now = e.tensor._version + e.vshift
+        else:
+            r = h.counter()
+            now = h.version if r is None else r._version
+        if now != h.version:
+            v = h.view or e.view
+            raise _modified(v.size, v.dtype, e.origin, h.version, now)
+        e.last_access = self.clock.now
+        if h.view is None:  # the saved tensor is the entry's tensor: a fresh alias is enough
+            with torch._C._DisableTorchDispatch():
+                return e.tensor.detach()
+        return h.view.on(e.tensor)
+
+    # ---- entries -----------------------------------------------------------------------------
+    def _keep(self, t: Tensor) -> Kept:
+        if t.grad_fn is not None:
+            # Holding a tensor that has a grad_fn would keep its own node alive (a saved output
+            # forms a cycle through the hook's handle): keep a detached alias, same version counter.
+            with torch._C._DisableTorchDispatch():
+                t = t.detach()
+        return Kept(t, t._version)
+
+    def _new_entry(self, t: Tensor, st: torch.UntypedStorage, slot: Any) -> Entry:
+        root = t._base if t._base is not None else t
+        nbytes = st.nbytes()
+        with torch._C._DisableTorchDispatch():
+            d = root.detach()  # shares the root's version counter, holds no autograd graph
+            item = d.dtype.itemsize
+            if nbytes % item == 0:
+                n = nbytes // item
+                # Policies copy or encode the whole storage through this tensor: it must cover it.
+                covers = d.storage_offset() == 0 and d.numel() == n and d.is_contiguous()
+                base = d if covers else d.as_strided((n,), (1,), 0)
+                shared = True
+            else:
+                base, shared = flat(st, torch.uint8, t.device), False
+        e = Entry(tensor=base, nbytes=nbytes, dtype=base.dtype, device=t.device, lineage=slot.node,
+                  version=base._version)
+        e.root = weakref.ref(root) if shared else None
+        e.view = View.of(base)
+        e.origin = self.last_op
+        slot.entry = e
+        if slot.node is not None:
+            slot.node.entry = e
+        self.resident[e.uid] = e
+        self.stats.saved(nbytes)
+        self.on_saved(e)
+        return e
+
+    def release(self, e: Entry) -> None:
+        """The last handle died: forget the entry and drop whatever it held."""
+        self.resident.pop(e.uid, None)
+        if e.tensor is not None:
+            slot = self.produced.get(e.tensor.untyped_storage())
+            if slot is not None and slot.entry is e:
+                slot.entry = None
+        self.discard(e)
+        node = e.lineage
+        if node is not None and node.entry is e:
+            node.entry = None
+        e.tensor = e.handle = e.lineage = None
+
+    def sole_owner(self, e: Entry) -> bool:
+        """Whether only this entry references its storage (evicting anything else frees nothing)."""
+        t = e.tensor
+        return t is not None and _use_count(t.untyped_storage()._cdata) <= _SOLE + (t._base is not None)
+
+    def before_evict(self, e: Entry) -> None:
+        """Record the version counter the packs saw; the entry stops being a candidate."""
+        e.version = e.tensor._version + e.vshift
+        self.resident.pop(e.uid, None)
+
+    def after_evict(self, e: Entry, policy: str, handle: Any) -> None:
+        if e.tensor is not None:
+            slot = self.produced.get(e.tensor.untyped_storage())
+            if slot is not None and slot.entry is e:
+                slot.entry = None
+        e.tensor, e.policy, e.handle = None, policy, handle
+
+    def adopt(self, e: Entry, t: Tensor) -> None:
+        """``t`` (over a storage with ``e``'s regenerated bytes) becomes ``e``'s resident tensor."""
+        st = t.untyped_storage()
+        base = flat(st, e.dtype, e.device)
+        if e.view is not None and View.of(base) != e.view:
+            base = e.view.on(base)  # same geometry as before eviction: handles rely on it
+        e.tensor, e.policy, e.handle = base, None, None
+        e.vshift = e.version - base._version
+        e.root = weakref.ref(base)
+        slot = self.produced.add(st)
+        slot.entry = e
+        node = e.lineage
+        if node is not None:
+            slot.node, node.storage = node, slot
+        self.resident[e.uid] = e
+        self.changed(e)
+
+    def resident_bytes(self) -> int:
+        return sum(e.nbytes for e in self.resident.values())
+
+
+def _modified(size: tuple[int, ...], dtype: torch.dtype, origin: str, saved: int, now: int) -> RuntimeError:
+    where = f" (saved around op {origin})" if origin else ""
+    return RuntimeError(
+        f"hybridmem: one of the tensors saved for backward, of shape {list(size)} and dtype "
+        f"{str(dtype).removeprefix('torch.')}{where}, has been modified by an in-place operation: it is at "
+        f"version {now}; expected version {saved} instead. PyTorch would raise this error too, but "
+        "saved-tensor hooks disable its check, so hybridmem checks itself. Make the in-place operation "
+        "out-of-place (e.g. inplace=False, x = x + y instead of x += y) or clone the tensor before modifying it.")
+
+
+def _no_regeneration(e: Entry) -> None:
+    raise RuntimeError("hybridmem: an evicted tensor was read but the runtime that evicted it is gone")
+
+
+def _nothing(e: Entry) -> None:
+    return None

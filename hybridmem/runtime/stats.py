@@ -1,0 +1,148 @@
+"""What the runtime measured: memory, evictions and regenerations per policy, plan following.
+
+:class:`Stats` is an immutable snapshot (``hybridmem.stats()``); :class:`StatsRecorder` is the mutable
+ledger the runtime writes into on the hot path (plain attribute increments, no locking: the runtime
+runs on the training thread and the autograd engine thread, never both at once).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..units import fmt_bytes
+
+
+@dataclass
+class PolicyStats:
+    """Counts and bytes one policy evicted and regenerated, and the time it cost."""
+
+    evicted: int = 0
+    evicted_bytes: int = 0
+    regenerated: int = 0
+    regenerated_bytes: int = 0
+    regen_seconds: float = 0.0   # wall time inside the policy's regenerate()
+    stall_seconds: float = 0.0   # wall time the training thread waited for a regenerated tensor
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of the runtime's measurements since ``enable()`` or the last ``reset_stats()``.
+
+    Bytes are device bytes: the CUDA allocator's on CUDA, the meter's simulated device on the CPU.
+    ``min_budget_bytes`` is a lower bound on any budget that can work for the steps seen: the largest
+    amount that had to be resident at one op (non-evictable bytes plus the op's new outputs).
+    """
+
+    device: str
+    budget_bytes: int | None
+    peak_bytes: int
+    current_bytes: int
+    policies: dict[str, PolicyStats]
+    steps: int = 0                      # forward+backward passes completed
+    stages_last_step: int = 0           # stage ops counted in the last completed step
+    saved_bytes: int = 0                # unique activation bytes saved for backward by the last step
+    saved_tensors: int = 0              # ... and how many storages
+    min_budget_bytes: int = 0           # lower bound (see class docstring)
+    cap_overruns: int = 0               # ops after which live bytes exceeded the budget (bad estimate)
+    plan: str = "none"                  # "none", "following", "diverged", "refused"
+    plan_note: str = ""                 # why the plan was left (stage, expected vs seen op)
+    notes: tuple[str, ...] = ()         # other one-line facts worth knowing (e.g. lineage refused)
+
+    @property
+    def evicted_bytes(self) -> int:
+        return sum(p.evicted_bytes for p in self.policies.values())
+
+    @property
+    def regenerated_bytes(self) -> int:
+        return sum(p.regenerated_bytes for p in self.policies.values())
+
+    @property
+    def stall_seconds(self) -> float:
+        return sum(p.stall_seconds for p in self.policies.values())
+
+    @property
+    def regen_seconds(self) -> float:
+        return sum(p.regen_seconds for p in self.policies.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
+
+    def __str__(self) -> str:
+        budget = "monitor only" if self.budget_bytes is None else fmt_bytes(self.budget_bytes)
+        lines = [f"hybridmem on {self.device}: peak {fmt_bytes(self.peak_bytes)}, budget {budget}, "
+                 f"now {fmt_bytes(self.current_bytes)}, {self.steps} step(s), "
+                 f"saved activations {fmt_bytes(self.saved_bytes)}"]
+        for name, p in self.policies.items():
+            lines.append(f"  {name:10s} evicted {p.evicted} ({fmt_bytes(p.evicted_bytes)}), regenerated "
+                         f"{p.regenerated} ({fmt_bytes(p.regenerated_bytes)}) in {p.regen_seconds * 1e3:.1f} ms, "
+                         f"stall {p.stall_seconds * 1e3:.1f} ms")
+        if self.plan != "none":
+            lines.append(f"  plan: {self.plan}" + (f" ({self.plan_note})" if self.plan_note else ""))
+        return "\n".join(lines)
+
+
+@dataclass
+class StatsRecorder:
+    """The runtime's mutable ledger; :meth:`snapshot` freezes it into :class:`Stats`."""
+
+    policies: dict[str, PolicyStats] = field(default_factory=dict)
+    steps: int = 0
+    stages_last_step: int = 0
+    saved_bytes_step: int = 0           # accumulating during the current step
+    saved_tensors_step: int = 0
+    saved_bytes: int = 0                # of the last completed step
+    saved_tensors: int = 0
+    min_budget_bytes: int = 0
+    cap_overruns: int = 0
+    plan: str = "none"
+    plan_note: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def policy(self, name: str) -> PolicyStats:
+        p = self.policies.get(name)
+        if p is None:
+            p = self.policies[name] = PolicyStats()
+        return p
+
+    def evicted(self, name: str, nbytes: int) -> None:
+        p = self.policy(name)
+        p.evicted += 1
+        p.evicted_bytes += nbytes
+
+    def regenerated(self, name: str, nbytes: int, regen_s: float, stall_s: float) -> None:
+        p = self.policy(name)
+        p.regenerated += 1
+        p.regenerated_bytes += nbytes
+        p.regen_seconds += regen_s
+        p.stall_seconds += stall_s
+
+    def saved(self, nbytes: int) -> None:
+        self.saved_bytes_step += nbytes
+        self.saved_tensors_step += 1
+
+    def step_done(self, stages: int) -> None:
+        self.steps += 1
+        self.stages_last_step = stages
+        self.saved_bytes, self.saved_tensors = self.saved_bytes_step, self.saved_tensors_step
+        self.saved_bytes_step = self.saved_tensors_step = 0
+
+    def note(self, text: str) -> None:
+        if text not in self.notes and len(self.notes) < 32:
+            self.notes.append(text)
+
+    def reset(self) -> None:
+        """Forget counts (``reset_stats``); the plan state and the minimum-budget bound are kept."""
+        self.policies = {k: PolicyStats() for k in self.policies}
+        self.steps = 0
+        self.cap_overruns = 0
+
+    def snapshot(self, *, device: str, budget: int | None, peak: int, current: int) -> Stats:
+        return Stats(device=device, budget_bytes=budget, peak_bytes=peak, current_bytes=current,
+                     policies={k: replace(v) for k, v in self.policies.items()}, steps=self.steps,
+                     stages_last_step=self.stages_last_step, saved_bytes=self.saved_bytes,
+                     saved_tensors=self.saved_tensors, min_budget_bytes=self.min_budget_bytes,
+                     cap_overruns=self.cap_overruns, plan=self.plan, plan_note=self.plan_note,
+                     notes=tuple(self.notes))

@@ -1,0 +1,89 @@
+"""Shared helpers of the runtime tests (no tests here): train a few steps with or without the runtime
+and compare bit for bit.
+
+Snapshots are taken through numpy (``Tensor.numpy()`` runs no aten op), so keeping them costs the
+simulated device nothing and the managed and unmanaged runs meter the same memory.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+import hybridmem
+from hybridmem.runtime import Stats
+
+
+@dataclass
+class Case:
+    """A model, its inputs as (args, kwargs) and a loss of its output."""
+
+    name: str
+    model: torch.nn.Module
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    loss_fn: Callable[[Any], torch.Tensor] = lambda out: out.float().square().mean()
+
+    def loss(self, model: torch.nn.Module) -> torch.Tensor:
+        return self.loss_fn(model(*self.args, **self.kwargs))
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.detach().numpy().tobytes()
+
+
+def snapshot(model: torch.nn.Module, loss: torch.Tensor) -> tuple[bytes, list[bytes], list[bytes]]:
+    grads = [raw(p.grad) if p.grad is not None else b"" for p in model.parameters()]
+    return raw(loss), grads, [raw(b) for b in model.buffers()]
+
+
+def train(case: Case, model: torch.nn.Module, steps: int = 3, optim: str = "sgd", seed: int = 0) -> list[Any]:
+    """``steps`` training steps (``optim``: "sgd" with momentum, "sgd-plain", "adam"); per step the
+    loss, every gradient and every buffer (bytes), and at the end the global RNG's state (a replay
+    must not consume it)."""
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if optim == "adam"
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9 if optim == "sgd" else 0.0))
+    torch.manual_seed(seed)
+    out: list[Any] = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = case.loss(model)
+        loss.backward()
+        out.append(snapshot(model, loss))
+        opt.step()
+    out.append(raw(torch.get_rng_state()))
+    return out
+
+
+def run(case: Case, *, steps: int = 3, optim: str = "sgd", **session: Any) -> tuple[list[Any], Stats | None]:
+    """Train a fresh copy of the case's model, unmanaged (no ``session`` arguments) or in a session."""
+    model = copy.deepcopy(case.model)
+    if not session:
+        return train(case, model, steps, optim), None
+    with hybridmem.session(device="cpu", **session) as s:
+        result = train(case, model, steps, optim)
+    return result, s.stats()
+
+
+def budget_for(stats: Stats, cut: float = 0.4) -> int:
+    """The issue's test budget: the monitor-only peak minus ``cut`` of the step's saved activations."""
+    return stats.peak_bytes - int(cut * stats.saved_bytes)
+
+
+def check_managed(case: Case, policies: tuple[str, ...], *, cut: float = 0.4, steps: int = 3,
+                  optim: str = "sgd") -> Stats:
+    """Unmanaged, monitor-only and managed runs: bit-identical results, managed peak within budget."""
+    ref, _ = run(case, steps=steps, optim=optim)
+    mon, mstats = run(case, steps=steps, optim=optim, budget=None, policies=policies)
+    assert mon == ref, f"{case.name}: monitor-only run differs from the unmanaged run"
+    assert mstats is not None and mstats.saved_bytes > 0
+    budget = budget_for(mstats, cut)
+    got, st = run(case, steps=steps, optim=optim, budget=budget, policies=policies)
+    assert st is not None
+    assert st.peak_bytes <= budget, f"{case.name}: peak {st.peak_bytes} > budget {budget}"
+    assert sum(p.evicted for p in st.policies.values()) > 0, f"{case.name}: nothing was evicted"
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert a == b, f"{case.name} {policies}: step {i} differs from the unmanaged run (loss, grads, buffers or RNG)"
+    return st

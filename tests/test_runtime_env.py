@@ -1,0 +1,132 @@
+"""No code change: ``HYBRIDMEM_BUDGET=... python script.py`` and ``hybridmem run`` behave like
+``hybridmem.enable()`` inside the script (subprocesses: the start-up hook runs at interpreter start)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    from torch import nn
+    import hybridmem
+
+    torch.set_num_threads(1)
+    if os.environ.get("ENABLE_IN_SCRIPT"):
+        hybridmem.enable(budget=int(os.environ["ENABLE_IN_SCRIPT"]), policies=("recompute",), device="cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(inplace=True), nn.Dropout(0.1), nn.Linear(128, 128),
+                          nn.Tanh(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 4))
+    x = torch.randn(2048, 32)
+    losses = []
+    for _ in range(3):  # plain SGD by hand: torch.optim imports torch._dynamo (seconds per process)
+        loss = model(x).square().mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-0.1)
+                p.grad = None
+        losses.append(loss.item().hex())
+    try:
+        s = hybridmem.stats()
+        stats = {"peak": s.peak_bytes, "budget": s.budget_bytes, "steps": s.steps, "saved": s.saved_bytes,
+                 "evicted": {k: v.evicted for k, v in s.policies.items()}}
+    except RuntimeError:
+        stats = None
+    print(json.dumps({"losses": losses, "stats": stats, "args": sys.argv[1:]}))
+""")
+
+
+def _run(tmp_path: Path, env: dict[str, str], argv: list[str] | None = None, check: bool = True
+         ) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    full = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDMEM_")}
+    full.update(env, HYBRIDMEM_DEVICE="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    cmd = argv if argv is not None else [sys.executable, str(script), "--flag"]
+    res = subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    if check:
+        assert res.returncode == 0, res.stderr
+    return res
+
+
+def _out(res: subprocess.CompletedProcess) -> dict:
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Monitor-only run through the environment: its peak sets the budget of the managed runs."""
+    out = _out(_run(tmp_path_factory.mktemp("ref"), {"HYBRIDMEM_BUDGET": "none"}))
+    assert out["stats"]["budget"] is None and out["stats"]["steps"] == 3
+    return out
+
+
+@pytest.fixture(scope="module")
+def via_env(tmp_path_factory: pytest.TempPathFactory, reference: dict) -> dict:
+    """The managed run through the environment, at the issue's budget."""
+    budget = reference["stats"]["peak"] - int(0.4 * reference["stats"]["saved"])
+    out = _out(_run(tmp_path_factory.mktemp("env"), {"HYBRIDMEM_BUDGET": str(budget),
+                                                     "HYBRIDMEM_POLICIES": "recompute"}))
+    assert out["stats"]["budget"] == budget
+    return out
+
+
+def test_environment_matches_enable_in_script(tmp_path: Path, reference: dict, via_env: dict,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+
+    import hybridmem
+
+    budget = via_env["stats"]["budget"]
+    (tmp_path / "train.py").write_text(SCRIPT)
+    # enable() inside the script: run here, in this process (a subprocess costs seconds of imports)
+    script = tmp_path / "train.py"
+    monkeypatch.setenv("ENABLE_IN_SCRIPT", str(budget))
+    monkeypatch.setattr(sys, "argv", [str(script), "--flag"])
+    capsys.readouterr()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        hybridmem.disable()
+    in_script = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert via_env == in_script
+    assert via_env["losses"] == reference["losses"]
+    assert via_env["stats"]["peak"] <= budget and via_env["stats"]["evicted"]["recompute"] > 0
+    assert via_env["args"] == ["--flag"]
+
+
+def test_hybridmem_run_matches_the_environment(tmp_path: Path, via_env: dict) -> None:
+    budget = via_env["stats"]["budget"]
+    (tmp_path / "train.py").write_text(SCRIPT)
+    cli = [sys.executable, "-m", "hybridmem.cli", "run", "--budget", str(budget), "--policies", "recompute",
+           str(tmp_path / "train.py"), "--flag"]
+    assert _out(_run(tmp_path, {}, cli)) == via_env
+
+
+def test_bad_environment_stops_with_a_message(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import torch  # noqa: F401  (already imported: the runtime is enabled at once, not deferred)
+
+    from hybridmem import _autoload
+
+    monkeypatch.setenv("HYBRIDMEM_BUDGET", "12XB")
+    with pytest.raises(SystemExit) as e:
+        _autoload.maybe_enable()  # torch is imported here: enables at once
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid budget '12XB'" in err and "512MiB" in err
+
+
+def test_hook_imports_nothing_without_variables(tmp_path: Path) -> None:
+    code = ("import sys, hybridmem._autoload as a; print(a.maybe_enable(), 'torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("HYBRIDMEM_")})
+    assert res.stdout.split() == ["False", "False"], res.stderr
