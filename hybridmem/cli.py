@@ -43,7 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
     p.add_argument("--verbose", action="store_true", help="show solver output")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("-o", "--output", type=Path, help="write the plan here (.yaml)")
+    p.add_argument("-o", "--output", type=Path, help="write the plan here (.yaml); with --shapes, the plan book folder")
+    p.add_argument("--shapes", nargs="+", metavar="SHAPE",
+                   help="plan one bucket per input shape (e.g. 8x128 8x256, or batch=8,seq=128) into the plan "
+                        "book -o DIR; the runtime picks each step's plan by its input shapes (--plan DIR)")
 
     p = sub.add_parser("simulate", help="replay a plan on a graph under a device cost model")
     _add_model_args(p)
@@ -66,8 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", help="comma-separated device models for the simulated part")
     p.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="output folder")
 
-    p = sub.add_parser("report", help="render tables and plots from a bench results file")
-    p.add_argument("results", type=Path, help="RUN.json written by `hybridmem bench`")
+    p = sub.add_parser("report", help="a run's decision report, or tables and plots from a bench results file")
+    p.add_argument("results", type=Path, help="a run file (hybridmem.report.save_run) or the RUN.json written "
+                                              "by `hybridmem bench`")
+    p.add_argument("--json", action="store_true", help="run files: print the report as JSON")
     p.add_argument("-o", "--output", type=Path, help="output folder (default: beside the results)")
     return ap
 
@@ -112,6 +117,9 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.shapes:
+        from .buckets import cli_plan
+        return cli_plan(args)
     from .costs import apply_costs, get_cost_model
     from .simulate import simulate
     from .solvers import plan as solve
@@ -208,6 +216,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     import importlib
+
+    from .report import is_run_file, main as run_report
+    if is_run_file(args.results):  # schema hybridmem-run/1; anything else is a bench results file
+        return run_report(args)
 
     try:
         report = importlib.import_module("hybridmem.bench.report")

@@ -51,6 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._trace import op_info, written_tensors
+from .distributed import plain_storages
 from .units import fmt_bytes, parse_bytes
 
 Tensor = torch.Tensor
@@ -292,24 +293,15 @@ class MeterMode(TorchDispatchMode):
         live, m = self._live, self.meter
         for a in args:
             if isinstance(a, Tensor):
-                try:
-                    st = a.untyped_storage()
-                except (RuntimeError, NotImplementedError):
-                    continue
-                if id(st) not in live:
-                    m._add(st)
+                _register(m, live, a)
             elif type(a) is list or type(a) is tuple:
                 for b in a:
                     if isinstance(b, Tensor):
-                        st = _storage(b)
-                        if st is not None and id(st) not in live:
-                            m._add(st)
+                        _register(m, live, b)
         if kwargs:
             for a in kwargs.values():
                 if isinstance(a, Tensor):
-                    st = _storage(a)
-                    if st is not None and id(st) not in live:
-                        m._add(st)
+                    _register(m, live, a)
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Called after each op with its outputs. Base: register new output storages, enforce the
@@ -319,24 +311,15 @@ class MeterMode(TorchDispatchMode):
             new = 0
             live = self._live
             if isinstance(out, Tensor):
-                try:
-                    st = out.untyped_storage()
-                    if id(st) not in live:
-                        new = m._add(st)
-                except (RuntimeError, NotImplementedError):
-                    pass
+                new = _register(m, live, out)
             elif type(out) is tuple or type(out) is list:
                 for o in out:
                     if isinstance(o, Tensor):
-                        st = _storage(o)
-                        if st is not None and id(st) not in live:
-                            new += m._add(st)
+                        new += _register(m, live, o)
                     elif type(o) is list:  # (Tensor[], ...) returns
                         for p in o:
                             if isinstance(p, Tensor):
-                                st = _storage(p)
-                                if st is not None and id(st) not in live:
-                                    new += m._add(st)
+                                new += _register(m, live, p)
             if _may_resize(func):  # a written storage may have grown: re-read its size
                 for t in written_tensors(func, args, kwargs):
                     st = _storage(t)
@@ -360,6 +343,24 @@ def _may_resize(func: Any) -> bool:
     if r is None:
         r = _RESIZING[func] = op_info(func).may_resize
     return r
+
+
+def _register(m: Meter, live: dict, t: Tensor) -> int:
+    """Count ``t``'s storage if new; returns the bytes added. A traceable wrapper subclass (DTensor:
+    FSDP2's sharded parameters and gradients) has a data-less storage of the *global* size, and the
+    mode never sees its local ops: count the inner tensors' storages instead."""
+    tp = type(t)
+    if tp is Tensor or tp is torch.nn.Parameter:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return 0
+        return m._add(st) if id(st) not in live else 0
+    new = 0
+    for st in plain_storages(t):
+        if id(st) not in live:
+            new += m._add(st)
+    return new
 
 
 def _storage(t: Tensor) -> torch.UntypedStorage | None:

@@ -15,9 +15,12 @@ import torch
 
 from hybridmem.plugins.base import Policy, get_policy
 
+from ..buckets import BucketSwitch, PlanBook, is_book
 from ..config import Config
+from ..distributed import FsdpStorageSync
 from ..meter import Meter
 from ..plan import Plan
+from ..report import TensorLog
 from ..units import parse_bytes
 from .estimate import OutputEstimator
 from .fixed import FixedMarker
@@ -76,6 +79,8 @@ def resolve_plan(plan: Any) -> Plan | None:
     if plan is None or isinstance(plan, Plan):
         return plan
     if isinstance(plan, (str, Path)):
+        if is_book(plan):
+            return None  # a plan book (folder): the Runtime picks a plan per step (BucketSwitch)
         return Plan.load(plan)
     raise ValueError(f"plan must be a Plan, a path to a plan file, or None; got {type(plan).__name__}")
 
@@ -91,18 +96,21 @@ class Runtime:
             self.budget = plan.budget_bytes  # the online scorer keeps the plan's budget where it is left
         self.plan = plan
         self.stats = StatsRecorder()
+        self.stats.tensor_log = TensorLog()  # bounded: the report's per-tensor measured rows
         self.clock = Clock()
         self.meter = Meter(self.device)  # the runtime enforces the budget itself, before each op
+        self.fsdp_sync = FsdpStorageSync(self.meter)  # FSDP's resize_ is not an op: re-read at collectives
         self.produced = ProducedTable()
         self.store = SavedStore(self.device, self.produced, self.stats, self.clock)
         self.policies = self._make_policies(cfg)
         self.residency = Residency(self.store, self.policies, self.meter, self.stats, self.budget)
-        manages = self.budget is not None or plan is not None
+        book = PlanBook.load(cfg.plan) if plan is None and is_book(cfg.plan) else None
+        manages = self.budget is not None or plan is not None or book is not None
         self.recorder: Recorder | None = None
         self.replayer: Replayer | None = None
         if manages and "recompute" in self.policies:
             self.recorder = Recorder(self.produced.get, torch.are_deterministic_algorithms_enabled,
-                                     OpCost(cost_model_for(self.device, cfg)))
+                                     OpCost(cost_model_for(self.device, cfg)), self.fsdp_sync.resizable)
             self.replayer = Replayer(self.residency.fetch, self.residency.adopt_replayed, lambda: self.steps.steps)
         self.steps = StepTracker(self._step_started, self._step_ended)
         self.fixed = FixedMarker(self.produced, self.meter, self.steps.module_called)
@@ -117,6 +125,7 @@ class Runtime:
         self.follower = PlanFollower(plan, self) if plan is not None else None
         if self.follower is not None:
             self.stats.plan = "pending"
+        self.buckets = BucketSwitch(book, self) if book is not None else None
         for p in self.policies.values():
             bind = getattr(p, "bind", None)
             if bind is not None:
@@ -151,6 +160,8 @@ class Runtime:
                 self.meter.budget_bytes = self.budget
                 self.meter.apply_cuda_cap()
         self.mode.__enter__()
+        if self.buckets is not None:
+            self.buckets.install()  # before FixedMarker's hook, where the step starts: it picks the plan
         self.fixed.install()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.store.pack, self.store.unpack)
         self._hooks.__enter__()
@@ -168,6 +179,8 @@ class Runtime:
                                "enable(): leave it first")
         self._hooks.__exit__(None, None, None)
         self.fixed.uninstall()
+        if self.buckets is not None:
+            self.buckets.uninstall()
         self.mode.__exit__(None, None, None)
         self._hooks = None
         self.mode = None
@@ -177,6 +190,7 @@ class Runtime:
 
     # ---- steps ---------------------------------------------------------------------------------
     def _step_started(self) -> None:
+        self.stats.step_started()
         self.estimator.new_step()
         self.residency.forget_offers()
         if self.follower is not None:
@@ -184,12 +198,15 @@ class Runtime:
 
     def _step_ended(self, stages: int) -> None:
         self.stats.step_done(stages)
+        self.fsdp_sync.refresh()
         if self.recorder is not None:
             self.recorder.end_step()
         if self.prefetcher is not None:
             self.prefetcher.step_ended()
         if self.follower is not None:
             self.follower.step_ended(stages)
+        if self.buckets is not None:
+            self.buckets.step_ended()
 
     # ---- stats ---------------------------------------------------------------------------------
     def snapshot(self) -> Stats:

@@ -28,19 +28,19 @@ class OutputEstimator:
     """Per-stage allocation records of the last step, and meta inference near the budget."""
 
     def __init__(self) -> None:
-        self.prev: list[tuple[Any, int]] = []   # stage -> (func, bytes) of the previous step
-        self.cur: list[tuple[Any, int]] = []
+        self.prev: list[tuple[Any, Any, int]] = []   # stage -> (func, first tensor arg's shape, bytes)
+        self.cur: list[tuple[Any, Any, int]] = []
         self.largest = 0                        # most new bytes one op allocated so far
 
-    def learn(self, stage: int, func: Any, nbytes: int) -> None:
+    def learn(self, stage: int, func: Any, nbytes: int, args: tuple = ()) -> None:
         if nbytes > self.largest:
             self.largest = nbytes
         if stage >= 0:
             cur = self.cur
             if stage == len(cur):
-                cur.append((func, nbytes))
+                cur.append((func, _first_shape(args), nbytes))
             elif stage < len(cur):
-                cur[stage] = (func, nbytes)
+                cur[stage] = (func, _first_shape(args), nbytes)
 
     def new_step(self) -> None:
         if self.cur:
@@ -48,14 +48,23 @@ class OutputEstimator:
 
     def estimate(self, stage: int, func: Any, args: tuple, kwargs: dict, headroom: int, budget: int) -> int:
         """New bytes ``func`` will allocate; cheap unless ``headroom`` (budget - live) is small."""
+        # Same op at the same stage is not enough: DDP changes its backward ops in step 2 (bucket
+        # rebuild) and a new input shape keeps op names; the first tensor argument's shape must match.
         if 0 <= stage < len(self.prev):
-            f, nbytes = self.prev[stage]
-            if f is func:
+            f, s, nbytes = self.prev[stage]
+            if f is func and s == _first_shape(args):
                 return nbytes
         if 2 * headroom > budget and headroom > 8 * self.largest > 0:
             return 0  # far below the budget: nothing one op allocates can matter
         est = meta_bytes(func, args, kwargs)
         return est if est is not None else _largest_input(args, kwargs)
+
+
+def _first_shape(args: tuple) -> Any:
+    for a in args:
+        if isinstance(a, Tensor):
+            return a.shape
+    return None
 
 
 def meta_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from .._trace import op_info
+from ..distributed import collective_writes
 
 if TYPE_CHECKING:
     from hybridmem.plugins.base import Entry
@@ -217,6 +218,10 @@ def _make_replay_info(func: Any) -> _ReplayInfo:
     if base.bn_training >= 0:  # legacy BatchNorm kernels write running stats without saying so
         written |= set(stats)
     fresh = tuple(r.alias_info is None for r in schema.returns)
+    hidden = collective_writes(func)  # c10d schemas do not annotate the arguments they write
+    if hidden:
+        written |= set(hidden)
+        fresh = tuple(False for _ in fresh)  # what they return are those arguments
     ns = getattr(func, "namespace", "aten")
     why = "" if ns in ("aten", "prims") else f"{base.name} is not an aten op (side effects unknown)"
     return _ReplayInfo(frozenset(written), frozenset(base.written_kw), stats, training, fresh, why)
@@ -231,8 +236,10 @@ class Recorder:
     """
 
     def __init__(self, lookup: Callable[[torch.UntypedStorage], Any], cuda_deterministic: Callable[[], bool],
-                 cost: "OpCost | None" = None):
+                 cost: "OpCost | None" = None,
+                 unreplayable: Callable[[torch.UntypedStorage], bool] | None = None):
         self.lookup = lookup
+        self.unreplayable = unreplayable  # fixed storages a replay must not read (FSDP's unsharded params)
         self.cuda_deterministic = cuda_deterministic
         self.cost = cost
         self._step_nodes: list[Node] = []
@@ -253,6 +260,8 @@ class Recorder:
         # The tensor itself (its autograd base), not a detached alias: this runs below autograd,
         # where a new alias would get a version counter of its own and in-place writes would go
         # unnoticed. Pre-existing tensors cannot hold the runtime's handles, so no cycle forms.
+        if self.unreplayable is not None and self.unreplayable(st):
+            return OPAQUE  # FSDP frees this parameter between forward and backward: no replay from it
         root = t._base if t._base is not None else t
         return FixedRef(root, -1 if value_unused else t._version, View.of(t))
 

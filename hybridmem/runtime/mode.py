@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 import torch
 
 from .._trace import op_info, uses_rng
+from ..distributed import is_collective
 from ..meter import Meter, MeterMode
 from .lineage import RngBefore, replay_info, rng_state
 
@@ -37,6 +38,7 @@ class OpFacts(NamedTuple):
     any_fresh: bool
     writes: bool                # writes some argument in place
     maybe_rng: bool             # may draw random numbers (checked per call only then)
+    collective: bool = False    # c10d / fsdp op (hybridmem.distributed.is_collective)
 
 
 _FACTS: dict[int, OpFacts] = {}
@@ -46,10 +48,11 @@ def facts(func: Any) -> OpFacts:
     f = _FACTS.get(id(func))
     if f is None:
         info = op_info(func)
-        fresh = replay_info(func).fresh
+        ri = replay_info(func)
+        fresh = ri.fresh
         f = _FACTS[id(func)] = OpFacts(info.name, info.stage, fresh, any(fresh),
-                                       bool(info.written or info.written_kw or info.bn_training >= 0),
-                                       info.rng or info.dropout_arg >= 0)
+                                       bool(ri.written or info.written_kw or info.bn_training >= 0),
+                                       info.rng or info.dropout_arg >= 0, is_collective(func))
     return f
 
 
@@ -146,6 +149,9 @@ class RuntimeMode(MeterMode):
                 self._overrun(f)
             return
         self.store.last_op = f.name
+        if fresh:  # as in capture: what a non-stage op allocates belongs to the last stage
+            for _, slot, _ in fresh:
+                slot.stage = self.steps.stage
         stage = self._stage
         rec = self.recorder
         if rec is not None:
@@ -154,8 +160,10 @@ class RuntimeMode(MeterMode):
                 self._rng = None
             elif f.writes:
                 rec.unrecorded_write(func, args, kwargs)
+        if f.collective:
+            self.rt.fsdp_sync.after_op(func, args, kwargs)
         if budget is not None:
-            self.estimator.learn(stage, func, nbytes)
+            self.estimator.learn(stage, func, nbytes, args)
             if self.meter.current_bytes > budget:
                 self._overrun(f)
         if self.follower is not None:
@@ -198,8 +206,10 @@ class RuntimeMode(MeterMode):
         return res, nbytes
 
     def _cap(self, func: Any, args: tuple, kwargs: dict, stage: int, f: OpFacts) -> None:
-        if not f.any_fresh:
-            return  # views and in-place ops allocate nothing
+        if not f.any_fresh:  # views and in-place ops allocate nothing, but storages first seen as their
+            if self.meter.current_bytes > self.budget:  # inputs (DDP's buckets) may have just been counted
+                self.residency.make_room(0, f"op {f.name} (storages it reads, counted from now on)")
+            return
         headroom = self.budget - self.meter.current_bytes
         est = self.estimator.estimate(stage, func, args, kwargs, headroom, self.budget)
         if est > headroom:

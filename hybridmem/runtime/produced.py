@@ -16,7 +16,7 @@ import torch
 class Slot(weakref.ref):
     """Weak reference to a produced storage, with the runtime's facts about it."""
 
-    __slots__ = ("key", "node", "entry", "last_entry")
+    __slots__ = ("key", "node", "entry", "last_entry", "stage")
 
     def __new__(cls, st: torch.UntypedStorage, callback: Any) -> "Slot":
         self = weakref.ref.__new__(cls, st, callback)
@@ -24,6 +24,7 @@ class Slot(weakref.ref):
         self.node = None
         self.entry = None
         self.last_entry = None  # the entry it had when freed (a plan regenerates evicted tensors by it)
+        self.stage = -1         # the step's stage it was produced in (a Graph tensor's producer)
         return self
 
     def __init__(self, st: torch.UntypedStorage, callback: Any) -> None:

@@ -78,6 +78,8 @@ class Residency:
         self._track_kept(policy, handle)
         self.store.after_evict(e, policy.name, handle)
         self.stats.evicted(policy.name, e.nbytes)
+        if self.stats.tensor_log is not None:
+            self.stats.tensor_log.evicted(e, policy.name)
         return before - self.meter.current_bytes
 
     def _track_kept(self, policy: Policy, handle: Any) -> None:
@@ -266,6 +268,8 @@ class Residency:
         if e.uid not in self.store.resident:  # recompute hands its result back itself (adopt)
             self.store.adopt(e, t)
         self.stats.regenerated(name, e.nbytes, t2 - t1, t2 - t0)
+        if self.stats.tensor_log is not None:
+            self.stats.tensor_log.regenerated(e, t2 - t1, t2 - t0)
 
     def adopt_replayed(self, e: Entry, t: Tensor) -> None:
         """A recompute chain rebuilt ``e`` on its way (``Replayer.adopt``): resident again, counted."""

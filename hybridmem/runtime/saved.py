@@ -19,6 +19,7 @@ import torch
 
 from hybridmem.plugins.base import Entry
 
+from ..distributed import is_parameter_view, is_traceable_wrapper_subclass
 from .lineage import View, flat
 from .produced import ProducedTable
 from .stats import StatsRecorder
@@ -100,6 +101,12 @@ class SavedStore:
             return self._keep(t)
         e = slot.entry
         if e is None:
+            if is_parameter_view(t) or (type(t) is not Tensor and is_traceable_wrapper_subclass(t)):
+                # FSDP's unsharded parameters are made by ops during the step; a DTensor's storage is a
+                # data-less stand-in of the global size. Neither is an activation: fixed from now on.
+                self.produced.slots.pop(id(st), None)
+                slot.node = slot.entry = None
+                return self._keep(t)
             e = self._new_entry(t, st, slot)
         e.refs += 1
         e.last_access = self.clock.now
@@ -157,7 +164,7 @@ class SavedStore:
             else:
                 base, shared = flat(st, torch.uint8, t.device), False
         e = Entry(tensor=base, nbytes=nbytes, dtype=base.dtype, device=t.device, lineage=slot.node,
-                  version=base._version)
+                  version=base._version, stage=slot.stage)
         e.root = weakref.ref(root) if shared else None
         e.view = View.of(base)
         e.origin = self.last_op

@@ -6,6 +6,7 @@ runs on the training thread and the autograd engine thread, never both at once).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,6 +48,8 @@ class Stats:
     plan: str = "none"                  # "none", "following", "diverged", "refused"
     plan_note: str = ""                 # why the plan was left (stage, expected vs seen op)
     notes: tuple[str, ...] = ()         # other one-line facts worth knowing (e.g. lineage refused)
+    step_seconds: float | None = None   # mean wall time of the completed steps (forward + backward)
+    tensors: tuple[dict[str, Any], ...] = ()  # evictions, one record each (hybridmem.report.TensorLog)
 
     @property
     def evicted_bytes(self) -> int:
@@ -69,6 +72,12 @@ class Stats:
         d = asdict(self)
         d["notes"] = list(self.notes)
         return d
+
+    def report(self, plan: Any = None, graph: Any = None, device: Any = None, **kwargs: Any) -> Any:
+        """The decision report (:func:`hybridmem.report.build_report`); give the plan and its graph for
+        the per-tensor table and the simulator's predictions."""
+        from ..report import build_report
+        return build_report(self, plan, graph, device, **kwargs)
 
     def __str__(self) -> str:
         budget = "monitor only" if self.budget_bytes is None else fmt_bytes(self.budget_bytes)
@@ -100,6 +109,9 @@ class StatsRecorder:
     plan: str = "none"
     plan_note: str = ""
     notes: list[str] = field(default_factory=list)
+    tensor_log: Any = None              # hybridmem.report.TensorLog, or None
+    step_time: float = 0.0              # wall seconds of the completed steps
+    step_t0: float | None = None
 
     def policy(self, name: str) -> PolicyStats:
         p = self.policies.get(name)
@@ -123,7 +135,13 @@ class StatsRecorder:
         self.saved_bytes_step += nbytes
         self.saved_tensors_step += 1
 
+    def step_started(self) -> None:
+        self.step_t0 = time.perf_counter()
+
     def step_done(self, stages: int) -> None:
+        if self.step_t0 is not None:
+            self.step_time += time.perf_counter() - self.step_t0
+            self.step_t0 = None
         self.steps += 1
         self.stages_last_step = stages
         self.saved_bytes, self.saved_tensors = self.saved_bytes_step, self.saved_tensors_step
@@ -138,6 +156,9 @@ class StatsRecorder:
         self.policies = {k: PolicyStats() for k in self.policies}
         self.steps = 0
         self.cap_overruns = 0
+        self.step_time = 0.0
+        if self.tensor_log is not None:
+            self.tensor_log.clear()
 
     def snapshot(self, *, device: str, budget: int | None, peak: int, current: int) -> Stats:
         return Stats(device=device, budget_bytes=budget, peak_bytes=peak, current_bytes=current,
@@ -145,4 +166,6 @@ class StatsRecorder:
                      stages_last_step=self.stages_last_step, saved_bytes=self.saved_bytes,
                      saved_tensors=self.saved_tensors, min_budget_bytes=self.min_budget_bytes,
                      cap_overruns=self.cap_overruns, plan=self.plan, plan_note=self.plan_note,
-                     notes=tuple(self.notes))
+                     notes=tuple(self.notes),
+                     step_seconds=self.step_time / self.steps if self.steps else None,
+                     tensors=self.tensor_log.records() if self.tensor_log is not None else ())

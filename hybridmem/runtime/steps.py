@@ -39,11 +39,17 @@ class StepTracker:
         self.in_backward = False
         self.steps = 0
         self.modules = False         # a module was ever called: steps start at module calls only
+        self._ended_task = -1        # graph task of the backward pass that ended the last step
 
     def observe(self, is_stage: bool, args: tuple) -> int:
         """Note one op (``is_stage``: ``is_stage_op`` holds for it); returns its stage index, or -1
         (not a stage op, or outside a step)."""
-        if _task_id() != -1:
+        task = _task_id()
+        if task != -1:
+            if self.phase == IDLE and task == self._ended_task:
+                # DDP's reducer and FSDP's root post-backward run ops from final callbacks queued
+                # after ours, in the same backward pass: they end this step, they start none.
+                return -1
             self.in_backward = True
             if self.phase != BACKWARD:
                 self._enter_backward()
@@ -84,6 +90,7 @@ class StepTracker:
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
+        self._ended_task = _task_id()
         self.phase = IDLE
         self.in_backward = False
         self.steps += 1
