@@ -28,8 +28,6 @@ _API = {
     "Stats": ("hybridmem.runtime", "Stats"),
     "Session": ("hybridmem.runtime", "Session"),
     "capture": ("hybridmem.capture", "capture"),
-    "simulate": ("hybridmem.simulate", "simulate"),
-    "plan": ("hybridmem.solvers", "plan"),
     "Graph": ("hybridmem.graph", "Graph"),
     "Plan": ("hybridmem.plan", "Plan"),
     "Action": ("hybridmem.plan", "Action"),
@@ -39,7 +37,21 @@ _API = {
     "parse_bytes": ("hybridmem.units", "parse_bytes"),
 }
 
-__all__ = sorted(_API) + ["__version__"]
+__all__ = sorted([*_API, "plan", "simulate"]) + ["__version__"]
+
+
+# ``plan`` and ``simulate`` are both public functions and submodules (hybridmem/plan.py, simulate.py).
+# Importing a submodule sets the package attribute to the module, which would shadow the function, so
+# these two are bound eagerly, after their modules are imported, and stay functions from then on.
+from . import plan as _plan_module, simulate as _simulate_module  # noqa: E402  (order matters, see above)
+from .simulate import simulate  # noqa: E402
+
+
+def plan(*args: Any, **kwargs: Any) -> Any:
+    """Solve an eviction Plan for a Graph: see :func:`hybridmem.solvers.plan`."""
+    from .solvers import plan as solve
+
+    return solve(*args, **kwargs)
 
 
 def __getattr__(name: str) -> Any:
