@@ -1,0 +1,170 @@
+"""CUDA check: the CPU test suite's correctness and hard-cap checks, run on a GPU, as one short table.
+
+    python bench/gpu_check.py                 # on a machine with CUDA (the default device)
+    python bench/gpu_check.py --device cpu    # the same checks on the CPU's simulated device (dry run)
+
+For each model: 3 SGD steps unmanaged, then 3 steps under hybridmem per policy set at a budget of the
+monitor-only peak minus 40 % of the saved-activation bytes. A row passes when the losses, every gradient
+and every BatchNorm buffer are bit-identical to the unmanaged run (lossless policies) and the peak stays
+within the budget: on CUDA the peak is ``torch.cuda.max_memory_allocated``, the allocator's own number.
+The swap row also shows copy time hidden behind compute vs exposed (stall). Exit status 1 if a row fails.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing bench
+
+import hybridmem  # noqa: E402
+from bench.zoo import build  # noqa: E402
+
+POLICY_SETS = (("swap",), ("recompute",), ("compress",), ("swap", "recompute", "compress"))
+STEPS = 3
+
+
+@dataclass
+class Row:
+    model: str
+    policies: str
+    budget: int
+    peak: int
+    identical: bool
+    step_ms: float
+    base_ms: float
+    stall_ms: float
+    regen_ms: float
+
+    @property
+    def ok(self) -> bool:
+        return self.identical and self.peak <= self.budget
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train(entry, device: torch.device, steps: int = STEPS) -> tuple[list[torch.Tensor], dict, float]:
+    """Run ``steps`` SGD steps on a copy of the model; return losses, final state and ms per step."""
+    model = copy.deepcopy(entry.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # stateless: the activation peak stays the peak
+    losses = []
+    torch.manual_seed(1234)  # dropout masks: same RNG stream in every run
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(1234)
+    _sync(device)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        args, kwargs = entry.args_kwargs()
+        loss = entry.loss_fn(model(*args, **kwargs))
+        loss.backward()
+        losses.append(loss.detach())
+        if step == steps - 1:  # keep the last gradients without copying (zero_grad drops, not zeroes)
+            grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _sync(device)
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    # no copies here: this may run under the budget; the final buffers and parameters are read as they are
+    state = {"grads": grads, **{f"buf:{n}": b.detach() for n, b in model.named_buffers()},
+             **{f"param:{n}": p.detach() for n, p in model.named_parameters()}}
+    return losses, state, ms
+
+
+def _identical(a: tuple[list, dict], b: tuple[list, dict]) -> bool:
+    la, sa = a
+    lb, sb = b
+    if len(la) != len(lb) or not all(torch.equal(x, y) for x, y in zip(la, lb)):
+        return False
+    flat = lambda s: {**{f"grad:{k}": v for k, v in s["grads"].items()}, **{k: v for k, v in s.items() if k != "grads"}}
+    fa, fb = flat(sa), flat(sb)
+    return fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def compressible_bytes(entry) -> int:
+    """Bytes the lossless codecs would save on one step's saved activations (the compress-only target)."""
+    from hybridmem.plugins.base import Entry
+    from hybridmem.plugins.compress import CompressPolicy
+
+    # A training-mode step on a copy: on entry.model itself it would advance every BatchNorm's running
+    # stats and num_batches_tracked (and leave .grad behind), so the managed run that follows would
+    # start from another state than the unmanaged one and never be bit-identical to it.
+    model = copy.deepcopy(entry.model)
+    fixed = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    storages: dict[int, tuple[torch.UntypedStorage, torch.dtype]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in fixed:
+            storages.setdefault(st.data_ptr(), (st, t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        args, kwargs = entry.args_kwargs()
+        loss = entry.loss_fn(model(*args, **kwargs))
+    policy, total = CompressPolicy(), 0
+    for st, dtype in storages.values():
+        whole = torch.empty(0, dtype=dtype, device=st.device).set_(st)
+        e = Entry(tensor=whole, nbytes=st.nbytes(), dtype=dtype, device=st.device)
+        if policy.applicable(e):
+            total += policy.savings(e)
+    loss.backward()
+    return total
+
+
+def check_model(name: str, size: str, device: torch.device) -> list[Row]:
+    entry = build(name, size, device=device)
+    base_losses, base_state, base_ms = _train(entry, device)
+    with hybridmem.session(budget=None, device=str(device)) as s:
+        _train(entry, device)  # the same steps as below: optimizer state counts too
+    monitor = s.stats()
+    rows = []
+    for policies in POLICY_SETS:
+        # compress alone can only reach the share its lossless codecs save (issue 3's protocol)
+        cut = compressible_bytes(entry) if policies == ("compress",) else monitor.saved_bytes
+        budget = int(monitor.peak_bytes - 0.4 * cut)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with hybridmem.session(budget=budget, policies=policies, device=str(device)) as s:
+            losses, state, ms = _train(entry, device)
+        st = s.stats()
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else st.peak_bytes
+        rows.append(Row(name, "+".join(policies), budget, peak, _identical((base_losses, base_state), (losses, state)),
+                        ms, base_ms, st.stall_seconds * 1e3, st.regen_seconds * 1e3))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
+    ap.add_argument("--models", default="resnet50,transformer,gpt,unet,mobilenet", help="zoo models")
+    ap.add_argument("--size", default="small", help="zoo size (default: small)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: CUDA is not available here; run with --device cpu for a dry run", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (simulated device)"
+    print(f"# hybridmem gpu_check  {time.strftime('%Y-%m-%d %H:%M')}  {name}  torch {torch.__version__}")
+    print(f"{'model':12s} {'policies':26s} {'budget MiB':>10s} {'peak MiB':>9s} {'bit-equal':>9s} "
+          f"{'step ms':>8s} {'base ms':>8s} {'regen ms':>9s} {'stall ms':>9s}  ok")
+    failed = 0
+    for model in args.models.split(","):
+        for r in check_model(model, args.size, device):
+            failed += not r.ok
+            print(f"{r.model:12s} {r.policies:26s} {r.budget / 2**20:10.1f} {r.peak / 2**20:9.1f} "
+                  f"{'yes' if r.identical else 'NO':>9s} {r.step_ms:8.1f} {r.base_ms:8.1f} {r.regen_ms:9.1f} "
+                  f"{r.stall_ms:9.1f}  {'ok' if r.ok else 'FAIL'}")
+    print(f"{failed} row(s) failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
