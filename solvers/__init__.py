@@ -121,7 +121,9 @@ def _finish(graph: Graph, out: Plan, model: Any, budget_b: int, t0: float) -> Pl
     if lb:
         out.info["gap"] = float(res.time_s / lb - 1.0)
     out.info = {k: _plain(v) for k, v in out.info.items()}
-    return out
+    from hybridmem.runtime.follow import annotate
+
+    return annotate(out, graph)  # what the runtime needs to map the plan's stages and tensors to live ops
 
 
 def _plain(v: Any) -> Any:
@@ -185,14 +187,17 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     if best[2] is not None and best[0] <= float(best[2].compute_s) * (1 + 1e-12):
         polish = False                     # nothing to gain: the step already runs at compute speed
     if polish:
-        best = _polish(graph, budget, model, best, solver, deadline, options, notes)
+        # the MILP's time limit is its own: the polish after it gets its usual share
+        best = _polish(graph, budget, model, best, solver, None if solver == "milp" else deadline, options, notes)
     _, out, res, source = best
     if out is None:
         raise BudgetInfeasibleError(
             f"solver {solver!r} found no plan within {fmt_bytes(budget)} ({budget} B)"
             + (f": at least {fmt_bytes(minimum)} ({minimum} B) is needed with every saved activation evicted "
-               "where it is not read" if budget < minimum else "")
-            + (f"; {'; '.join(notes)}" if notes else ""), minimum if budget < minimum else None)
+               "where it is not read" if budget < minimum else
+               f" (a lower bound for its plans is {fmt_bytes(minimum)} ({minimum} B); a larger budget, or "
+               "solver='milp' with a longer time_limit, may find one)")
+            + (f"; {'; '.join(notes)}" if notes else ""), minimum)
     out.solver = solver
     if notes:
         out.info["notes"] = "; ".join(notes)
@@ -251,9 +256,9 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
 
     limit = DEFAULT_MILP_TIME_LIMIT if time_limit is None else time_limit
     t0 = time.perf_counter()
-    sm = milp.build_model(p, solver=options.get("solver_backend", "cbc"), verbose=verbose,
-                          compact=options.get("compact", relax.is_large(p)))
-    res = milp.solve(sm, time_limit=max(limit - sm.build_s, 0.5), start=start)
+    res = milp.solve_problem(p, time_limit=limit, start=start, isolate=options.get("isolate", True),
+                             solver=options.get("solver_backend", "cbc"), verbose=verbose,
+                             compact=options.get("compact", relax.is_large(p)))
     info = {"status": res.status, "milp_vars": res.num_vars, "milp_constraints": res.num_constraints,
             "milp_s": round(time.perf_counter() - t0, 4), "compact": relax.is_large(p)}
     if res.objective is not None:
@@ -270,8 +275,9 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
             return None
         approx.solver = "milp"
         approx.info.update(info)
-        approx.info["fallback"] = (f"the MILP found no solution within {limit:g} s (status {res.status}): "
-                                   "this is the approx plan")
+        why = (f"the MILP solver crashed or hung (status {res.status})" if res.status.startswith(("crashed", "error"))
+               else f"the MILP found no solution within {limit:g} s (status {res.status})")
+        approx.info["fallback"] = f"{why}: this is the approx plan"
         return approx
     try:
         out = make_plan(p, schedule_to_actions(p, res.schedule), "milp", info)

@@ -350,9 +350,9 @@ def _restricted_milp(name: str, graph: Graph, budget: int, model: Any, time_limi
             p, None, time_budget=min(10.0, limit / 4),
             variants=tuple({"allow_swap": swap, "allow_recompute": recompute, "link_weight": lw} for lw in (0.0, 1.0)))
         left = max(limit - (time.perf_counter() - t0), 1.0)
-        sm = milp.build_model(p, solver=options.get("solver_backend", "cbc"), verbose=verbose, swap=swap,
-                              recompute=recompute, compact=relax.is_large(p))
-        res = milp.solve(sm, time_limit=left, start=start)
+        res = milp.solve_problem(p, time_limit=left, start=start, isolate=options.get("isolate", True),
+                                 solver=options.get("solver_backend", "cbc"), verbose=verbose, swap=swap,
+                                 recompute=recompute, compact=relax.is_large(p))
         info: dict[str, Any] = {"status": res.status, "milp_vars": res.num_vars, "milp_constraints": res.num_constraints}
         if res.objective is not None:
             info["objective_s"] = p.compute_s + res.objective

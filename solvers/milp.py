@@ -82,7 +82,8 @@ class StrModel:
         return self.m.num_rows
 
 
-def new_model(solver: str = "cbc", verbose: bool = False, name: str = "str"):
+def check_backend(solver: str = "cbc") -> str:
+    """The python-mip solver name for ``solver`` (``cbc`` or ``highs``); a clear error if unavailable."""
     import mip
 
     key = solver.lower()
@@ -93,11 +94,16 @@ def new_model(solver: str = "cbc", verbose: bool = False, name: str = "str"):
             raise SolverUnavailableError(
                 "solver 'highs' needs the highspy package: pip install 'hybridmem[highs]' "
                 "(highspy<1.16; 1.16 does not load under python-mip 2.0)") from None
-        m = mip.Model(name, sense=mip.MINIMIZE, solver_name=mip.HIGHS)
-    elif key == "cbc":
-        m = mip.Model(name, sense=mip.MINIMIZE, solver_name=mip.CBC)
-    else:
-        raise ValueError(f"unknown MILP backend {solver!r}: cbc or highs")
+        return mip.HIGHS
+    if key == "cbc":
+        return mip.CBC
+    raise ValueError(f"unknown MILP backend {solver!r}: cbc or highs")
+
+
+def new_model(solver: str = "cbc", verbose: bool = False, name: str = "str"):
+    import mip
+
+    m = mip.Model(name, sense=mip.MINIMIZE, solver_name=check_backend(solver))
     m.verbose = 1 if verbose else 0
     return m
 
@@ -427,23 +433,30 @@ def start_from_schedule(sm: StrModel, sched: Schedule) -> list[tuple[Any, float]
                 start.append((sm.S[t, k], 1.0))
             continue
         rec = set(ts.recompute)
-        arrivals = {u for _, u in ts.swap_in}
+        pid = p.producers(k)[0]
         for t in range(c.start + 1, c.end + 1):
             here = ts.is_present(t)
             if here and t in rec and (t, k) in sm.R:
                 start.append((sm.R[t, k], 1.0))
-                prod = c.start
-                if (t, prod) in sm.X:
-                    start.append((sm.X[t, prod], 1.0))
+                if (t, pid) in sm.X:
+                    start.append((sm.X[t, pid], 1.0))
             elif here:
                 start.append((sm.S[t, k], 1.0))
         if ts.swap_out is not None:
             fs = sorted(f for (t, f, kk) in sm.P if kk == k and t == ts.swap_out)
             if fs:
                 start.append((sm.P[ts.swap_out, fs[0], k], 1.0))
+                for s_ in range(ts.swap_out + 1, fs[0] + 1):      # held while the copy runs
+                    if (s_, k) in sm.S:
+                        start.append((sm.S[s_, k], 1.0))
+        ys = [key for key in sm.Y if key[2] == k]
         for q, u in ts.swap_in:
-            if (q, u, k) in sm.Y and u in arrivals:
+            if (q, u, k) in sm.Y:
                 start.append((sm.Y[q, u, k], 1.0))
+                continue
+            near = [key for key in ys if key[1] == u and key[0] <= u]     # same read, nearest issue
+            if near:
+                start.append((sm.Y[min(near, key=lambda key: abs(key[0] - q))], 1.0))
     # X may be shared by several outputs: deduplicate
     seen: dict[int, tuple[Any, float]] = {}
     for v, x in start:
@@ -493,3 +506,59 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
         copies = sum(1 for v in (*sm.P.values(), *sm.Y.values()) if (v.x or 0.0) > 0.5)
         obj -= copies * COPY_CHARGE          # report seconds of step time only
     return SolveResult(status.name.lower(), obj, bound, gap, dt, sched, m.num_cols, m.num_rows, sm.build_s)
+
+
+# ---- a crash-proof solve -------------------------------------------------------------------------
+ISOLATE_GRACE_S = 30.0     # beyond the time limit, before a silent child is presumed hung
+
+
+def solve_problem(p: Problem, *, time_limit: float | None = None, start: Schedule | None = None,
+                  isolate: bool = True, **build_options: Any) -> SolveResult:
+    """Build and solve the MILP of ``p``; with ``isolate`` (default) in a forked child process.
+
+    CBC (as bundled with python-mip 2.0) can abort inside branch-and-bound ("double free or corruption"
+    in ``babExecuteSearchAndPostprocess``) and its crash handler then deadlocks instead of exiting, which
+    would hang the caller for ever. In a child, a crash or a hang past the time limit costs only the
+    child: the result says ``status="crashed"`` and the caller falls back. Where ``fork`` is unavailable
+    the solve runs in-process.
+    """
+    import multiprocessing as mp
+
+    check_backend(build_options.get("solver", "cbc"))
+    if not isolate or "fork" not in mp.get_all_start_methods():
+        sm = build_model(p, **build_options)
+        return solve(sm, time_limit=time_limit, start=start)
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_solve_child, args=(send, p, time_limit, start, build_options), daemon=True)
+    t0 = time.perf_counter()
+    proc.start()
+    send.close()
+    wait = (time_limit if time_limit is not None else 3600.0) + ISOLATE_GRACE_S + 0.05 * len(p.candidates) * p.T / 100
+    res: SolveResult | None = None
+    try:
+        if recv.poll(wait):
+            res = recv.recv()
+    except (EOFError, OSError):
+        res = None
+    finally:
+        proc.join(timeout=1.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=1.0)
+        recv.close()
+    if res is None:
+        return SolveResult("crashed", None, None, None, time.perf_counter() - t0, None, 0, 0, 0.0)
+    return res
+
+
+def _solve_child(conn: Any, p: Problem, time_limit: float | None, start: Schedule | None,
+                 build_options: dict[str, Any]) -> None:
+    try:
+        sm = build_model(p, **build_options)
+        res = solve(sm, time_limit=time_limit, start=start)
+        conn.send(res)
+    except BaseException as e:      # report, never hang the parent
+        conn.send(SolveResult(f"error: {type(e).__name__}: {e}", None, None, None, 0.0, None, 0, 0, 0.0))
+    finally:
+        conn.close()

@@ -602,7 +602,7 @@ def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.
 
 def is_large(p: Problem) -> bool:
     """Problems where the compact model is used (the full one is for exactness on small graphs)."""
-    return p.T * max(len(p.candidates), 1) > 3000
+    return p.T * max(len(p.candidates), 1) > 1000
 
 
 def solve_relaxed(p: Problem, *, time_limit: float | None = None, verbose: bool = False,

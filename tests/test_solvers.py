@@ -103,6 +103,23 @@ def test_milp_timeout_falls_back_to_the_approx_plan(monkeypatch: pytest.MonkeyPa
     check_plan(graph24, p, budget)
 
 
+def test_a_crashing_milp_solver_costs_only_its_child_process(monkeypatch: pytest.MonkeyPatch, graph24: Graph) -> None:
+    import os
+
+    real = milp.solve
+
+    def crash(sm, **kw):          # what CBC's abort inside branch-and-bound amounts to
+        if kw.get("relax"):
+            return real(sm, **kw)  # the LP relaxation (approx) runs in-process
+        os.abort()
+
+    monkeypatch.setattr(milp, "solve", crash)
+    budget = int(0.7 * graph24.peak_bytes())
+    p = plan(graph24, budget, solver="milp", time_limit=5)
+    assert "crashed" in p.info["fallback"]
+    check_plan(graph24, p, budget)
+
+
 def test_milp_reports_status_objective_bound_and_gap(graph24: Graph) -> None:
     budget = int(0.7 * graph24.peak_bytes())
     p = plan(graph24, budget, solver="milp", time_limit=20)

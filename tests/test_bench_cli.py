@@ -1,0 +1,235 @@
+"""`hybridmem bench --quick` and `hybridmem report`: the README's demo and the report renderer.
+
+The quick demo runs once (about a minute on 2 cores) in a subprocess, as a user would run it; the rest
+use small hand-made results files and tiny models.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hybridmem.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+try:
+    import matplotlib  # noqa: F401
+    HAVE_MPL = True
+except ImportError:
+    HAVE_MPL = False
+
+try:
+    import bench.report as report
+    import bench.runner as runner
+    from bench import measure, progress
+except ImportError:  # installed layout
+    import hybridmem.bench.report as report  # type: ignore[no-redef]
+    import hybridmem.bench.runner as runner  # type: ignore[no-redef]
+    from hybridmem.bench import measure, progress  # type: ignore[no-redef]
+
+
+# ---- the demo --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("quick")
+    env = {**os.environ, "HYBRIDMEM_PROGRESS": "0"}
+    proc = subprocess.run([sys.executable, "-m", "hybridmem.cli", "bench", "--quick", "-o", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+def test_quick_writes_json_markdown_and_prints_tables(quick_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = report.load_results(out / "results.json")
+    assert data["quick"] is True and data["schema"] == report.SCHEMA
+    assert data["measured"], "the demo measures at least one model on the CPU"
+    run = data["measured"][0]
+    methods = {r["method"]: r for r in run["results"]}
+    assert methods["unmanaged"]["status"] == "ok" and methods["unmanaged"]["peak_bytes"] > 0
+    assert run["budget_bytes"] and run["budget_bytes"] < methods["unmanaged"]["peak_bytes"]
+    for r in run["results"]:
+        if r["status"] == "ok" and r["method"] != "unmanaged":
+            assert r["losses_identical"], f"{r['method']}: losses differ from the unmanaged run"
+    md = (out / "results.md").read_text()
+    assert "Measured on this CPU" in md
+    assert "Measured on this CPU" in proc.stdout and "| method" in proc.stdout
+    if data["simulated"]:
+        assert "Simulated on device models" in md and "simulated" in proc.stdout
+    if HAVE_MPL:
+        assert list(out.glob("*.png")), "matplotlib is installed but no plot was written"
+    else:
+        assert "matplotlib is not installed" in proc.stderr
+
+
+def test_report_rerenders_the_quick_run(quick_run: tuple[subprocess.CompletedProcess, Path], tmp_path: Path,
+                                        capsys: pytest.CaptureFixture) -> None:
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cli_main(["report", str(out / "results.json"), "-o", str(tmp_path)]) == 0
+    assert "| method" in capsys.readouterr().out
+    assert (tmp_path / "results.md").exists()
+
+
+# ---- report on a small hand-made file --------------------------------------------------------------
+def _results() -> dict:
+    gib = 2**30
+    budgets = [2 * gib, 3 * gib, 4 * gib]
+    sim_results = []
+    for m, base in (("hybridmem-approx", 0.02), ("chen", 0.20), ("swap-opt", 0.05)):
+        for i, b in enumerate(budgets):
+            ok = not (m == "swap-opt" and i == 0)
+            sim_results.append({"method": m, "solver": m.removeprefix("hybridmem-"), "budget_bytes": b,
+                                "status": "ok" if ok else "infeasible", "time_s": 1 + base / (i + 1),
+                                "overhead": base / (i + 1), "gap_to_bound": base / (i + 2), "solve_s": 0.1 * (i + 1),
+                                "peak_bytes": b - 1000})
+    return {
+        "schema": report.SCHEMA, "created": "2026-01-01T00:00:00", "command": "hybridmem bench", "quick": False,
+        "wall_s": 12.0, "env": {"hybridmem": "0.1.0", "torch": torch.__version__, "cpu": "test", "cores": 2},
+        "missing": ["simulated method dtr: solver 'dtr' is not registered"],
+        "measured": [{"model": "resnet50", "size": "small", "batch": 8, "steps": 3, "rounds": 4, "threads": 1,
+                      "peak_source": "hybridmem meter", "monitor_peak_bytes": 23 << 20, "saved_bytes": 13 << 20,
+                      "budget_bytes": 18 << 20, "notes": [],
+                      "results": [
+                          {"method": "unmanaged", "status": "ok", "step_s": 0.1, "overhead": 0.0,
+                           "peak_bytes": 23 << 20, "losses_identical": True},
+                          {"method": "hybridmem-online", "status": "ok", "step_s": 0.11, "overhead": 0.1,
+                           "peak_bytes": 17 << 20, "budget_ok": True, "losses_identical": True,
+                           "grads_identical": True, "buffers_identical": True,
+                           "evicted_bytes": {"swap": 3 << 20, "recompute": 2 << 20}},
+                          {"method": "ckpt-sqrt", "status": "skipped", "reason": "not a chain"}]}],
+        "simulated": [{"model": "resnet50", "size": "paper", "batch": 64, "device": "h100-80gb", "stages": 461,
+                       "keep_all_peak_bytes": 5 * gib, "keep_all_time_s": 1.0, "min_feasible_bytes": 1 * gib,
+                       "budgets": budgets, "results": sim_results,
+                       "bounds": [{"budget_bytes": b, "lower_bound_s": 1.01, "lower_bound_overhead": 0.01}
+                                  for b in budgets],
+                       "timeline": {"method": "hybridmem-approx", "budget_bytes": 2 * gib, "num_forward": 5,
+                                    "memory": [1 * gib, 2 * gib, 2 * gib, gib, gib, gib, gib, gib, gib, 0],
+                                    "host_memory": [0, 0, gib, gib, gib, gib, 0, 0, 0, 0],
+                                    "keep_all_memory": [gib, 2 * gib, 3 * gib, 4 * gib, 5 * gib, 4 * gib, 3 * gib,
+                                                        2 * gib, gib, 0]}}],
+    }
+
+
+def test_report_renders_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_results()))
+    assert cli_main(["report", str(path)]) == 0
+    printed = capsys.readouterr()
+    md = (tmp_path / "run.md").read_text()
+    for text in ("Measured on this CPU", "Simulated on device models", "hybridmem-approx", "inf.", "Solver time",
+                 "+2.0 %", "skipped (not a chain)", "LP bound"):
+        assert text in md, text
+    assert "Measured on this CPU" in printed.out
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    if HAVE_MPL:
+        assert pngs == ["measured.png", "memory_resnet50_h100-80gb.png", "overhead_h100-80gb.png",
+                        "solver_time.png"]
+        assert all((tmp_path / p).stat().st_size < 200_000 for p in pngs), "plots should stay small"
+        assert "![overhead_h100-80gb](overhead_h100-80gb.png)" in md
+    else:
+        assert not pngs and "matplotlib is not installed" in printed.err
+
+
+def test_report_bad_input_gives_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert cli_main(["report", str(tmp_path / "nope.json")]) == 2
+    assert "no such results file" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "hybridmem-bench/1", "measured": [')
+    assert cli_main(["report", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"schema": 1, "stages": []}))
+    assert cli_main(["report", str(other)]) == 2
+    assert "not a hybridmem bench results file" in capsys.readouterr().err
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"schema": report.SCHEMA, "measured": {"a": 1}}))
+    assert cli_main(["report", str(wrong)]) == 2
+    assert "'measured' must be a list" in capsys.readouterr().err
+
+
+def test_bench_bad_options_give_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert cli_main(["bench", "--quick", "--models", "alexnet", "-o", str(tmp_path)]) == 2
+    assert "unknown model(s) ['alexnet']" in capsys.readouterr().err
+    assert cli_main(["bench", "--quick", "--devices", "tpu9", "-o", str(tmp_path)]) == 2
+    assert "tpu9" in capsys.readouterr().err
+
+
+# ---- pieces ----------------------------------------------------------------------------------------
+def test_budget_points_span_minimum_to_peak() -> None:
+    pts = runner.budget_points(100, 700, 6)
+    assert pts[0] == 100 and pts[-1] == 700 and len(pts) == 6
+    assert runner.budget_points(5, 5, 6) == [5]
+
+
+def test_pool_max_keeps_peaks() -> None:
+    xs = [0] * 5000
+    xs[1234] = 99
+    pooled = runner._pool_max(xs, 100)
+    assert len(pooled) <= 100 and max(pooled) == 99
+
+
+def test_progress_is_quiet_when_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HYBRIDMEM_PROGRESS", raising=False)
+    buf = io.StringIO()
+    with progress.Progress(3, "x", stream=buf) as bar:
+        bar.update()
+        bar.note("working")
+    assert buf.getvalue() == ""
+    monkeypatch.setenv("HYBRIDMEM_PROGRESS", "1")
+    buf = io.StringIO()
+    with progress.Progress(2, "plans", stream=buf) as bar:
+        bar.update(2)
+    assert "2/2 plans" in buf.getvalue()
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.bn(self.conv(x)))
+
+
+def _chain() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Sequential(_Block(), _Block()),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Sequential(nn.Linear(4 * 4 * 4, 10)))
+
+
+def test_torch_checkpoint_comparators_match_unmanaged() -> None:
+    model, x = _chain(), torch.randn(2, 3, 8, 8)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    res, _ = measure.run_methods(model, x, loss_fn, ["ckpt-sqrt", "ckpt-block", "save-on-cpu"], budget=None,
+                                 steps=1, warmup=1, measure_peaks=False)
+    by = {r.method: r for r in res}
+    for m in ("ckpt-sqrt", "ckpt-block", "save-on-cpu"):
+        assert by[m].status == "ok", by[m].reason
+        assert by[m].losses_identical and by[m].grads_identical, m
+    # torch.utils.checkpoint re-runs BatchNorm forward: its running statistics move twice (DESIGN.md)
+    assert by["ckpt-block"].buffers_identical is False
+
+
+def test_sequential_view_refuses_models_that_are_not_chains() -> None:
+    class Skip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x)) + x
+
+    with pytest.raises(measure.Unavailable, match="not a plain chain"):
+        measure.sequential_view(Skip(), torch.randn(2, 4))
+    with pytest.raises(measure.Unavailable, match="keyword inputs"):
+        measure.sequential_view(Skip(), {"x": torch.randn(2, 4)})
