@@ -39,7 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--budget", required=True, help="bytes, e.g. 6GiB, or a percentage of the keep-all peak, e.g. 60%%")
     p.add_argument("--device", default="h100-80gb", help=DEVICE_HELP)
-    p.add_argument("--solver", default="approx", help="milp, approx, or a baseline (see `hybridmem plan --list-solvers`)")
+    p.add_argument("--solver", default="approx", help="approx (default), milp, or a baseline: greedy, keep-all, chen, "
+                                                      "checkmate, swap-vdnn, swap-opt, capuchin, dtr")
+    p.add_argument("--solver-backend", choices=("cbc", "highs"), default=None,
+                   help="MILP backend: cbc (default, bundled) or highs (pip install 'hybridmem[highs]')")
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
     p.add_argument("--verbose", action="store_true", help="show solver output")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -125,7 +128,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .solvers import plan as solve
 
     g = apply_costs(_graph_from_args(args), get_cost_model(args.device))
-    p = solve(g, args.budget, device=args.device, solver=args.solver, time_limit=args.time_limit, verbose=args.verbose)
+    options = {"solver_backend": args.solver_backend} if args.solver_backend else {}
+    p = solve(g, args.budget, device=args.device, solver=args.solver, time_limit=args.time_limit,
+              verbose=args.verbose, **options)
     base = simulate(g, None, device=args.device)
     res = simulate(g, p, device=args.device, budget=p.budget_bytes)
     summary = _plan_summary(g, p, res, base)

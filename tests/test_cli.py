@@ -1,0 +1,59 @@
+"""The command line: capture -> plan -> simulate on a tiny zoo model, and its error messages."""
+import json
+
+import pytest
+
+from hybridmem.cli import main
+
+
+@pytest.fixture(scope="module")
+def graph_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "g.yaml"
+    assert main(["capture", "--model", "vgg16", "--size", "tiny", "-o", str(path)]) == 0
+    return path
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for cmd in ("capture", "plan", "simulate", "run", "bench", "report"):
+        assert cmd in out
+
+
+def test_capture_plan_simulate_round_trip(graph_file, tmp_path, capsys):
+    capsys.readouterr()
+    plan_file = tmp_path / "p.yaml"
+    assert main(["plan", "--graph", str(graph_file), "--budget", "97%", "--device", "v100-16gb",
+                 "--solver", "checkmate", "--json", "-o", str(plan_file)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["peak_bytes"] <= summary["budget_bytes"] < summary["keep_all_peak_bytes"]
+    assert summary["bytes_recomputed"] > 0
+    assert main(["simulate", "--graph", str(graph_file), "--plan", str(plan_file), "--device", "v100-16gb",
+                 "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["peak_bytes"] == summary["peak_bytes"] and sim["time_s"] == pytest.approx(summary["time_s"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["simulate", "--graph", "{g}", "--device", "tpu-v9"], "unknown device"),
+    (["plan", "--graph", "{g}", "--budget", "lots"], "invalid budget"),
+    (["plan", "--graph", "{g}", "--budget", "50%", "--solver", "magic"], "unknown solver"),
+    (["simulate", "--graph", "{missing}"], "cannot read"),
+    (["capture", "--model", "alexnet"], "unknown model"),
+])
+def test_errors_name_the_problem(graph_file, tmp_path, capsys, argv, message):
+    argv = [a.format(g=graph_file, missing=tmp_path / "nope.yaml") for a in argv]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_stale_plan_is_refused(graph_file, tmp_path, capsys):
+    other = tmp_path / "other.yaml"
+    assert main(["capture", "--model", "resnet50", "--size", "tiny", "-o", str(other)]) == 0
+    plan_file = tmp_path / "p.yaml"
+    assert main(["plan", "--graph", str(other), "--budget", "100%", "--solver", "keep-all", "-o", str(plan_file)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--graph", str(graph_file), "--plan", str(plan_file)]) == 2
+    assert "capture and plan again" in capsys.readouterr().err
