@@ -35,13 +35,7 @@ SIZE = os.environ.get("HYBRIDMEM_BENCH_SIZE", "bench")
 BUDGET_METHODS = ("unmanaged", "hybridmem-online", "ckpt-block", "save-on-cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Single-threaded torch: steadier timings on shared cores; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in the root conftest.py
 
 
 def _need_runtime() -> Any:

@@ -28,12 +28,7 @@ N_CANDIDATES = 10_000
 CODEC_ELEMENTS = 1 << 22          # 16 MiB of float32
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in the root conftest.py
 
 
 def _candidates(seed: int = 0):

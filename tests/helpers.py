@@ -1,7 +1,11 @@
 """Small hand-made graphs shared by tests."""
 from __future__ import annotations
 
+import torch
+
 from hybridmem.graph import Graph, Stage, TensorInfo, link_consumers
+from hybridmem.plugins.base import Entry
+from hybridmem.plugins.codecs import bits_dtype
 
 
 def chain_graph(n_forward: int = 4, nbytes: int = 100, cost: float = 1e-3, param_bytes: int = 10) -> Graph:
@@ -34,3 +38,17 @@ def chain_graph(n_forward: int = 4, nbytes: int = 100, cost: float = 1e-3, param
         grad = tid
     link_consumers(stages, tensors)
     return Graph(stages, tensors, {"model": "chain"}).validate()
+
+
+def entry_of(t: torch.Tensor) -> Entry:
+    return Entry(tensor=t, nbytes=t.untyped_storage().nbytes(), dtype=t.dtype, device=t.device)
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and bit patterns (torch.equal alone says -0.0 == 0.0 and NaN != NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    bd = bits_dtype(a.dtype)
+    return torch.equal(a.contiguous().view(bd), b.contiguous().view(bd))

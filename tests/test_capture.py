@@ -13,12 +13,7 @@ from hybridmem.meter import Meter
 aten = torch.ops.aten
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in the root conftest.py
 
 
 # ---- small models ----------------------------------------------------------------------------------

@@ -11,20 +11,7 @@ from hybridmem.plugins import codecs
 from hybridmem.plugins.base import Entry, Policy
 from hybridmem.plugins.codecs import Analysis, bits_dtype, flat_view
 from hybridmem.plugins.compress import CompressPolicy
-
-
-def entry_of(t: torch.Tensor) -> Entry:
-    return Entry(tensor=t, nbytes=t.untyped_storage().nbytes(), dtype=t.dtype, device=t.device)
-
-
-def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape and bit patterns (torch.equal alone says -0.0 == 0.0 and NaN != NaN)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype == torch.bool:
-        return torch.equal(a, b)
-    bd = bits_dtype(a.dtype)
-    return torch.equal(a.contiguous().view(bd), b.contiguous().view(bd))
+from tests.helpers import bit_equal, entry_of
 
 
 def round_trip(policy: CompressPolicy, t: torch.Tensor) -> tuple[torch.Tensor, str, int]:

@@ -9,13 +9,7 @@ from hybridmem.capture import capture, run_step
 from hybridmem.meter import Meter, MeterMode, profiler_peak
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Timings and oneDNN workspaces are steadier on one thread (2 shared cores here).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in the root conftest.py
 
 
 def mlp() -> nn.Module:

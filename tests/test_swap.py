@@ -12,19 +12,7 @@ import torch
 from hybridmem.plugins.base import Entry, Policy
 from hybridmem.plugins.codecs import bits_dtype
 from hybridmem.plugins.swap import PinnedPool, SwapPolicy, _CudaTransport
-
-
-def entry_of(t: torch.Tensor) -> Entry:
-    return Entry(tensor=t, nbytes=t.untyped_storage().nbytes(), dtype=t.dtype, device=t.device)
-
-
-def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype == torch.bool:
-        return torch.equal(a, b)
-    bd = bits_dtype(a.dtype)
-    return torch.equal(a.contiguous().view(bd), b.contiguous().view(bd))
+from tests.helpers import bit_equal, entry_of
 
 
 def test_policy_protocol():

@@ -25,13 +25,7 @@ PAPER_PARAMETERS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One CPU thread: the size targets are stated for it and timings on shared cores stay stable."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in the root conftest.py
 
 
 @pytest.fixture(scope="module")
