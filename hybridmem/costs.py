@@ -262,6 +262,10 @@ def _host_memory() -> int:
 
 
 # Datasheet numbers (peak, dense) and achieved host-link assumptions: see docs/devices.md for sources.
+# H100 SXM5 and H200 SXM share the Hopper GH100 compute (dense, no sparsity); they differ in HBM only.
+_HOPPER_FLOPS = {"float32": 67 * TFLOPS, "tf32": 494.5 * TFLOPS, "float16": 989.4 * TFLOPS,
+                 "bfloat16": 989.4 * TFLOPS, "fp8": 1978.9 * TFLOPS}
+
 DEVICES: dict[str, DeviceModel] = {
     m.name: m for m in (
         DeviceModel(
@@ -278,15 +282,13 @@ DEVICES: dict[str, DeviceModel] = {
             notes="A100 SXM4 80GB; no fp8 (falls back to the bf16 rate)"),
         DeviceModel(
             "h100-80gb",
-            {"float32": 67 * TFLOPS, "tf32": 494.5 * TFLOPS, "float16": 989.4 * TFLOPS,
-             "bfloat16": 989.4 * TFLOPS, "fp8": 1978.9 * TFLOPS},
+            dict(_HOPPER_FLOPS),
             hbm_bw=3350 * GBPS, h2d_bw=50 * GBPS, d2h_bw=50 * GBPS, memory_bytes=80 * GIB,
             link="PCIe 5.0 x16 (63 GB/s spec per direction; ~50 GB/s achieved pinned)",
             notes="H100 SXM5 80GB HBM3"),
         DeviceModel(
             "h200",
-            {"float32": 67 * TFLOPS, "tf32": 494.5 * TFLOPS, "float16": 989.4 * TFLOPS,
-             "bfloat16": 989.4 * TFLOPS, "fp8": 1978.9 * TFLOPS},
+            dict(_HOPPER_FLOPS),
             hbm_bw=4800 * GBPS, h2d_bw=50 * GBPS, d2h_bw=50 * GBPS, memory_bytes=141 * GIB,
             link="PCIe 5.0 x16 (63 GB/s spec per direction; ~50 GB/s achieved pinned)",
             notes="H200 SXM 141GB HBM3e; compute as H100 SXM"),
