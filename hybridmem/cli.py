@@ -70,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a short demo run (<= 2 minutes on 2 cores)")
     p.add_argument("--models", help="comma-separated zoo models")
     p.add_argument("--devices", help="comma-separated device models for the simulated part")
+    p.add_argument("--methods", help="comma-separated methods (simulated planners and/or measured methods)")
+    p.add_argument("--points", type=int, help="budgets per model, from the minimum feasible to the keep-all peak")
+    p.add_argument("--time-limit", type=float, help="solver time limit per plan, seconds")
+    p.add_argument("--steps", type=int, help="timed training steps per measured method")
+    p.add_argument("--jobs", type=int, help="processes for the simulated sweep")
+    p.add_argument("--no-measured", action="store_true", help="skip the measured CPU part")
+    p.add_argument("--no-simulated", action="store_true", help="skip the simulated device-model part")
     p.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="output folder")
 
     p = sub.add_parser("report", help="a run's decision report, or tables and plots from a bench results file")

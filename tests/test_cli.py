@@ -57,3 +57,11 @@ def test_stale_plan_is_refused(graph_file, tmp_path, capsys):
     capsys.readouterr()
     assert main(["simulate", "--graph", str(graph_file), "--plan", str(plan_file)]) == 2
     assert "capture and plan again" in capsys.readouterr().err
+
+
+def test_bench_options_reach_the_runner(tmp_path, capsys):
+    # an unknown method is refused by the runner: proof that --methods got there
+    assert main(["bench", "--quick", "--methods", "teleport", "--no-simulated", "-o", str(tmp_path)]) == 2
+    assert "unknown method(s) ['teleport']" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--points", "1", "-o", str(tmp_path)]) == 2
+    assert "--points must be at least 2" in capsys.readouterr().err
