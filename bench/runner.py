@@ -646,9 +646,8 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
-def parser() -> argparse.ArgumentParser:
-    """Options of ``python -m bench.runner`` (a superset of ``hybridmem bench``'s)."""
-    ap = argparse.ArgumentParser(prog="python -m bench.runner", description=__doc__.splitlines()[0])
+def add_options(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The benchmark's options, shared by ``python -m bench.runner`` and ``hybridmem bench``."""
     ap.add_argument("--quick", action="store_true", help="the short demo (about a minute)")
     ap.add_argument("--models", help="comma-separated zoo models (default: the paper's seven)")
     ap.add_argument("--devices", help="comma-separated device models, or 'all' (default: h100-80gb,v100-16gb)")
@@ -662,6 +661,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="output folder")
     return ap
 
+
+def parser() -> argparse.ArgumentParser:
+    """Options of ``python -m bench.runner`` (the same as ``hybridmem bench``'s)."""
+    return add_options(argparse.ArgumentParser(prog="python -m bench.runner", description=__doc__.splitlines()[0]))
 
 if __name__ == "__main__":
     sys.exit(main(parser().parse_args()))

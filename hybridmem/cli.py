@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from .factory import bench_module
 from .units import fmt_bytes
 
 DEVICE_HELP = "device cost model (v100-16gb, a100-80gb, h100-80gb, h200, cpu)"
@@ -67,17 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     p = sub.add_parser("bench", help="benchmark hybridmem against the alternatives")
-    p.add_argument("--quick", action="store_true", help="a short demo run (<= 2 minutes on 2 cores)")
-    p.add_argument("--models", help="comma-separated zoo models")
-    p.add_argument("--devices", help="comma-separated device models for the simulated part")
-    p.add_argument("--methods", help="comma-separated methods (simulated planners and/or measured methods)")
-    p.add_argument("--points", type=int, help="budgets per model, from the minimum feasible to the keep-all peak")
-    p.add_argument("--time-limit", type=float, help="solver time limit per plan, seconds")
-    p.add_argument("--steps", type=int, help="timed training steps per measured method")
-    p.add_argument("--jobs", type=int, help="processes for the simulated sweep")
-    p.add_argument("--no-measured", action="store_true", help="skip the measured CPU part")
-    p.add_argument("--no-simulated", action="store_true", help="skip the simulated device-model part")
-    p.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="output folder")
+    bench_module("runner").add_options(p)
 
     p = sub.add_parser("report", help="a run's decision report, or tables and plots from a bench results file")
     p.add_argument("results", type=Path, help="a run file (hybridmem.report.save_run) or the RUN.json written "
@@ -216,28 +207,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .factory import zoo  # noqa: F401  (fails early with a clear message if the zoo is missing)
-    import importlib
-
-    try:
-        runner = importlib.import_module("hybridmem.bench.runner")
-    except ModuleNotFoundError:
-        runner = importlib.import_module("bench.runner")
-    return runner.main(args)
+    return bench_module("runner").main(args)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    import importlib
-
     from .report import is_run_file, main as run_report
     if is_run_file(args.results):  # schema hybridmem-run/1; anything else is a bench results file
         return run_report(args)
-
-    try:
-        report = importlib.import_module("hybridmem.bench.report")
-    except ModuleNotFoundError:
-        report = importlib.import_module("bench.report")
-    return report.main(args)
+    return bench_module("report").main(args)
 
 
 COMMANDS = {"capture": cmd_capture, "plan": cmd_plan, "simulate": cmd_simulate, "run": cmd_run,

@@ -17,12 +17,17 @@ class ModelSpec:
     loss_fn: Callable[[Any], Any] | None
 
 
-def zoo():
-    """The model zoo module (installed as ``hybridmem.bench``; ``bench`` in a source checkout)."""
+def bench_module(name: str) -> Any:
+    """A module of the benchmark suite: installed as ``hybridmem.bench``, ``bench`` in a source checkout."""
     try:
-        return importlib.import_module("hybridmem.bench.zoo")
+        return importlib.import_module(f"hybridmem.bench.{name}")
     except ModuleNotFoundError:
-        return importlib.import_module("bench.zoo")
+        return importlib.import_module(f"bench.{name}")
+
+
+def zoo() -> Any:
+    """The model zoo module."""
+    return bench_module("zoo")
 
 
 def load_model(spec: str, *, size: str = "small", batch: int | None = None, device: str = "cpu") -> ModelSpec:
