@@ -33,6 +33,15 @@ a copy that cannot land in time is charged its stall), plus a tiny charge per co
 useless transfers are never chosen; it is reported without that charge. Swap-outs never stall: a
 swap-out that does not end inside the step is not offered, and the copy keeps its device bytes until
 it ends. The objective is in microseconds and memory rows in MiB, so coefficients stay near 1.
+
+Time limit (:func:`solve_problem`): wall time for building, solving and reading the solution. CBC gets
+what is left after the build, less a reserve for its overrun; a child still running a second past the
+deadline is stopped and reported as ``status="time limit"`` (the caller falls back to its warm start).
+
+Not modelled (``h100-80gb, 3, 12`` in tests/test_solvers_exact.py): a swap-in stall that delays an op,
+and so its memory check, until a swap-out has ended and released its bytes. Copies end by the clock
+without stalls, which is conservative; modelling it needs the stall variables to equal the simulator's
+stall (not only bound it from below), else the model could buy memory with a stall that never happens.
 """
 from __future__ import annotations
 
@@ -475,14 +484,33 @@ class SolveResult:
     num_vars: int
     num_constraints: int
     build_s: float
+    elapsed_s: float = 0.0     # wall seconds of the whole call: build + solve + reading the solution
+
+
+TIME_LIMIT_STATUS = "time limit"   # the deadline stopped the solve before the solver returned
 
 
 def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | None = None,
-          relax: bool = False, threads: int | None = None) -> SolveResult:
-    """Optimise; the schedule is None when no integral solution was found."""
+          relax: bool = False, threads: int | None = None, deadline: float | None = None) -> SolveResult:
+    """Optimise; the schedule is None when no integral solution was found.
+
+    ``deadline`` (a :func:`time.monotonic` instant) caps ``time_limit`` by the time left until then,
+    so that time already spent (building the model) counts against the caller's limit.
+    """
     import mip
 
     m = sm.m
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        time_limit = left if time_limit is None else min(float(time_limit), left)
+        if time_limit < MIN_SOLVE_S:     # nothing left to search with: the caller falls back
+            return SolveResult(TIME_LIMIT_STATUS, None, None, None, 0.0, None, m.num_cols, m.num_rows,
+                               sm.build_s)
+        if not relax:
+            # CBC overruns max_seconds (root LP, preprocessing, cuts are not interrupted): stopping it
+            # early enough that it returns by itself keeps its incumbent and bound, which a stop by
+            # the parent at the deadline loses
+            time_limit = max(time_limit - max(OVERRUN_RESERVE_S, OVERRUN_SHARE * time_limit), 0.5 * time_limit)
     if start is not None and not relax:
         m.start = start_from_schedule(sm, start)
     if threads is not None:
@@ -498,67 +526,94 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
     obj = float(m.objective_value) * TIME_UNIT if has and m.objective_value is not None else None
     bound = m.objective_bound if not relax else (obj / TIME_UNIT if obj is not None else None)
     bound = float(bound) * TIME_UNIT if bound is not None and math.isfinite(bound) else None
-    gap = None
-    if obj is not None and bound is not None:
-        gap = max(0.0, obj - bound)
     sched = extract_schedule(sm) if has and not relax else None
     if sched is not None and obj is not None:
         copies = sum(1 for v in (*sm.P.values(), *sm.Y.values()) if (v.x or 0.0) > 0.5)
         obj -= copies * COPY_CHARGE          # report seconds of step time only
+    if obj is not None and bound is not None:
+        bound = min(bound, obj)              # the bound includes copy charges the objective no longer has
+    gap = max(0.0, obj - bound) if obj is not None and bound is not None else None
     return SolveResult(status.name.lower(), obj, bound, gap, dt, sched, m.num_cols, m.num_rows, sm.build_s)
 
 
-# ---- a crash-proof solve -------------------------------------------------------------------------
-ISOLATE_GRACE_S = 30.0     # beyond the time limit, before a silent child is presumed hung
+# ---- a crash-proof solve that keeps its time limit -----------------------------------------------
+MIN_SOLVE_S = 0.05         # less time than this left after building the model: do not start the solver
+OVERRUN_RESERVE_S = 0.5    # of the time left after the build, kept back from CBC for its overrun: at least
+OVERRUN_SHARE = 0.1        # this many seconds or this share of it (at most half)
+KILL_GRACE_S = 1.0         # past the deadline, before the parent stops a child still solving
+NO_LIMIT_WAIT_S = 3600.0   # without a time limit, how long a silent child may run before it is presumed hung
 
 
 def solve_problem(p: Problem, *, time_limit: float | None = None, start: Schedule | None = None,
                   isolate: bool = True, **build_options: Any) -> SolveResult:
-    """Build and solve the MILP of ``p``; with ``isolate`` (default) in a forked child process.
+    """Build and solve the MILP of ``p`` within ``time_limit`` wall seconds, build time included.
 
-    CBC (as bundled with python-mip 2.0) can abort inside branch-and-bound ("double free or corruption"
-    in ``babExecuteSearchAndPostprocess``) and its crash handler then deadlocks instead of exiting, which
-    would hang the caller for ever. In a child, a crash or a hang past the time limit costs only the
-    child: the result says ``status="crashed"`` and the caller falls back. Where ``fork`` is unavailable
-    the solve runs in-process.
+    The solve runs in a forked child process (``isolate``, default). CBC (as bundled with python-mip 2.0)
+    can abort inside branch-and-bound ("double free or corruption" in ``babExecuteSearchAndPostprocess``)
+    and its crash handler then deadlocks instead of exiting; and its ``max_seconds`` does not bound the
+    root LP, preprocessing or cut generation, so a solve can overrun its limit many times over. The
+    child builds the model, reports its size, and gives the solver what is left of the limit; the
+    parent stops the child ``KILL_GRACE_S`` after the deadline. A child stopped so reports
+    ``status="time limit"`` with no schedule (CBC's incumbent and progress callbacks crash this CBC
+    build, so a solution found before the stop cannot be streamed out; the caller falls back to its
+    warm start); a child that died reports ``status="crashed"``. Where ``fork`` is unavailable the
+    solve runs in-process and the limit is only CBC's own.
     """
     import multiprocessing as mp
 
     check_backend(build_options.get("solver", "cbc"))
+    t0 = time.monotonic()
+    deadline = None if time_limit is None else t0 + max(float(time_limit), 0.0)
     if not isolate or "fork" not in mp.get_all_start_methods():
         sm = build_model(p, **build_options)
-        return solve(sm, time_limit=time_limit, start=start)
+        res = solve(sm, time_limit=time_limit, start=start, deadline=deadline)
+        res.elapsed_s = time.monotonic() - t0
+        return res
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_solve_child, args=(send, p, time_limit, start, build_options), daemon=True)
-    t0 = time.perf_counter()
+    proc = ctx.Process(target=_solve_child, args=(send, p, deadline, start, build_options), daemon=True)
     proc.start()
     send.close()
-    wait = (time_limit if time_limit is not None else 3600.0) + ISOLATE_GRACE_S + 0.05 * len(p.candidates) * p.T / 100
+    stop_at = (deadline + KILL_GRACE_S if deadline is not None
+               else t0 + NO_LIMIT_WAIT_S + 0.05 * len(p.candidates) * p.T / 100)
     res: SolveResult | None = None
+    size = (0, 0, 0.0)
+    died = False
     try:
-        if recv.poll(wait):
-            res = recv.recv()
+        while res is None:
+            wait = stop_at - time.monotonic()
+            if wait <= 0 or not recv.poll(wait):
+                break                         # past the deadline (or hung): stop it below
+            msg = recv.recv()
+            if msg[0] == "built":
+                size = msg[1]
+            else:
+                res = msg[1]
     except (EOFError, OSError):
-        res = None
+        died = True                           # the child exited without a result: it crashed
     finally:
-        proc.join(timeout=1.0)
+        if res is not None:
+            proc.join(timeout=1.0)
         if proc.is_alive():
             proc.kill()
-            proc.join(timeout=1.0)
+        proc.join(timeout=1.0)
         recv.close()
+    elapsed = time.monotonic() - t0
     if res is None:
-        return SolveResult("crashed", None, None, None, time.perf_counter() - t0, None, 0, 0, 0.0)
+        status = "crashed" if died or deadline is None else TIME_LIMIT_STATUS
+        res = SolveResult(status, None, None, None, max(elapsed - size[2], 0.0), None, size[0], size[1], size[2])
+    res.elapsed_s = elapsed
     return res
 
 
-def _solve_child(conn: Any, p: Problem, time_limit: float | None, start: Schedule | None,
+def _solve_child(conn: Any, p: Problem, deadline: float | None, start: Schedule | None,
                  build_options: dict[str, Any]) -> None:
     try:
         sm = build_model(p, **build_options)
-        res = solve(sm, time_limit=time_limit, start=start)
-        conn.send(res)
+        conn.send(("built", (sm.num_vars, sm.num_constraints, sm.build_s)))
+        res = solve(sm, start=start, deadline=deadline)
+        conn.send(("result", res))
     except BaseException as e:      # report, never hang the parent
-        conn.send(SolveResult(f"error: {type(e).__name__}: {e}", None, None, None, 0.0, None, 0, 0, 0.0))
+        conn.send(("result", SolveResult(f"error: {type(e).__name__}: {e}", None, None, None, 0.0, None, 0, 0, 0.0)))
     finally:
         conn.close()

@@ -30,7 +30,8 @@ CASES = [("v100-16gb", 4, 10), ("v100-16gb", 4, 12), ("v100-16gb", 4, 16), ("v10
          pytest.param("h100-80gb", 3, 12, marks=pytest.mark.xfail(strict=True, reason=(
              "known: at the tightest budget the best plan relies on a swap-in stall delaying op 3's memory "
              "check past a swap-out's deferred release; the MILP times copies on the clock without stalls "
-             "(conservative), so it finds that budget infeasible")))]
+             "(conservative), so it finds that budget infeasible; modelling it needs stall variables equal to the simulator's "
+             "stall, not only bounded below, or the MILP could buy memory with a stall that never happens")))]
 FRACTIONS = (0.0, 0.15, 0.35, 0.6, 0.85)
 
 

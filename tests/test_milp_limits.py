@@ -1,0 +1,123 @@
+"""The MILP's time limit is a wall-time promise: model building counts against it, and a solver that
+overruns it (CBC's ``max_seconds`` does not bound its root LP, preprocessing or cuts) is stopped by the
+parent process, which reports ``status="time limit"``; ``plan`` then falls back to the approx plan and
+says so. Elapsed-time checks use a wide margin (limit + 10 s): they catch "ignored the limit", not jitter.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridmem.graph import Graph
+from hybridmem.simulate import simulate
+from hybridmem.solvers import milp, plan
+from hybridmem.solvers._common import build_problem
+from hybridmem.solvers._synth import random_graph
+
+DEVICE = "h100-80gb"
+MARGIN_S = 10.0      # generous: the limit must hold within seconds, not within this test's scheduling noise
+
+
+@pytest.fixture(scope="module")
+def graph24() -> Graph:
+    return random_graph(24, seed=1, readers=(1, 3))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _hanging_solve(pid_file: Path):
+    """A stand-in for CBC stuck at the root: it ignores its limit (the LP relaxation, in-process, runs)."""
+    real = milp.solve
+
+    def solve(sm, **kw):
+        if kw.get("relax"):
+            return real(sm, **kw)
+        pid_file.write_text(str(os.getpid()))
+        time.sleep(120)
+        raise AssertionError("the parent should have stopped this child")
+    return solve
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the deadline is enforced on a forked child")
+def test_a_solver_that_ignores_its_limit_is_stopped_at_the_deadline(
+        monkeypatch: pytest.MonkeyPatch, graph24: Graph, tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    monkeypatch.setattr(milp, "solve", _hanging_solve(pid_file))
+    p = build_problem(graph24, int(0.7 * graph24.peak_bytes()), DEVICE)
+    limit = 1.0
+    res = milp.solve_problem(p, time_limit=limit)
+    assert res.status == milp.TIME_LIMIT_STATUS
+    assert res.schedule is None and res.objective is None
+    assert limit <= res.elapsed_s < limit + MARGIN_S
+    # the model was built before the stop: its size is still reported
+    assert res.num_vars > 0 and res.num_constraints > 0 and res.build_s > 0
+    assert _gone(int(pid_file.read_text()))         # the child was stopped and reaped, not left running
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the deadline is enforced on a forked child")
+def test_plan_falls_back_to_the_approx_plan_on_the_time_limit_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, graph24: Graph, tmp_path: Path) -> None:
+    monkeypatch.setattr(milp, "solve", _hanging_solve(tmp_path / "child.pid"))
+    budget = int(0.7 * graph24.peak_bytes())
+    pl = plan(graph24, budget, device=DEVICE, solver="milp", time_limit=5)
+    assert pl.info["status"] == "time limit"
+    assert "time limit" in pl.info["fallback"] and "approx plan" in pl.info["fallback"]
+    assert pl.info["milp_s"] < 5 + MARGIN_S
+    assert pl.info["milp_vars"] > 0
+    res = simulate(graph24, pl, device=DEVICE, budget=budget, strict=True)
+    assert res.peak_bytes <= budget
+
+
+def test_model_building_counts_against_the_limit(monkeypatch: pytest.MonkeyPatch, graph24: Graph) -> None:
+    """With nothing left after the build, the solver is not started at all (in-process here)."""
+    real_build = milp.build_model
+
+    def slow_build(p, **kw):
+        sm = real_build(p, **kw)
+        time.sleep(0.3)
+        return sm
+
+    def must_not_optimize(*a, **kw):
+        raise AssertionError("the solver ran with no time left")
+
+    monkeypatch.setattr(milp, "build_model", slow_build)
+    p = build_problem(graph24, int(0.7 * graph24.peak_bytes()), DEVICE)
+    sm = real_build(p)
+    monkeypatch.setattr(sm.m, "optimize", must_not_optimize)
+    res = milp.solve(sm, time_limit=30, deadline=time.monotonic() - 1.0)
+    assert res.status == milp.TIME_LIMIT_STATUS and res.schedule is None
+    res = milp.solve_problem(p, time_limit=0.2, isolate=False)
+    assert res.status == milp.TIME_LIMIT_STATUS and res.schedule is None
+    assert res.elapsed_s >= 0.3 and res.num_vars > 0
+
+
+def test_real_cbc_on_a_problem_it_cannot_finish_keeps_the_limit() -> None:
+    """CBC itself, on a graph it does not close in a second: whatever it returns, it returns in time."""
+    g = random_graph(40, seed=3)
+    p = build_problem(g, int(0.6 * g.peak_bytes()), DEVICE)
+    limit = 1.0
+    res = milp.solve_problem(p, time_limit=limit)
+    assert res.status in (milp.TIME_LIMIT_STATUS, "feasible", "no_solution_found"), res.status
+    assert res.elapsed_s < limit + MARGIN_S
+    if res.status == "feasible":
+        assert res.objective is not None and res.bound is not None
+        assert res.objective >= res.bound and res.gap == pytest.approx(res.objective - res.bound)
+
+
+def test_an_unhurried_solve_reports_optimal_with_bound_and_zero_gap(graph24: Graph) -> None:
+    g = random_graph(8, seed=10, n_forward=4, device="v100-16gb", mb=(2, 32))
+    p = build_problem(g, int(0.8 * g.peak_bytes()), "v100-16gb")
+    res = milp.solve_problem(p, time_limit=30)
+    assert res.status == "optimal"
+    assert res.objective is not None and res.bound is not None and res.gap is not None
+    assert res.bound <= res.objective and res.gap < 1e-6
+    assert res.elapsed_s >= res.solve_s
