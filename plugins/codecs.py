@@ -10,6 +10,10 @@ Lossless (always available; measured on 16 MiB inputs, one core of the 2-core Ze
                0 and 1/(1-p)): bitmask + c.                                   size n/8        ~9 / 7 GB/s
   ``sparse``   many zero elements (ReLU outputs): bitmask of non-zeros + the
                non-zeros (+1 spare slot).                                 size n/8 + (nnz+1)w  ~2 / 1.6 GB/s
+  ``narrow``   integer tensors whose values span fewer than 2^8, 2^16 or 2^32
+               (max-pool indices, positions, token ids): the low 1, 2 or 4
+               bytes of each element; decoding restores the high bytes
+               from the minimum.                                          size n*1, n*2 or n*4   ~1 / 1 GB/s
 
 Lossy (only when configured by name; float32 sources):
   ``bf16``  |x' - x| <= 2^-8 |x| + 2^-134   (round to nearest even; 2^-134: bf16 denormal half-step)
@@ -25,6 +29,7 @@ either decodes the other's. Encode/decode GB/s above are of original bytes (benc
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -223,6 +228,18 @@ def _nb_sparse_decode(packed, vals, out):
     return k
 
 
+def _nb_narrow_encode(bits, kept):
+    """kept[i] = the low bytes of bits[i] (an integer narrowing truncates: LLVM ``trunc``)."""
+    for i in range(bits.shape[0]):
+        kept[i] = bits[i]
+
+
+def _nb_narrow_decode(kept, low_lo, mask, lo, out):
+    """out[i] = lo + ((kept[i] - low_lo) & mask): one pass (see NarrowCodec)."""
+    for i in range(out.shape[0]):
+        out[i] = lo + ((np.int64(kept[i]) - low_lo) & mask)
+
+
 def _i32(n: int = 16) -> np.ndarray:
     return np.zeros(n, np.int32)
 
@@ -234,6 +251,9 @@ _K_UNPACK = lazy_njit(_nb_unpack_const, lambda: (np.zeros(2, np.uint8), np.int32
 _K_UNPACK_BYTES = lazy_njit(_nb_unpack_bytes, lambda: (np.zeros(2, np.uint8), np.zeros(256, np.int64),
                                                        np.zeros(2, np.int64)), **_OPTS)
 _K_SP_ENC = lazy_njit(_nb_sparse_encode, lambda: (_i32(), np.zeros(2, np.uint8), _i32(17)), **_OPTS)
+_K_NARROW_ENC = lazy_njit(_nb_narrow_encode, lambda: (np.zeros(2, np.int64), np.zeros(2, np.int16)), **_OPTS)
+_K_NARROW_DEC = lazy_njit(_nb_narrow_decode, lambda: (np.zeros(2, np.int16), np.int64(0), np.int64(0xFFFF),
+                                                      np.int64(0), np.zeros(2, np.int64)), **_OPTS)
 _K_SP_DEC = lazy_njit(_nb_sparse_decode, lambda: (np.zeros(2, np.uint8), _i32(17), _i32()), **_OPTS)
 
 
@@ -290,7 +310,7 @@ class Encoded:
     numel: int                       # elements of the working view (bits or float values)
     dtype: torch.dtype               # dtype of the working view
     parts: tuple[torch.Tensor, ...]
-    const: int = 0                   # binary: the non-zero bit pattern
+    const: int = 0                   # binary: the non-zero bit pattern; narrow: the minimum
     nnz: int = 0                     # sparse: non-zero count
     scale: float = 1.0               # int8: dequantization step
 
@@ -322,12 +342,33 @@ class Analysis:
         return cls(n, nnz, first, int((bits == first).sum()) == nnz)
 
 
+@dataclass(frozen=True)
+class Span:
+    """Smallest and largest element of an integer storage (one pass): drives the narrow codec."""
+
+    numel: int
+    lo: int
+    hi: int
+
+    @classmethod
+    def of(cls, flat: torch.Tensor, force_torch: bool = False) -> "Span":
+        if flat.device.type == "cpu" and not force_torch:
+            a = flat.numpy()          # runs no torch op: nothing for a dispatch mode to see or meter
+            return cls(a.shape[0], int(a.min()), int(a.max()))
+        lo, hi = torch.aminmax(flat)
+        return cls(flat.numel(), int(lo), int(hi))
+
+
 class Codec:
-    """One way to shrink a storage. ``size`` is None when the codec does not apply."""
+    """One way to shrink a storage. ``size`` is None when the codec does not apply.
+
+    ``needs`` names the one-pass statistics ``size``/``encode`` take as ``info``: ``"bits"`` an
+    :class:`Analysis`, ``"span"`` a :class:`Span`, ``""`` none (``info`` is None)."""
 
     name: str = ""
     lossless: bool = True
     doc_bound: str = "exact"
+    needs: str = ""
 
     def view_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         return bits_dtype(dtype)
@@ -366,6 +407,7 @@ class BinaryCodec(Codec):
     """Every element 0 or one constant bit pattern c (float dropout masks, all-zero tensors)."""
 
     name = "binary"
+    needs = "bits"
 
     def view_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         return None if dtype == torch.bool else bits_dtype(dtype)     # bools: bitmask, no analysis
@@ -385,6 +427,7 @@ class SparseCodec(Codec):
     """Bitmask of non-zero elements + the non-zero elements (bit patterns, so -0.0 is kept)."""
 
     name = "sparse"
+    needs = "bits"
 
     def view_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         return None if dtype == torch.bool else bits_dtype(dtype)
@@ -429,6 +472,63 @@ class SparseCodec(Codec):
             chunk.zero_()
             chunk.masked_scatter_(mask, vals[off: off + k])
             off += k
+
+
+_NARROW_SOURCES = (torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
+
+
+class NarrowCodec(Codec):
+    """Integer elements that span less than 2^(8k) (k = 1, 2, 4 bytes, narrower than the source):
+    keeps each element's low k bytes. Decoding sign-extends them and adds back the high bytes:
+    x = lo + ((low - lo) mod 2^(8k)), exact because 0 <= x - lo < 2^(8k). Works on bit patterns (an
+    unsigned source is seen through its signed view), never on floats (their bit patterns almost never
+    span a narrow range, and a range pass on every activation would be wasted)."""
+
+    name = "narrow"
+    needs = "span"
+
+    def view_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        return bits_dtype(dtype) if dtype in _NARROW_SOURCES else None
+
+    @staticmethod
+    def width(flat: torch.Tensor, span: Span) -> int | None:
+        """Bytes kept per element, or None when no narrower width holds the span."""
+        for k in (1, 2, 4):
+            if k < flat.element_size() and span.hi - span.lo < 1 << (8 * k):
+                return k
+        return None
+
+    def size(self, flat, info):
+        k = None if info is None else self.width(flat, info)
+        return None if k is None else flat.numel() * k
+
+    def encode(self, flat, info, force_torch=False):
+        k = self.width(flat, info)
+        assert k is not None
+        w = flat.element_size()
+        kept = torch.empty(flat.numel(), dtype=_INT_OF_WIDTH[k], device=flat.device)
+        kernel = _numba(_K_NARROW_ENC, flat, force_torch)
+        if kernel is not None:
+            kernel(flat.numpy(), kept.numpy())
+        else:
+            # The low k bytes of each element as a strided view of the same bytes: a same-dtype copy
+            # moves bits and depends on no integer-conversion rule (torch does not promise wrap-around).
+            low = flat.view(_INT_OF_WIDTH[k]).view(-1, w // k)[:, 0 if sys.byteorder == "little" else w // k - 1]
+            kept.copy_(low)
+        return Encoded(self.name, flat.numel(), flat.dtype, (kept,), const=info.lo)
+
+    def decode(self, enc, out, force_torch=False):
+        kept = enc.parts[0]
+        mask = (1 << (8 * kept.element_size())) - 1
+        lo = enc.const
+        # kept = x mod 2^8k (sign-extended); (kept - (lo mod 2^8k)) mod 2^8k = x - lo, and that
+        # difference stays within +-2^(8k) (no int overflow); adding lo back gives x.
+        kernel = _numba(_K_NARROW_DEC, out, force_torch)
+        if kernel is not None:
+            kernel(kept.numpy(), np.int64(lo & mask), np.int64(mask), np.int64(lo), out.numpy())
+            return
+        out.copy_(kept)                 # in place on ``out``, no temporaries
+        out.sub_(lo & mask).bitwise_and_(mask).add_(lo)
 
 
 class _FloatCast(Codec):
@@ -551,7 +651,7 @@ def _unpack_const(packed: torch.Tensor, const: int, out: torch.Tensor, force_tor
         out[s:e] = mask.to(out.dtype) * const
 
 
-LOSSLESS: dict[str, Codec] = {c.name: c for c in (BitmaskCodec(), BinaryCodec(), SparseCodec())}
+LOSSLESS: dict[str, Codec] = {c.name: c for c in (BitmaskCodec(), BinaryCodec(), SparseCodec(), NarrowCodec())}
 LOSSY: dict[str, Codec] = {c.name: c for c in (BF16Codec(), FP16Codec(), FP8Codec(), Int8Codec())}
 
 

@@ -1,14 +1,15 @@
 """Compress policy: replace a saved tensor's device bytes by a smaller encoding on the same device.
 
-Lossless codecs (``bitmask``, ``binary``, ``sparse``: see :mod:`hybridmem.plugins.codecs`) are picked
+Lossless codecs (``bitmask``, ``binary``, ``sparse``, ``narrow``: see :mod:`hybridmem.plugins.codecs`) are picked
 per tensor when the encoding is at most ``max_ratio`` of the storage; lossy ones (``bf16``, ``fp16``,
 ``fp8``, ``int8``) only when named::
 
     policy = CompressPolicy()                   # lossless only: regenerate() is bit-identical
     policy = CompressPolicy(lossy=("bf16",))    # bf16 where no lossless codec pays
 
-Deciding costs one pass over the tensor (bit statistics); the decision is cached per entry and
-reused while the storage and its version counter are unchanged.
+Deciding costs one pass over the tensor (bit statistics; for integer tensors also their range); the
+decision is cached per entry and reused while the storage and its version counter are unchanged.
+:meth:`CompressPolicy.estimate` asks the same question without caching or counting anything.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from hybridmem.errors import UnknownNameError
 
 from .base import Entry
-from .codecs import (LOSSLESS, LOSSY, Analysis, Codec, Encoded, Geometry, Stamp, entry_version,
+from .codecs import (LOSSLESS, LOSSY, Analysis, Codec, Encoded, Geometry, Span, Stamp, entry_version,
                      flat_view, supported)
 
 # Encode/decode throughput in bytes of the original per second, for cost() without a cost model.
@@ -30,15 +31,15 @@ from .codecs import (LOSSLESS, LOSSY, Analysis, Codec, Encoded, Geometry, Stamp,
 # bench/test_bench_scorer.py), rounded down to allow for load. CUDA: guesses for memory-bound passes
 # (not yet measured on a GPU).
 _THROUGHPUT = {
-    "cpu": {"bitmask": (4e9, 6e9), "binary": (6e9, 6e9), "sparse": (1.5e9, 1.2e9),
+    "cpu": {"bitmask": (4e9, 6e9), "binary": (6e9, 6e9), "sparse": (1.5e9, 1.2e9), "narrow": (1e9, 1e9),
             "bf16": (5e9, 5e9), "fp16": (5e9, 5e9), "fp8": (0.4e9, 0.2e9),
             "int8": (0.4e9, 1.5e9)},
-    "cuda": {"bitmask": (1e11, 1e11), "binary": (1e11, 1e11), "sparse": (3e10, 5e10),
+    "cuda": {"bitmask": (1e11, 1e11), "binary": (1e11, 1e11), "sparse": (3e10, 5e10), "narrow": (1e11, 1e11),
              "bf16": (2e11, 2e11), "fp16": (1e11, 2e11), "fp8": (5e10, 2e11),
              "int8": (5e10, 2e11)},
 }
 # hybridmem.costs knows codecs by the kind of work: a cast, zero-value compression, a plain transform
-_COST_MODEL_CODEC = {"sparse": "zvc", "bitmask": "", "binary": "", "bf16": "bf16", "fp16": "fp16",
+_COST_MODEL_CODEC = {"sparse": "zvc", "bitmask": "", "binary": "", "narrow": "", "bf16": "bf16", "fp16": "fp16",
                      "fp8": "fp8", "int8": "fp8"}
 _LATENCY = {"cpu": 20e-6, "cuda": 50e-6}   # per call: a few kernel launches / Python overhead
 
@@ -48,7 +49,7 @@ class _Choice:
     codec: Codec | None               # None: nothing pays (cached negative decision)
     size: int
     stamp: Stamp | None               # the bytes it was decided for
-    info: Analysis | None
+    info: Analysis | Span | None      # the statistics the codec's encode() takes
 
 
 @dataclass(eq=False)
@@ -116,12 +117,12 @@ class CompressPolicy:
         self._choices[entry] = choice
         return choice if choice.codec is not None else None
 
-    def _decide(self, t: torch.Tensor, stamp: Stamp) -> _Choice:
+    def _decide(self, t: torch.Tensor, stamp: Stamp | None) -> _Choice:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         limit = self.max_ratio * nbytes
-        info: Analysis | None = None
-        best: tuple[int, Codec, Analysis | None] | None = None
+        stats: dict[str, Any] = {}          # one pass per kind of statistics, shared by the codecs
+        best: tuple[int, Codec, Any] | None = None
         for lossy, codecs in ((False, self.lossless_codecs), (True, self.lossy_codecs)):
             if lossy and best is not None and self.prefer_lossless:
                 break
@@ -130,15 +131,30 @@ class CompressPolicy:
                 if vdt is None or nbytes == 0 or nbytes % torch.empty(0, dtype=vdt).element_size():
                     continue
                 flat = flat_view(storage, vdt, t.device)
-                needs_info = codec.name in ("binary", "sparse")
-                if needs_info and info is None:
-                    info = Analysis.of(flat, self.force_torch)
-                size = codec.size(flat, info if needs_info else None)
+                info = None
+                if codec.needs:
+                    info = stats.get(codec.needs)
+                    if info is None:
+                        info = stats[codec.needs] = (Analysis.of(flat, self.force_torch) if codec.needs == "bits"
+                                                     else Span.of(flat, self.force_torch))
+                size = codec.size(flat, info)
                 if size is not None and size <= limit and (best is None or size < best[0]):
-                    best = (size, codec, info if needs_info else None)
+                    best = (size, codec, info)
         if best is None:
-            return _Choice(None, nbytes, stamp, info)
+            return _Choice(None, nbytes, stamp, None)
         return _Choice(best[1], best[0], stamp, best[2])
+
+    def estimate(self, entry: Entry) -> tuple[str | None, int]:
+        """(codec, bytes saved) that evicting ``entry`` now would give: decided afresh, nothing cached
+        or counted, the tensor only read. For budgets and reports (the issue's compress-only budget is
+        the monitor peak minus a share of what this says for the step's saved tensors)."""
+        t = entry.tensor
+        if not supported(t):
+            return None, 0
+        choice = self._decide(t, None)
+        if choice.codec is None:
+            return None, 0
+        return choice.codec.name, max(0, entry.nbytes - choice.size)
 
     # ---- Policy protocol -------------------------------------------------------------------------
     def applicable(self, entry: Entry) -> bool:

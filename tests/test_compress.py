@@ -117,8 +117,11 @@ def test_torch_path_in_chunks(monkeypatch):
 def test_sparse_ints_and_relu_ratio():
     idx = torch.zeros(4096, dtype=torch.int64)
     idx[::4] = torch.arange(1024)
-    out, codec, nbytes = round_trip(CompressPolicy(), idx.clone())
+    sparse_only = CompressPolicy(lossless_codecs=("bitmask", "binary", "sparse"))
+    out, codec, nbytes = round_trip(sparse_only, idx.clone())
     assert codec == "sparse" and torch.equal(out, idx) and nbytes < 0.6 * idx.numel() * 8
+    out, codec, nbytes = round_trip(CompressPolicy(), idx.clone())    # 2 bytes each beat 1/8 + 1/4 x 8
+    assert codec == "narrow" and torch.equal(out, idx) and nbytes == idx.numel() * 2
     e = entry_of(torch.randn(1 << 16).relu())
     ratio = CompressPolicy().ratio(e)
     assert 0.5 < ratio < 0.56                         # ~50 % zeros: 1/32 + nnz/n
@@ -252,3 +255,53 @@ def test_fp8_bound():
     err = (out.double() - x.double()).abs()
     assert codec == "fp8" and nbytes == x.numel()
     assert (err <= 2.0 ** -4 * x.double().abs() + a * 2.0 ** -10 / 448 + a * 2.0 ** -22).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64])
+@pytest.mark.parametrize("span", [1, 255, 256, 65535, 65536, (1 << 32) - 1])
+def test_narrow_round_trip_is_bit_exact_at_every_width(dtype, span):
+    """Spans right below and at each width's limit, anywhere in the dtype's range (both ends, zero)."""
+    width = torch.empty(0, dtype=dtype).element_size()
+    bits = bits_dtype(dtype)
+    info = torch.iinfo(bits)
+    g = torch.Generator().manual_seed(span)
+    for lo in (info.min, -span // 2, 0, info.max - span):
+        if lo < info.min or lo + span > info.max:
+            continue
+        vals = torch.randint(0, span + 1, (999,), generator=g, dtype=torch.int64)
+        vals[0], vals[1] = 0, span                                # both ends present: the span is exact
+        x = (vals + lo).to(bits).view(dtype) if width < 8 else (vals + lo).view(dtype)
+        p = CompressPolicy()
+        e = entry_of(x.clone())
+        want = next((k for k in (1, 2, 4) if k < width and span < 1 << (8 * k)), None)
+        if want is None or want > 0.6 * width:
+            assert p.choose(e) is None or p.choose(e).codec.name != "narrow"
+            continue
+        out, codec, nbytes = round_trip(p, x.clone())
+        assert bit_equal(out, x)
+        if codec != "narrow":                                      # {-1, 0}: binary's bit per element wins
+            assert nbytes < x.numel() * want, (lo, span, codec)
+            continue
+        assert nbytes == x.numel() * want, (lo, span)
+
+
+def test_narrow_max_pool_indices_and_what_it_leaves_alone():
+    x = torch.randn(2, 3, 32, 32)
+    _, idx = torch.nn.functional.max_pool2d(x, 2, return_indices=True)
+    out, codec, nbytes = round_trip(CompressPolicy(), idx.clone())
+    assert codec == "narrow" and torch.equal(out, idx) and nbytes == idx.numel() * 2    # indices < 1024
+    _, torch_codec, _ = round_trip(CompressPolicy(force_torch=True), idx.clone())
+    flat = idx.view(-1)
+    span = codecs.Span.of(flat)
+    a, b = (codecs.NarrowCodec().encode(flat, span, force_torch=f) for f in (False, True))
+    assert torch_codec == "narrow" and torch.equal(a.parts[0], b.parts[0])   # either kernel decodes the other's
+    out, codec, nbytes = round_trip(CompressPolicy(), torch.arange(-70, 70, dtype=torch.int32))
+    assert codec == "narrow" and nbytes == 140
+    for t in (torch.randint(-2**40, 2**40, (512,)),            # too wide a span
+              torch.randint(-100, 100, (512,), dtype=torch.int8),   # nothing narrower than a byte
+              torch.rand(512) + 1.0):                           # floats: bit patterns, never narrowed
+        c = CompressPolicy().choose(entry_of(t))
+        assert c is None or c.codec.name != "narrow"
+    with pytest.raises(UnknownNameError):
+        CompressPolicy(lossless_codecs=("narow",))
+    assert CompressPolicy(lossless_codecs=("narrow",)).choose(entry_of(torch.randn(64).relu())) is None

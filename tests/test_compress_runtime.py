@@ -1,5 +1,6 @@
-"""Compress policy under the runtime: bit-identical training with BatchNorm + in-place ReLU (sparse codec),
-and bench/gpu_check's compress-only protocol (which once trained the model it then compared against)."""
+"""Compress policy under the runtime: bit-identical training with BatchNorm + in-place ReLU (sparse
+codec) and with max-pool indices (narrow codec), and bench/gpu_check's compress-only protocol (which
+once trained the model it then compared against)."""
 from __future__ import annotations
 
 import copy
@@ -75,6 +76,31 @@ def test_compress_alone_bn_inplace_relu_is_bit_identical() -> None:
         assert st.regenerated == st.evicted
         assert _same(base, got), f"compress at budget peak - {cut} changed the training run"
     assert evicted > 0
+
+
+def test_compress_alone_max_pool_indices_are_narrowed_and_bit_identical() -> None:
+    """Max-pool saves int64 indices (values < H*W): the narrow codec keeps 2 of their 8 bytes, and
+    max_pool2d_with_indices_backward reads them back exactly."""
+    torch.manual_seed(0)
+    # the wide second stage makes the peak an op of its backward, while the first pool's indices
+    # wait unused: the only tensor the narrow codec can shrink then
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(8, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Linear(64 * 4 * 4, 10))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+    base = _train(model, x, y)
+    with hybridmem.session(budget=None, device="cpu") as s:
+        _train(model, x, y)
+    peak = s.stats().peak_bytes
+    budget = peak - (1 << 13)
+    only_narrow = {"extra": {"compress": {"lossless_codecs": ["narrow"]}}}   # the indices, nothing else
+    with hybridmem.session(budget=budget, policies=("compress",), device="cpu", config=only_narrow) as s:
+        got = _train(model, x, y)
+    policy = s.runtime.policies["compress"]
+    assert set(policy.codec_counts) == {"narrow"}, policy.codec_counts
+    assert s.stats().peak_bytes <= budget
+    assert _same(base, got)
 
 
 def test_gpu_check_compressible_bytes_leaves_the_model_untouched() -> None:
