@@ -120,8 +120,10 @@ class PlanFollower:
         self.expected: list[str] = []              # op names of step 1's stages
         self.seen: list[str] = []
         self.outputs: list[list[Any]] = []         # per stage of this step: produced slots, in order
-        self.swapping: set[int] = set()            # tensors with a swap_out and no free yet
+        self.swapping: set[int] = set()            # tensors with a swap_out this step: their frees swap
+        self.entries: dict[int, Any] = {}          # plan tensor -> its saved-tensor entry this step
         self.pending: list[tuple[Any, Any]] = []   # (entry, policy) evictions waiting for sole ownership
+        self.unsaved: list[tuple[Any, str, int]] = []  # (slot, policy name, tensor): evictions waiting for the pack
 
     def _bounds(self) -> tuple[list[int], list[int]]:
         if self.groups is None:
@@ -139,7 +141,9 @@ class PlanFollower:
         self.seen = []
         self.outputs = []
         self.swapping.clear()
+        self.entries.clear()
         self.pending = []
+        self.unsaved = []
 
     def step_ended(self, stages: int) -> None:
         if self.state == "pending":
@@ -174,6 +178,8 @@ class PlanFollower:
         self.outputs.append([])
         if self.state != "following":
             return
+        if self.unsaved:
+            self._saved_late()
         if self.pending:
             self._flush()
         exp = self.expected[stage] if stage < len(self.expected) else "nothing"
@@ -197,7 +203,7 @@ class PlanFollower:
             self.outputs[-1].extend(slot for _, slot, _ in fresh)
 
     # ---- actions ---------------------------------------------------------------------------------
-    def _entry(self, tensor: int) -> Any:
+    def _slot(self, tensor: int) -> Any:
         where = self.where.get(tensor)
         if where is None:
             return None
@@ -207,27 +213,65 @@ class PlanFollower:
             return None
         slot = self.outputs[p][k]
         st = slot()
-        e = slot.entry if st is not None else slot.last_entry  # freed: the entry it had, if evicted
         if st is not None and st.nbytes() != nbytes:
             self._diverge(f"tensor {tensor}: {st.nbytes()} bytes in this run, {nbytes} in the plan")
             return None
-        return e
+        return slot
+
+    def _entry(self, tensor: int) -> Any:
+        """The saved-tensor entry of a plan tensor in this step, resident or not (None: not saved)."""
+        slot = self._slot(tensor)
+        if slot is None:
+            return None
+        if slot() is not None:
+            e = slot.entry
+            if e is not None:
+                self.entries[tensor] = e
+            return e
+        # The produced storage is gone: evicted (its slot forgot the entry when the bytes went) and
+        # maybe regenerated since into a new storage; the entry is the one the plan's eviction met.
+        return self.entries.get(tensor) or slot.last_entry
 
     def _evict(self, a: Any) -> None:
         if a.kind == "swap_out":
             self.swapping.add(a.tensor)
             return
-        e = self._entry(a.tensor)
-        if e is None or e.tensor is None:
-            return  # not saved for backward, or already evicted
         name = "compress" if a.kind == "compress" else "swap" if a.tensor in self.swapping else "recompute"
-        self.swapping.discard(a.tensor)
+        slot = self._slot(a.tensor)
+        if slot is None:
+            return  # not a produced storage in this run
+        e = self._entry(a.tensor)
+        if e is None and slot() is not None:
+            # Not packed yet: autograd saves an op's outputs (relu's, a clone under an in-place op)
+            # after the dispatch returns, so after this hook. Evict once the pack has happened.
+            self.unsaved.append((slot, name, a.tensor))
+            return
+        if e is not None:
+            self._evict_entry(e, name, a.tensor)  # also a second eviction, after a regeneration
+
+    def _evict_entry(self, e: Any, name: str, tensor: int) -> None:
+        self.entries[tensor] = e
+        if e.tensor is None:
+            return  # already evicted
         policy = self.rt.policies.get(name)
         if policy is None or not policy.applicable(e):
-            self.rt.stats.note(f"plan: {name} not applicable to tensor {a.tensor}; left to the online scorer")
+            self.rt.stats.note(f"plan: {name} not applicable to tensor {tensor}; left to the online scorer")
             return
         self.pending.append((e, policy))
         self._flush()
+
+    def _saved_late(self) -> None:
+        """Evictions of tensors that were not packed at their action: those packed since then go
+        ahead; those still unpacked wait (a storage that died was never saved: nothing to do)."""
+        waiting = []
+        for slot, name, tensor in self.unsaved:
+            if slot() is None:
+                continue
+            if slot.entry is None:
+                waiting.append((slot, name, tensor))
+            else:
+                self._evict_entry(slot.entry, name, tensor)
+        self.unsaved = waiting
 
     def _flush(self) -> None:
         """Evict what the plan asked for once only the runtime holds it: right after the op that
