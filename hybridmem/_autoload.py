@@ -11,7 +11,9 @@ own ``import torch`` completes (a program that never imports torch never loads i
     hybridmem run --budget 8GiB train.py --epochs 3                             # the same, explicitly
 
 A malformed setting stops the program with a one-line message (exit status 2) rather than training
-without the budget the user asked for. ``HYBRIDMEM_VERBOSE=1`` prints ``hybridmem.stats()`` at exit.
+without the budget the user asked for. ``HYBRIDMEM_VERBOSE=1`` prints ``hybridmem.stats()`` at exit;
+``HYBRIDMEM_REPORT=run.json`` saves the run's stats and tensor log there at exit
+(:func:`hybridmem.report.save_run`), for ``hybridmem report run.json``.
 """
 from __future__ import annotations
 
@@ -43,17 +45,24 @@ def maybe_enable(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def _enable_from_env() -> None:
+    import atexit
+
     from .errors import HybridMemError
 
     try:
+        report = report_path()
         from . import runtime
         runtime.enable()  # everything comes from the environment (and HYBRIDMEM_CONFIG's YAML)
     except (ValueError, HybridMemError, FileNotFoundError) as e:
         print(f"hybridmem: cannot enable from the environment: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if os.environ.get("WORLD_SIZE") or os.environ.get("LOCAL_RANK"):  # torchrun and similar launchers
+        from .distributed import prepare_clean_exit
+        prepare_clean_exit()  # the process group's threads joined before the interpreter finalizes
     if runtime._current is not None and runtime._current.cfg.verbose:
-        import atexit
         atexit.register(_print_stats)
+    if report is not None:
+        atexit.register(_save_report, report)
 
 
 def _print_stats() -> None:
@@ -61,6 +70,56 @@ def _print_stats() -> None:
 
     if runtime.enabled():
         print(runtime.stats(), file=sys.stderr)
+
+
+def report_path(environ: Mapping[str, str] | None = None) -> str | None:
+    """Where ``HYBRIDMEM_REPORT`` asks the run file to go (None: not set).
+
+    A ``.json`` name is required: ``hybridmem report`` recognises run files by it. Under torchrun
+    (``WORLD_SIZE`` > 1) each rank writes its own file, ``run.rank<RANK>.json``, instead of all
+    writing the same one.
+    """
+    env = os.environ if environ is None else environ
+    path = (env.get("HYBRIDMEM_REPORT") or "").strip()
+    if not path:
+        return None
+    if not path.lower().endswith(".json"):
+        raise ValueError(f"HYBRIDMEM_REPORT={path!r}: give a .json file name (e.g. run.json), the kind "
+                         "`hybridmem report` reads")
+    try:
+        world = int(env.get("WORLD_SIZE") or 1)
+    except ValueError:
+        world = 1
+    if world > 1:
+        path = f"{path[:-5]}.rank{env.get('RANK', '0')}.json"
+    return path
+
+
+def _save_report(path: str) -> None:
+    """At exit: the run's stats (and tensor log) as a run file for ``hybridmem report PATH``."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        return  # a spawned worker (DataLoader, ...) re-enabled from the environment: the parent reports
+    from . import runtime
+    from .report import save_run
+
+    if not runtime.enabled():
+        print(f"hybridmem: HYBRIDMEM_REPORT={path}: not written, hybridmem was disabled before exit "
+              "(save it with hybridmem.report.save_run(path, hybridmem.stats()) before disable())",
+              file=sys.stderr)
+        return
+    try:
+        st = runtime.stats()
+        extra = {"argv": list(sys.argv), "pid": os.getpid(),
+                 "environment": {k: v for k, v in os.environ.items() if k.startswith("HYBRIDMEM_")}}
+        save_run(path, st, device=st.device, extra=extra)
+    except Exception as e:  # at exit nothing can be raised to the program: say it and move on
+        print(f"hybridmem: HYBRIDMEM_REPORT={path}: could not write the run file: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return
+    if runtime._current is not None and runtime._current.cfg.verbose:
+        print(f"hybridmem: wrote {path} (render it with: hybridmem report {path})", file=sys.stderr)
 
 
 class _TorchImportHook(importlib.abc.MetaPathFinder):

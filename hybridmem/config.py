@@ -72,8 +72,6 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: expected a mapping of settings, got {type(data).__name__}")
-    if "plugins" in data:
-        data["extra"] = data.pop("plugins")
     return data
 
 
@@ -86,6 +84,10 @@ def _as_names(value: Any, key: str) -> tuple[str, ...]:
 
 
 def _apply(cfg: Config, values: Mapping[str, Any], *, where: str) -> Config:
+    if "plugins" in values:  # the YAML/mapping spelling of ``extra`` (plugin-specific settings)
+        if "extra" in values:
+            raise ValueError(f"both 'plugins' and 'extra' in {where}: they are one setting, give it once")
+        values = {("extra" if k == "plugins" else k): v for k, v in values.items()}
     known = {f.name for f in fields(Config)}
     unknown = sorted(set(values) - known)
     if unknown:

@@ -25,6 +25,13 @@ rank. What was measured on torch 2.13 CPU with ``gloo`` (docs/distributed.md):
 
 :func:`launch` starts ``world_size`` processes on 127.0.0.1 with the ``gloo`` backend, runs
 ``fn(rank, world_size, *args)`` in each and returns what each returned (tests, benchmarks, docs).
+
+:func:`prepare_clean_exit` (called before the script when hybridmem is enabled from the environment or by
+``hybridmem run`` under torchrun) makes sure the process group's C++ threads are joined before the
+interpreter finalizes: on torch 2.13 a gloo worker that needs the GIL during finalization (a Python
+callback, or dropping the runtime's saved-tensor hooks that a collective's callback carried over from the
+training thread) dies in ``pthread_exit`` inside a
+``noexcept`` frame and the rank aborts with "terminate called without an active exception".
 """
 from __future__ import annotations
 
@@ -38,7 +45,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = ["COLLECTIVE_NAMESPACES", "is_collective", "collective_writes", "is_parameter_view", "plain_storages",
-           "is_traceable_wrapper_subclass", "FsdpStorageSync", "launch", "free_port", "RankError", "rank_info"]
+           "is_traceable_wrapper_subclass", "FsdpStorageSync", "launch", "free_port", "RankError", "rank_info",
+           "prepare_clean_exit", "release_process_groups", "backend_threads"]
 
 # Namespaces of ops that talk to other ranks or manage FSDP's communication buffers.
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd",
@@ -218,7 +226,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: t
         try:
             queue.put((rank, True, fn(rank, world, *args)))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have destroyed it (tests of release_process_groups)
+                dist.destroy_process_group()
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
 
@@ -273,3 +282,85 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = ()
         parts += [f"rank {r} did not finish within {timeout:.0f} s" for r in missing]
         raise RankError("\n".join(parts))
     return [results[r] for r in range(world_size)]
+
+
+# ---- a clean exit: the process group's threads joined while the interpreter is intact ------------------
+_EXIT_PREPARED = False
+
+
+def prepare_clean_exit() -> None:
+    """Make the process group of the program about to run release its C++ threads before the interpreter
+    finalizes: call before the program's ``init_process_group`` (``hybridmem run`` does, before the
+    script). Idempotent; a no-op where ``torch.distributed`` is not built.
+
+    Why (torch 2.13, gloo; reproduced with plain torch, see docs/distributed.md): ``destroy_process_group``
+    does not free the default group. ``torch.distributed.nn.functional`` binds ``group=group.WORLD`` as
+    the default argument of ten functions when it is first imported, and DDP's constructor imports it
+    (through ``torch.distributed._shard``), so after DDP the group lives until the interpreter's last
+    garbage collection. Its destructor then joins the gloo worker threads *while Python is finalizing*,
+    and a worker that takes the GIL then (a Python callback of a collective that completes late, or a
+    collective's callback dropping the saved-tensor hooks and dispatch modes it carried over from the
+    training thread, which hybridmem's runtime installs) exits through ``pthread_exit`` inside a
+    ``noexcept`` destructor: ``std::terminate``, "terminate called without an active exception", SIGABRT.
+
+    Two steps: import ``torch.distributed.nn`` now, while no group exists, so those defaults are ``None``
+    (which means the default group at call time, as it should); and at exit (an ``atexit`` hook registered
+    now, so it runs after the program's own) :func:`release_process_groups`.
+    """
+    global _EXIT_PREPARED
+    if _EXIT_PREPARED:
+        return
+    import atexit
+
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    if not dist.is_initialized():  # too late otherwise: the defaults would bind the live group
+        import torch.distributed.nn  # noqa: F401
+    atexit.register(release_process_groups)
+    _EXIT_PREPARED = True
+
+
+def release_process_groups() -> list[str]:
+    """Destroy the default process group if the program left it initialized, then collect garbage so that
+    the groups nothing references any more (DDP's reducer sits in reference cycles) are destroyed now,
+    joining their worker threads while the interpreter can still serve them the GIL.
+
+    Returns the torch/gloo threads still alive afterwards (:func:`backend_threads`): empty unless the
+    program itself still references a group or a DDP module at exit. Never raises: it runs at exit."""
+    import gc
+
+    import torch.distributed as dist
+
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:  # at exit: report, do not mask the program's own exit status
+        import sys
+        print(f"hybridmem: destroy_process_group at exit failed: {type(e).__name__}: {e}", file=sys.stderr)
+    gc.collect()
+    return backend_threads()
+
+
+_BACKEND_THREADS = ("gloo", "nccl")  # gloo_tcp_loop, pt_gloo_runloop; pt_nccl_*
+
+
+def backend_threads() -> list[str]:
+    """Names of this process's native threads that belong to torch.distributed backends (gloo's
+    ``gloo_tcp_loop``, ``pt_gloo_runloop``, ...), read from ``/proc/self/task``; empty where that is not
+    available (not Linux). The threads a Python ``threading.enumerate()`` does not show."""
+    names: list[str] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return names
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # exited meanwhile
+        if any(k in name for k in _BACKEND_THREADS):
+            names.append(name)
+    return sorted(names)

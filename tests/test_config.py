@@ -53,3 +53,10 @@ def test_bad_config_values(tmp_path):
     y.write_text("budget: [unclosed\n")
     with pytest.raises(ValueError, match="not valid YAML"):
         Config.resolve(config=y, env={})
+
+
+def test_mapping_config_takes_plugins_like_yaml() -> None:
+    cfg = Config.resolve({"budget": "1GiB", "plugins": {"compress": {"lossy": ["bf16"]}}}, env={})
+    assert cfg.extra == {"compress": {"lossy": ["bf16"]}}
+    with pytest.raises(ValueError, match="both 'plugins' and 'extra'"):
+        Config.resolve({"plugins": {}, "extra": {}}, env={})
