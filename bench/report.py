@@ -178,18 +178,33 @@ def _methods(run: dict[str, Any]) -> list[str]:
     return [m for m in SIM_ORDER if m in seen] + [m for m in seen if m not in SIM_ORDER]
 
 
+def _minimum_note(run: dict[str, Any]) -> str:
+    """Where the sweep starts when a minimum search raised it above the simulator's lower bound."""
+    ms = run.get("minimum_search") or {}
+    if not run.get("solver_minimum_bytes") or not ms:
+        return ""
+    if not ms.get("found_by"):
+        return (f"; no plan below the keep-all peak by {', '.join(ms.get('solvers', []))} "
+                f"(bisection to {fmt_bytes(ms.get('tolerance_bytes'))})")
+    return (f"; lowest budget found with a plan {fmt_bytes(run['solver_minimum_bytes'])} (by {ms['found_by']}, "
+            f"bisection over {', '.join(ms.get('solvers', []))} to {fmt_bytes(ms.get('tolerance_bytes'))}, "
+            f"{len(ms.get('probes', []))} plans, {fmt_time(ms.get('search_s'))}): the sweep starts there")
+
+
 def simulated_markdown(run: dict[str, Any]) -> str:
     peak = run.get("keep_all_peak_bytes") or 0
     head = (f"### {run.get('model')} (batch {run.get('batch')}) on {run.get('device')}: simulated\n\n"
             f"Graph captured on meta at {run.get('size', 'paper')} size: {run.get('stages')} stages, keep-all peak "
             f"{fmt_bytes(peak)}, keep-all step {fmt_time(run.get('keep_all_time_s'))}, min-feasible lower bound "
-            f"{fmt_bytes(run.get('min_feasible_bytes'))}. Cells: simulated overhead against keep-all "
+            f"{fmt_bytes(run.get('min_feasible_bytes'))}{_minimum_note(run)}. Cells: simulated overhead against keep-all "
             "(lowest in bold; `inf.`: the method found no plan within the budget; `—`: not run). LP bound: the "
             "LP relaxation's lower bound on the step time at that budget, as an overhead (`c`: no LP solution "
             "there, so the bound is the pure compute time); gaps below are measured against it.")
     if run.get("budget_capped_at_device_memory"):
         head += (f" The keep-all peak exceeds the device's {fmt_bytes(run.get('device_memory_bytes'))}: budgets stop "
                  "there, so without a plan this step does not fit at all.")
+    if run.get("no_plan_within_device_memory"):
+        head += " No probe planner found a plan within the device's memory: the one budget shown is the memory."
     methods = _methods(run)
     by = {(r["method"], r.get("budget_bytes")): r for r in run.get("results", [])}
     bounds = {b.get("budget_bytes"): b for b in run.get("bounds", [])}

@@ -27,7 +27,12 @@ Results schema (``results.json``, ``schema: "hybridmem-bench/1"``)::
                             budget_ok, losses, losses_identical, grads_identical, buffers_identical,
                             evicted_bytes: {policy: bytes}, regenerated_bytes, stall_s, times_s}]}],
      simulated: [{model, size, batch, device, stages, tensors, capture_s, keep_all_peak_bytes,
-                  keep_all_time_s, min_feasible_bytes, device_memory_bytes, budgets: [bytes],
+                  keep_all_time_s, min_feasible_bytes,   # the simulator's lower bound: nothing fits below
+                  solver_minimum_bytes,                  # the lowest budget a probe planner met (sweep start)
+                  minimum_search: {minimum_bytes, lower_bound_bytes, found_by, solvers, tolerance_bytes,
+                                   search_s, probes: [{budget_bytes, solver, status, solve_s}]},
+                  budget_capped_at_device_memory, no_plan_within_device_memory, device_memory_bytes,
+                  budgets: [bytes],
                   bounds: [{budget_bytes, lower_bound_s, lower_bound_overhead, source}],
                   results: [{method, solver, budget_bytes, status: ok|infeasible|invalid|error|unavailable,
                              reason, note, time_s, overhead, stall_s, recompute_s, peak_bytes,
@@ -82,7 +87,7 @@ class Settings:
     sim_size: str = "paper"
     jobs: int = 1
     fractions: list[float] | None = None  # budgets as shares of the keep-all peak instead of a sweep
-    probe_minimum: bool = True            # ask the fast planner for a tighter minimum than the bound
+    probe_minimum: bool = True            # bisect for the lowest budget a probe planner meets (find_minimum)
     command: str = "hybridmem bench"
 
     @classmethod
@@ -207,12 +212,13 @@ def simulate_model(graph: Any, device: str, methods: Sequence[str], points: int,
                    probe_minimum: bool = True) -> dict[str, Any]:
     """Plan ``graph`` at ``points`` budgets with every method and judge each plan in the simulator.
 
-    Budgets run evenly from the minimum feasible (the simulator's lower bound, raised to the fast
-    planner's reported minimum when ``probe_minimum``) to the keep-all peak or the device's memory,
-    whichever is smaller; ``fractions`` of the keep-all peak replace the sweep (not below the minimum).
+    Budgets run evenly from the minimum feasible to the keep-all peak or the device's memory, whichever
+    is smaller. The minimum is the simulator's lower bound, or with ``probe_minimum`` the lowest budget
+    where a planner that reaches low (:data:`MIN_PROBES`) finds a plan (:func:`find_minimum`), so the
+    lowest point of the sweep has a plan. ``fractions`` of the keep-all peak replace the sweep (not
+    below the lower bound).
     """
     from hybridmem.costs import apply_costs, get_cost_model
-    from hybridmem.errors import BudgetInfeasibleError
     from hybridmem.simulate import min_feasible_budget, simulate
 
     cm = get_cost_model(device)
@@ -229,22 +235,21 @@ def simulate_model(graph: Any, device: str, methods: Sequence[str], points: int,
     if fractions:
         budgets: Sequence[int] = sorted({max(lo, int(f * peak)) for f in fractions})
     else:
-        # The solver may know a tighter minimum than the simulator's lower bound: ask the fast planner.
-        try:
-            if probe_minimum:
-                _plan_with_time(g, lo, device, "approx", time_limit)
-        except BudgetInfeasibleError as e:
-            if probe_minimum and e.minimum_bytes and lo < e.minimum_bytes < peak:
-                lo = int(e.minimum_bytes)
-                run["solver_minimum_bytes"] = lo
-        except Exception:  # the sweep below records each method's own failure
-            pass
+        if probe_minimum:
+            # The simulator's bound is only a lower bound: below the budget where the planners that
+            # reach lowest find a plan, every cell of the table would be `inf.`. Find that budget.
+            search = find_minimum(g, device, lo, peak, solvers=MIN_PROBES, time_limit=time_limit, bar=bar)
+            run["minimum_search"] = search
+            lo = run["solver_minimum_bytes"] = search["minimum_bytes"]
         hi = peak
         mem = getattr(cm, "memory_bytes", None)
         if mem and mem < peak:
             # A budget above the device's memory cannot be had on that device: the sweep stops there.
             hi = int(mem)
             run["budget_capped_at_device_memory"] = True
+            if lo > hi:
+                # No probe planner fits the step in the device's memory: one budget, the memory, shows it.
+                run["no_plan_within_device_memory"] = True
         budgets = budget_points(lo, hi, points)
     run["budgets"] = list(budgets)
     for b in budgets:
@@ -264,6 +269,64 @@ def simulate_model(graph: Any, device: str, methods: Sequence[str], points: int,
         run["results"].extend(row)
     run["timeline"] = _timeline(g, device, run, budgets, base)
     return run
+
+
+MIN_PROBES: tuple[str, ...] = ("dtr", "capuchin", "chen", "approx")  # the planners a minimum search asks, in order
+MIN_TOLERANCE = 0.01                                  # bisection stops within this share of the peak
+
+
+def find_minimum(g: Any, device: str, lower: int, peak: int, *, solvers: Sequence[str] = MIN_PROBES,
+                 tolerance: float = MIN_TOLERANCE, time_limit: float = 10.0,
+                 bar: Progress | None = None) -> dict[str, Any]:
+    """The lowest budget (to ``tolerance`` x ``peak``) at which one of ``solvers`` finds a valid plan.
+
+    Bisection between ``lower`` (the simulator's bound: nothing fits below it) and ``peak`` (keep-all
+    fits). At each budget the solvers are asked in order until one has a plan; a solver that found
+    none at some budget is not asked again below it (plans only get harder as the budget shrinks),
+    so a budget below every solver's failure costs nothing. The DTR replay reaches lowest of the
+    baselines and is deterministic; Capuchin's construction and Chen's sqrt(n) checkpointing fail fast
+    where they cannot fit (Chen's fixed segments sometimes fit where the others do not); hybridmem's
+    ``approx`` (with the sweep's ``time_limit``) often reaches lower still, and is asked last.
+    Returns ``{minimum_bytes, lower_bound_bytes, found_by, solvers, tolerance_bytes, search_s,
+    probes: [{budget_bytes, solver, status, solve_s}]}``; ``found_by`` is None when no solver found a
+    plan below the peak (``minimum_bytes`` is then the peak, where keep-all fits).
+    """
+    from hybridmem.errors import BudgetInfeasibleError
+
+    t0 = time.perf_counter()
+    tol = max(int(tolerance * peak), 1)
+    lo, hi = int(lower) - 1, int(peak)     # invariant: nothing found at lo (or below), a plan at hi
+    found_by: str | None = None
+    failed_at = {s: lo for s in solvers}    # the largest budget where each solver found no plan
+    probes: list[dict[str, Any]] = []
+    while hi - lo > tol:
+        mid = (lo + hi + 1) // 2
+        ok = None
+        for s in solvers:
+            if mid <= failed_at[s]:
+                continue
+            if bar is not None:
+                bar.note(f"{g.meta.get('model')} {device} minimum? {s} {mid / 2**30:.2f}GiB")
+            t1 = time.perf_counter()
+            try:
+                _plan_with_time(g, mid, device, s, time_limit)
+                status = "ok"
+            except BudgetInfeasibleError:
+                status = "infeasible"
+            except Exception as e:  # a solver error counts as no plan here; the sweep reports it
+                status = f"error: {type(e).__name__}"
+            probes.append({"budget_bytes": mid, "solver": s, "status": status,
+                           "solve_s": round(time.perf_counter() - t1, 3)})
+            if status == "ok":
+                ok = s
+                break
+            failed_at[s] = max(failed_at[s], mid)
+        if ok is not None:
+            hi, found_by = mid, ok
+        else:
+            lo = mid
+    return {"minimum_bytes": hi, "lower_bound_bytes": int(lower), "found_by": found_by, "solvers": list(solvers),
+            "tolerance_bytes": tol, "search_s": round(time.perf_counter() - t0, 3), "probes": probes}
 
 
 def _one_plan(g: Any, device: str, method: str, budget: int, keep_all_s: float, time_limit: float) -> dict[str, Any]:
@@ -652,8 +715,9 @@ def add_options(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--models", help="comma-separated zoo models (default: the paper's seven)")
     ap.add_argument("--devices", help="comma-separated device models, or 'all' (default: h100-80gb,v100-16gb)")
     ap.add_argument("--methods", help="comma-separated methods to run (simulated and/or measured names)")
-    ap.add_argument("--points", type=int, help="budgets per model and device (default 6)")
-    ap.add_argument("--time-limit", type=float, help="seconds per plan for the MILP solvers (default 20)")
+    ap.add_argument("--points", type=int, help="budgets per model and device, from the lowest one where a planner "
+                                              "finds a plan to the keep-all peak (default 6)")
+    ap.add_argument("--time-limit", type=float, help="seconds per plan for the MILP solvers and approx (default 10; --quick 3)")
     ap.add_argument("--steps", type=int, help="timed training steps per measured method (default 5)")
     ap.add_argument("--jobs", type=int, help="processes for the simulated sweep (default 1)")
     ap.add_argument("--no-measured", action="store_true", help="skip the measured CPU part")

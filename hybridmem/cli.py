@@ -12,10 +12,59 @@ from .units import fmt_bytes
 
 DEVICE_HELP = "device cost model (v100-16gb, a100-80gb, h100-80gb, h200, cpu)"
 
+# One line per solver for `hybridmem plan --list-solvers` (the names come from hybridmem.solvers.SOLVERS,
+# so a solver added there is listed even before it gets a line here).
+SOLVER_DESCRIPTIONS = {
+    "approx": "STR: LP relaxation + recursive source tracing, polished on the full graph (default)",
+    "milp": "STR exact MILP (CBC, or HiGHS with --solver-backend highs), warm-started from approx",
+    "greedy": "STR source-tracing repair alone, from keep-everything (no LP)",
+    "keep-all": "baseline: evict nothing (needs the keep-all peak)",
+    "chen": "baseline: Chen et al. sqrt(n) checkpointing (recompute only)",
+    "checkmate": "baseline: Checkmate, recompute-only MILP",
+    "swap-vdnn": "baseline: vDNN-like swap-only, conv/linear inputs, prefetch one layer ahead",
+    "swap-opt": "baseline: optimal swap-only MILP",
+    "capuchin": "baseline: Capuchin-like, hidden swaps first, then recompute by memory saved per second",
+    "dtr": "baseline: DTR-like, a greedy online evictor replayed on the graph",
+}
+
+
+def _solver_names() -> tuple[str, ...]:
+    from .solvers import SOLVERS
+    return tuple(SOLVERS)
+
+
+def solver_listing() -> str:
+    """The solvers ``hybridmem plan --solver`` accepts, one per line with what it is."""
+    names = _solver_names()
+    width = max(len(n) for n in names)
+    return "\n".join(f"{n:<{width}}  {SOLVER_DESCRIPTIONS.get(n, '(no description)')}" for n in names)
+
+
+class _ListSolvers(argparse.Action):
+    """``--list-solvers``: print the solvers and exit, like ``--version`` (no --model/--budget needed)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: Any = None) -> None:
+        print(solver_listing())
+        parser.exit()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of super-stages (e.g. 100)") from None
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"{v}: give at least 2 super-stages (STR uses 80-120)")
+    return v
+
 
 def _add_model_args(p: argparse.ArgumentParser, *, graph: bool = True) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="zoo model name (e.g. resnet50) or MODULE:FACTORY returning (model, inputs, loss_fn)")
+    src.add_argument("--model", help="zoo model name (e.g. resnet50) or MODULE:FACTORY returning (model, inputs, "
+                                     "loss_fn[, optimizer])")
     if graph:
         src.add_argument("--graph", type=Path, help="a captured graph file (.yaml or .json)")
     p.add_argument("--size", default="small", help="zoo size: tiny, small, bench, paper (default: small)")
@@ -23,6 +72,10 @@ def _add_model_args(p: argparse.ArgumentParser, *, graph: bool = True) -> None:
     p.add_argument("--capture-device", default=None,
                    help="where to run the capture step: cpu or meta (default: meta for --size paper, else cpu)")
     p.add_argument("--granularity", default="op", help="stage granularity: op or module (default: op)")
+    p.add_argument("--optimizer", metavar="NAME[:K=V,...]",
+                   help="the training step's optimizer, whose state the graph holds for the whole step: none, sgd, "
+                        "adam, adamw, rmsprop, adagrad, with options (e.g. sgd:momentum=0.9, adam:amsgrad=true); "
+                        "default: the optimizer FACTORY returns, else none")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,8 +93,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--budget", required=True, help="bytes, e.g. 6GiB, or a percentage of the keep-all peak, e.g. 60%%")
     p.add_argument("--device", default="h100-80gb", help=DEVICE_HELP)
-    p.add_argument("--solver", default="approx", help="approx (default), milp, or a baseline: greedy, keep-all, chen, "
-                                                      "checkmate, swap-vdnn, swap-opt, capuchin, dtr")
+    p.add_argument("--solver", default="approx", help="approx (default), milp, greedy, or a baseline: keep-all, chen, "
+                                                      "checkmate, swap-vdnn, swap-opt, capuchin, dtr (--list-solvers)")
+    p.add_argument("--list-solvers", action=_ListSolvers, help="list the solvers with what each does, and exit")
+    p.add_argument("--coarsen", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan on weighted super-stages (STR coarsening) and write the plan on the full graph; "
+                        "default: automatic above 150 stages")
+    p.add_argument("--target", type=_positive_int, metavar="N",
+                   help="super-stages to coarsen to (default 100; implies --coarsen)")
     p.add_argument("--solver-backend", choices=("cbc", "highs"), default=None,
                    help="MILP backend: cbc (default, bundled) or highs (pip install 'hybridmem[highs]')")
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
@@ -64,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", help="comma-separated policies (default: swap,recompute,compress)")
     p.add_argument("--plan", help="plan file to follow")
     p.add_argument("--config", help="YAML config file")
+    p.add_argument("--report", help="save the run's report here at exit (a .json run file for `hybridmem report`)")
     p.add_argument("script", help="the Python script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -87,16 +147,24 @@ def _version() -> str:
 def _graph_from_args(args: argparse.Namespace) -> Any:
     from .graph import Graph
 
+    opt_text = getattr(args, "optimizer", None)
     if getattr(args, "graph", None):
+        if opt_text is not None:
+            raise ValueError("--optimizer applies to --model: a graph file already holds its optimizer's state "
+                             "(capture it with --optimizer)")
         return Graph.load(args.graph)
     from .capture import capture
-    from .factory import load_model
+    from .factory import load_model, make_optimizer, parse_optimizer
 
+    if opt_text is not None:
+        parse_optimizer(opt_text)  # a bad spec fails before the model is built
     device = args.capture_device or ("meta" if args.size == "paper" else "cpu")
     if device not in ("cpu", "meta"):
         raise ValueError(f"--capture-device {device!r}: accepted: cpu, meta")
     spec = load_model(args.model, size=args.size, batch=args.batch, device=device)
-    g = capture(spec.model, spec.inputs, spec.loss_fn, device=device, granularity=args.granularity)
+    optimizer = spec.optimizer if opt_text is None else make_optimizer(opt_text, spec.model)
+    g = capture(spec.model, spec.inputs, spec.loss_fn, device=device, granularity=args.granularity,
+                optimizer=optimizer)
     g.meta.setdefault("model", spec.name)
     return g
 
@@ -109,6 +177,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
         print(json.dumps({"stages": g.num_stages, "forward_stages": g.num_forward, "tensors": len(g.tensors),
                           "peak_bytes": g.peak_bytes(), "saved_bytes": g.saved_bytes(),
                           "fixed_bytes": g.fixed_bytes(), "structure_hash": g.structure_hash(),
+                          "optimizer_state_bytes": (g.meta.get("optimizer") or {}).get("state_bytes", 0),
                           "output": str(args.output) if args.output else None}))
     else:
         print(f"captured {g.meta.get('model', '')}: {g.summary()}")
@@ -118,7 +187,18 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.solver not in _solver_names():  # before the capture, which can take a while
+        from .errors import UnknownNameError
+        raise ValueError(f"{UnknownNameError('solver', args.solver, _solver_names())} "
+                         "(`hybridmem plan --list-solvers` says what each does)")
+    options = _plan_options(args)
     if args.shapes:
+        given = [o for o, v in (("--coarsen/--no-coarsen", args.coarsen), ("--target", args.target),
+                                ("--solver-backend", args.solver_backend), ("--optimizer", args.optimizer))
+                 if v is not None]
+        if given:  # the plan book planner takes no solver options yet: refuse rather than ignore them
+            raise ValueError(f"{', '.join(given)} cannot be combined with --shapes (the plan book planner does "
+                             "not take them yet); plan one shape at a time without --shapes to use them")
         from .buckets import cli_plan
         return cli_plan(args)
     from .costs import apply_costs, get_cost_model
@@ -126,7 +206,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .solvers import plan as solve
 
     g = apply_costs(_graph_from_args(args), get_cost_model(args.device))
-    options = {"solver_backend": args.solver_backend} if args.solver_backend else {}
     p = solve(g, args.budget, device=args.device, solver=args.solver, time_limit=args.time_limit,
               verbose=args.verbose, **options)
     base = simulate(g, None, device=args.device)
@@ -142,6 +221,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Solver options from the command line (see hybridmem.solvers.plan): backend and coarsening."""
+    options: dict[str, Any] = {}
+    if args.solver_backend:
+        options["solver_backend"] = args.solver_backend
+    if args.target is not None:
+        if args.coarsen is False:
+            raise ValueError(f"--target {args.target} asks for super-stages but --no-coarsen forbids them: "
+                             "give one or the other")
+        options["coarsen"], options["target"] = True, args.target
+    elif args.coarsen is not None:
+        options["coarsen"] = args.coarsen
+    return options
+
+
 def _plan_summary(g: Any, p: Any, res: Any, base: Any) -> dict[str, Any]:
     moved = {"swap": 0, "recompute": 0, "compress": 0}
     seen: set[tuple[str, int]] = set()
@@ -153,6 +247,7 @@ def _plan_summary(g: Any, p: Any, res: Any, base: Any) -> dict[str, Any]:
     return {
         "model": g.meta.get("model", ""), "stages": g.num_stages, "solver": p.solver, "device": p.device,
         "budget_bytes": p.budget_bytes, "keep_all_peak_bytes": base.peak_bytes, "peak_bytes": res.peak_bytes,
+        **({"optimizer_state_bytes": g.meta["optimizer"]["state_bytes"]} if isinstance(g.meta.get("optimizer"), dict) else {}),
         "time_s": res.time_s, "compute_s": base.time_s, "overhead": res.time_s / base.time_s - 1 if base.time_s else 0.0,
         "stall_s": res.stall_s, "bytes_swapped": moved["swap"], "bytes_recomputed": moved["recompute"],
         "bytes_compressed": moved["compress"], **{k: v for k, v in p.info.items() if isinstance(v, (int, float, str))},
@@ -202,7 +297,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ._autoload import run_script
 
     settings = {"HYBRIDMEM_BUDGET": args.budget, "HYBRIDMEM_POLICIES": args.policies,
-                "HYBRIDMEM_PLAN": args.plan, "HYBRIDMEM_CONFIG": args.config}
+                "HYBRIDMEM_PLAN": args.plan, "HYBRIDMEM_CONFIG": args.config, "HYBRIDMEM_REPORT": args.report}
     return run_script([args.script, *args.args], {k: v for k, v in settings.items() if v is not None})
 
 

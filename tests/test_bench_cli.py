@@ -170,6 +170,45 @@ def test_budget_points_span_minimum_to_peak() -> None:
     assert runner.budget_points(5, 5, 6) == [5]
 
 
+@pytest.fixture(scope="module")
+def tiny_graph():
+    from hybridmem.costs import apply_costs, get_cost_model
+
+    torch.set_num_threads(1)
+    return apply_costs(runner.capture_graph("vgg16", "tiny", "cpu"), get_cost_model("h100-80gb"))
+
+
+def test_minimum_search_finds_where_plans_start(tiny_graph) -> None:
+    from hybridmem.errors import BudgetInfeasibleError
+    from hybridmem.simulate import min_feasible_budget, simulate
+    from hybridmem.solvers import plan
+
+    g, peak, lower = tiny_graph, tiny_graph.peak_bytes(), min_feasible_budget(tiny_graph)
+    probes = ("dtr", "capuchin")  # the deterministic ones (approx has a time limit: its reach varies with load)
+    r = runner.find_minimum(g, "h100-80gb", lower, peak, solvers=probes, tolerance=0.01)
+    m, tol = r["minimum_bytes"], r["tolerance_bytes"]
+    assert lower <= m <= peak and r["lower_bound_bytes"] == lower and tol == int(0.01 * peak)
+    assert r["found_by"] in probes and r["solvers"] == list(probes)
+    p = plan(g, m, device="h100-80gb", solver=r["found_by"])  # a plan at the minimum, within it
+    assert simulate(g, p, device="h100-80gb", budget=m).peak_bytes <= m
+    if m - tol > lower:  # and none a tolerance below it, from any probe planner
+        for s in probes:
+            with pytest.raises(BudgetInfeasibleError):
+                plan(g, m - tol, device="h100-80gb", solver=s)
+    assert {"budget_bytes", "solver", "status", "solve_s"} <= set(r["probes"][0])
+
+
+def test_sweep_starts_at_a_budget_with_a_plan(tiny_graph, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner, "MIN_PROBES", ("dtr", "capuchin"))  # deterministic probes (see above)
+    run = runner.simulate_model(tiny_graph, "h100-80gb", ["dtr", "chen"], 3, 5.0)
+    assert run["min_feasible_bytes"] <= run["solver_minimum_bytes"] == run["budgets"][0]
+    assert run["budgets"][-1] == run["keep_all_peak_bytes"] and len(run["budgets"]) == 3
+    lowest = [r for r in run["results"] if r["budget_bytes"] == run["budgets"][0]]
+    assert any(r["status"] == "ok" for r in lowest)
+    assert run["minimum_search"]["found_by"] in ("dtr", "capuchin")
+    assert "lowest budget found with a plan" in report.simulated_markdown(run)
+
+
 def test_pool_max_keeps_peaks() -> None:
     xs = [0] * 5000
     xs[1234] = 99
@@ -233,3 +272,52 @@ def test_sequential_view_refuses_models_that_are_not_chains() -> None:
         measure.sequential_view(Skip(), torch.randn(2, 4))
     with pytest.raises(measure.Unavailable, match="keyword inputs"):
         measure.sequential_view(Skip(), {"x": torch.randn(2, 4)})
+
+
+# ---- pytest-benchmark baseline -------------------------------------------------------------------------
+def test_benchmark_baseline_storage_is_in_the_repository() -> None:
+    pytest.importorskip("pytest_benchmark")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_conftest", ROOT / "bench" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    # left at pytest-benchmark's default: the repository's bench/baseline, whatever the working directory
+    from pytest_benchmark.plugin import add_global_options
+
+    defaults = {}
+    add_global_options(lambda name, *a, **kw: defaults.setdefault(name, kw.get("default")))
+    assert defaults["--benchmark-storage"] == conftest.PLUGIN_DEFAULT_STORAGE
+    assert conftest.storage_uri(conftest.PLUGIN_DEFAULT_STORAGE) == f"file://{ROOT / 'bench' / 'baseline'}"
+    assert conftest.storage_uri("file:///elsewhere") == "file:///elsewhere"  # an explicit choice is kept
+    assert (ROOT / "bench" / "baseline").is_dir()
+
+
+BENCH_TEST = """
+def test_tiny(benchmark):
+    benchmark(sum, range(100))
+"""
+
+
+def test_benchmark_save_then_compare(tmp_path: Path) -> None:
+    """The documented save / compare commands, on a trivial benchmark (the real suites take minutes)."""
+    pytest.importorskip("pytest_benchmark")
+    (tmp_path / "test_tiny_bench.py").write_text(BENCH_TEST)
+    store = tmp_path / "store"
+    base = [sys.executable, "-m", "pytest", "test_tiny_bench.py", "-q", "-p", "no:cacheprovider",
+            f"--benchmark-storage={store}", "--benchmark-max-time=0.01", "--benchmark-min-rounds=3"]
+    saved = subprocess.run([*base, "--benchmark-autosave"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    files = list(store.glob("*/0001_*.json"))
+    assert len(files) == 1
+    run = json.loads(files[0].read_text())
+    assert run["benchmarks"][0]["name"] == "test_tiny"
+    # A baseline 1000 times faster than anything real, saved as run 0002: comparing against it must fail
+    # the run, so the comparison is enforced (with a real baseline, a >25 % slower mean fails the same way).
+    for k in ("min", "max", "mean", "median"):
+        run["benchmarks"][0]["stats"][k] /= 1000
+    files[0].with_name("0002_faster.json").write_text(json.dumps(run))
+    compared = subprocess.run([*base, "--benchmark-compare=0002", "--benchmark-compare-fail=mean:25%"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = compared.stdout + compared.stderr
+    assert compared.returncode != 0 and "Performance has regressed" in out and "0002" in out, out

@@ -65,3 +65,74 @@ def test_bench_options_reach_the_runner(tmp_path, capsys):
     assert "unknown method(s) ['teleport']" in capsys.readouterr().err
     assert main(["bench", "--quick", "--points", "1", "-o", str(tmp_path)]) == 2
     assert "--points must be at least 2" in capsys.readouterr().err
+
+
+def test_list_solvers_describes_every_solver(capsys):
+    from hybridmem.solvers import SOLVERS
+
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--list-solvers"])  # needs no --model or --budget, like --version
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == list(SOLVERS)
+    assert all("(no description)" not in ln for ln in lines)
+
+
+def test_unknown_solver_lists_the_known_ones(capsys):
+    from hybridmem.solvers import SOLVERS
+
+    # refused before any capture: the model name is never looked at
+    assert main(["plan", "--model", "no_such_model", "--budget", "50%", "--solver", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown solver 'nope'" in err and "--list-solvers" in err
+    assert all(s in err for s in SOLVERS)
+
+
+def test_coarsen_target_plans_on_super_stages(graph_file, capsys):
+    capsys.readouterr()
+    assert main(["plan", "--graph", str(graph_file), "--budget", "95%", "--coarsen", "--target", "6",
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["stages"] > 6 and summary["coarse_stages"] == 6  # the LP ran on 6 super-stages
+    assert summary["peak_bytes"] <= summary["budget_bytes"]         # and the full-graph plan fits
+
+
+@pytest.mark.parametrize("flags,options", [
+    ([], {}),
+    (["--coarsen"], {"coarsen": True}),
+    (["--no-coarsen"], {"coarsen": False}),
+    (["--target", "40"], {"coarsen": True, "target": 40}),
+    (["--coarsen", "--target", "40", "--solver-backend", "highs"],
+     {"coarsen": True, "target": 40, "solver_backend": "highs"}),
+])
+def test_plan_options_reach_the_solver(graph_file, monkeypatch, capsys, flags, options):
+    import hybridmem.solvers as solvers
+
+    seen = {}
+    real = solvers.plan
+
+    def spy(graph, budget, **kwargs):
+        seen.update(kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("coarsen", "target", "solver_backend")}
+        return real(graph, budget, **kwargs)
+
+    monkeypatch.setattr(solvers, "plan", spy)
+    assert main(["plan", "--graph", str(graph_file), "--budget", "100%", "--solver", "keep-all", *flags]) == 0
+    assert {k: seen[k] for k in ("coarsen", "target", "solver_backend") if k in seen} == options
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--no-coarsen", "--target", "5"], "--no-coarsen forbids them"),
+    (["--shapes", "8x16", "--target", "5", "-o", "book"], "cannot be combined with --shapes"),
+])
+def test_contradictory_plan_options_are_refused(graph_file, capsys, argv, message):
+    assert main(["plan", "--graph", str(graph_file), "--budget", "95%", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["1", "many"])
+def test_bad_target_is_refused(graph_file, capsys, target):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--graph", str(graph_file), "--budget", "95%", "--target", target])
+    assert e.value.code == 2
+    assert "--target" in capsys.readouterr().err

@@ -107,8 +107,11 @@ def test_hybridmem_run_matches_the_environment(tmp_path: Path, via_env: dict) ->
     budget = via_env["stats"]["budget"]
     (tmp_path / "train.py").write_text(SCRIPT)
     cli = [sys.executable, "-m", "hybridmem.cli", "run", "--budget", str(budget), "--policies", "recompute",
-           str(tmp_path / "train.py"), "--flag"]
+           "--report", str(tmp_path / "run.json"), str(tmp_path / "train.py"), "--flag"]
     assert _out(_run(tmp_path, {}, cli)) == via_env
+    from hybridmem.report import load_run  # --report is HYBRIDMEM_REPORT: the run file is written at exit
+
+    assert load_run(tmp_path / "run.json").measured["peak_bytes"] == via_env["stats"]["peak"]
 
 
 def test_bad_environment_stops_with_a_message(monkeypatch: pytest.MonkeyPatch,
@@ -130,3 +133,49 @@ def test_hook_imports_nothing_without_variables(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if not k.startswith("HYBRIDMEM_")})
     assert res.stdout.split() == ["False", "False"], res.stderr
+
+
+def test_report_is_saved_at_exit_and_renders(tmp_path: Path, via_env: dict,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridmem.cli import main
+    from hybridmem.report import is_run_file, load_run
+
+    budget = via_env["stats"]["budget"]
+    path = tmp_path / "out" / "run.json"
+    res = _run(tmp_path, {"HYBRIDMEM_BUDGET": str(budget), "HYBRIDMEM_POLICIES": "recompute",
+                          "HYBRIDMEM_REPORT": str(path)})
+    assert _out(res) == via_env  # the report changes nothing about the run
+    assert is_run_file(path)
+    saved = json.loads(path.read_text())
+    assert saved["extra"]["environment"]["HYBRIDMEM_REPORT"] == str(path)
+    rep = load_run(path)
+    # the figures are the run's own, as the script printed them from hybridmem.stats()
+    assert rep.measured["peak_bytes"] == via_env["stats"]["peak"] <= budget == rep.measured["budget_bytes"]
+    assert rep.measured["steps"] == 3 and rep.measured["policies"]["recompute"]["evicted"] > 0
+    capsys.readouterr()
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "hybridmem decision report: run.json" in out and "recompute" in out
+
+
+def test_report_path_must_be_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch  # noqa: F401  (already imported: enables at once)
+
+    import hybridmem
+    from hybridmem import _autoload
+
+    monkeypatch.setenv("HYBRIDMEM_BUDGET", "none")
+    monkeypatch.setenv("HYBRIDMEM_REPORT", "run.txt")
+    with pytest.raises(SystemExit) as e:
+        _autoload.maybe_enable()
+    assert e.value.code == 2
+    assert "HYBRIDMEM_REPORT='run.txt': give a .json file name" in capsys.readouterr().err
+    assert not hybridmem.enabled()  # refused before anything was enabled
+
+
+def test_report_path_per_rank_under_torchrun() -> None:
+    from hybridmem._autoload import report_path
+
+    assert report_path({}) is None
+    assert report_path({"HYBRIDMEM_REPORT": "r/run.json"}) == "r/run.json"
+    assert report_path({"HYBRIDMEM_REPORT": "run.json", "WORLD_SIZE": "2", "RANK": "1"}) == "run.rank1.json"
