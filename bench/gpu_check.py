@@ -90,33 +90,12 @@ def _identical(a: tuple[list, dict], b: tuple[list, dict]) -> bool:
 
 def compressible_bytes(entry) -> int:
     """Bytes the lossless codecs would save on one step's saved activations (the compress-only target)."""
-    from hybridmem.plugins.base import Entry
-    from hybridmem.plugins.compress import CompressPolicy
+    from hybridmem.plugins.compress import compressible_share
 
-    # A training-mode step on a copy: on entry.model itself it would advance every BatchNorm's running
-    # stats and num_batches_tracked (and leave .grad behind), so the managed run that follows would
-    # start from another state than the unmanaged one and never be bit-identical to it.
-    model = copy.deepcopy(entry.model)
-    fixed = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    storages: dict[int, tuple[torch.UntypedStorage, torch.dtype]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in fixed:
-            storages.setdefault(st.data_ptr(), (st, t.dtype))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        args, kwargs = entry.args_kwargs()
-        loss = entry.loss_fn(model(*args, **kwargs))
-    policy, total = CompressPolicy(), 0
-    for st, dtype in storages.values():
-        whole = torch.empty(0, dtype=dtype, device=st.device).set_(st)
-        e = Entry(tensor=whole, nbytes=st.nbytes(), dtype=dtype, device=st.device)
-        if policy.applicable(e):
-            total += policy.savings(e)
-    loss.backward()
-    return total
+    args, kwargs = entry.args_kwargs()
+    inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    _, per_codec = compressible_share(entry.model, lambda m: entry.loss_fn(m(*args, **kwargs)), exclude=inputs)
+    return sum(per_codec.values())
 
 
 def check_model(name: str, size: str, device: torch.device) -> list[Row]:

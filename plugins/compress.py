@@ -272,3 +272,47 @@ def _resolve_cost_model(spec: Any) -> Any:
     from hybridmem.costs import get_cost_model  # written by the cost-model work; names checked there
 
     return get_cost_model(spec)
+
+
+def compressible_share(model: torch.nn.Module, loss_of: Any, exclude: Iterable[torch.Tensor] = (),
+                       seed: int | None = None, policy: "CompressPolicy | None" = None) -> tuple[int, dict[str, int]]:
+    """What the lossless codecs could save on one training step's saved activations.
+
+    ``loss_of(model) -> loss`` runs the forward pass; it runs on a deep copy of ``model`` (so that
+    BatchNorm statistics, gradients and the caller's model are left alone), under saved-tensor hooks
+    that collect every storage autograd saves except parameters, buffers and ``exclude`` (the inputs).
+    After the loss, when all of them are alive, ``policy`` (default: a lossless :class:`CompressPolicy`)
+    is asked about each once (:meth:`CompressPolicy.estimate`: nothing cached or counted).
+    ``seed``: the RNG seed to run the forward pass with (inside ``fork_rng``: the caller's RNG state is
+    kept), so that dropout masks match a training step seeded the same way.
+
+    Returns ``(saved_bytes, {codec: bytes it would save})``. Used for issue 3's compress-only budget
+    (the monitor peak minus a share of this) by the tests and ``bench/gpu_check.py``.
+    """
+    import copy
+
+    policy = policy or CompressPolicy()
+    model = copy.deepcopy(model)
+    fixed = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers(), *exclude)}
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st._cdata not in fixed and st._cdata not in saved:
+            saved[st._cdata] = torch.empty(0, dtype=t.dtype, device=t.device).set_(st)  # the whole storage
+        return t
+
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_of(model)
+        out: dict[str, int] = {}
+        for t in saved.values():
+            codec, saves = policy.estimate(Entry(tensor=t, nbytes=t.untyped_storage().nbytes(), dtype=t.dtype,
+                                                 device=t.device))
+            if codec is not None:
+                out[codec] = out.get(codec, 0) + saves
+    del loss
+    return sum(t.untyped_storage().nbytes() for t in saved.values()), out

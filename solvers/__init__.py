@@ -12,7 +12,9 @@ planners and the MILP baselines, and the plan is written and validated on the fu
 
 Solvers (``SOLVERS``):
 
-- ``approx`` (default): LP relaxation + recursive source tracing rounding (:mod:`solvers.relax`);
+- ``approx`` (default): a portfolio on the full graph: heuristic starts (DTR replay, Capuchin, Chen,
+  vDNN: never slower than those baselines), the LP relaxation + recursive source tracing rounding
+  (:mod:`solvers.relax`) on the (coarsened) problem, and a gap-by-gap polish of the best of them;
   ``plan.info`` has ``lp_bound_s`` (the LP value: a lower bound *within the STR model*, whose copy
   timing is conservative) and ``gap`` (time / lp_bound - 1; negative when the plan, polished on the full
   graph with the simulator's FIFO link timing, beats the model), and ``lower_bound_s`` (the compute
@@ -40,6 +42,7 @@ from hybridmem.plan import Plan
 from hybridmem.units import fmt_bytes, parse_bytes
 
 from . import baselines, coarsen, milp, relax
+from .baselines import NO_BUDGET
 from ._common import (Problem, build_problem, make_plan, schedule_to_actions)
 
 HYBRID = ("approx", "milp", "greedy")
@@ -137,35 +140,120 @@ def _plain(v: Any) -> Any:
 DEFAULT_TIME = {"approx": 24.0, "greedy": 16.0}
 
 
+class _Pool:
+    """The best plan seen so far under the simulator on the full graph, and the lowest budget any
+    start reached (a start whose plan was valid but over this budget: its peak is a budget it fits)."""
+
+    def __init__(self, graph: Graph, budget: int, model: Any):
+        self.graph, self.budget, self.model = graph, budget, model
+        self.best: tuple[float, Plan | None, Any, str] = (float("inf"), None, None, "")
+        self.reached: tuple[int, str] | None = None
+        self.tried: list[str] = []
+
+    def offer(self, name: str, plan: Plan) -> float | None:
+        """Simulate ``plan``; keep it if it fits and is the fastest yet. Its time if it fits, else None."""
+        from hybridmem.simulate import simulate
+
+        res = simulate(self.graph, plan, device=self.model, budget=NO_BUDGET, strict=False)
+        if res.violations:
+            return None
+        if res.peak_bytes > self.budget:
+            self.note_reached(int(res.peak_bytes), name)
+            return None
+        if res.time_s < self.best[0] - 1e-12:
+            self.best = (res.time_s, plan, res, name)
+        return float(res.time_s)
+
+    def note_reached(self, peak: int | None, name: str) -> None:
+        if peak is not None and peak > self.budget and (self.reached is None or peak < self.reached[0]):
+            self.reached = (int(peak), name)
+
+
+def _seed(pool: _Pool, fine: Problem) -> list[tuple[float, str, Any]]:
+    """The cheap heuristic starts on the full graph, each judged by the simulator: the DTR replay (with
+    the online scorer's victim choice, as the ``dtr`` baseline, and with plain greedy), Chen's sqrt(n)
+    checkpointing, vDNN's swaps and Capuchin's construction. Each costs a few simulations (Capuchin's a
+    few hundred realisations on the gap model); together they make the portfolio never worse than
+    these baselines, whatever happens to the LP later, and even when the time limit is short (they are
+    what such a plan falls back on). Returns the starts for the polish, as
+    ``(simulated seconds or inf, name, actions or GapPlanner)``."""
+    from .baselines import chen_plan, dtr_plan, numpy_victims, vdnn_plan
+
+    budget = pool.budget
+    out: list[tuple[float, str, Any]] = []
+    for name, make in (("dtr", lambda: dtr_plan(fine, budget)),
+                       ("dtr-greedy", lambda: dtr_plan(fine, budget, numpy_victims)),
+                       ("chen", lambda: chen_plan(fine, budget)),
+                       ("swap-vdnn", lambda: vdnn_plan(fine, budget))):
+        pool.tried.append(name)
+        try:
+            plan = make()
+        except BudgetInfeasibleError as e:
+            pool.note_reached(e.minimum_bytes, name)
+            continue
+        t = pool.offer(name, plan)
+        if t is not None:
+            out.append((t, name, plan.actions))
+    gp = relax.GapPlanner(fine)
+    r, swapped, recomputed = gp.capuchin_fill()
+    pool.tried.append("capuchin")
+    if gp.feasible(r):
+        plan = make_plan(fine, schedule_to_actions(fine, gp.schedule(r)), "capuchin",
+                         {"swapped_gaps": swapped, "recomputed_gaps": recomputed})
+        t = pool.offer("capuchin", plan)
+        out.append((float("inf") if t is None else t, "capuchin", gp))
+    else:
+        out.append((float("inf"), "capuchin", gp))          # the polish repairs what is left over
+    return out
+
+
 def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: float | None, verbose: bool,
             options: dict[str, Any]) -> Plan:
-    """STR on the planning problem (coarsened above the threshold), then a polish on the full graph.
+    """A portfolio on the full graph, in STR's spirit (the LP rounding warm-started and polished from
+    heuristic plans); the fastest plan under the simulator wins.
 
-    1. Solve on the problem. If the full-graph simulation finds the plan over budget (the coarse model is
-       conservative but not exact), plan again for a budget smaller by the excess.
-    2. Polish on the full graph (approx/greedy, and milp on coarsened graphs): the plan of step 1 written
-       on the full graph's gaps, and two heuristic starts (Capuchin's construction, the DTR replay), each
-       repaired where it does not fit and improved gap by gap; the fastest under the simulator wins.
+    0. Cheap starts (:func:`_seed`: DTR replays, Chen, vDNN, Capuchin's construction) are planned on the
+       full graph and kept if they fit, whatever the later steps do (they run even when the time limit is
+       short: a plan is then never slower than these baselines').
+    1. STR on the planning problem (coarsened above the threshold). If the full-graph simulation finds the
+       plan over budget (the coarse model is conservative but not exact), plan again for a budget smaller
+       by the excess.
+    2. Polish on the full graph (approx/greedy, and milp on coarsened graphs): the STR plan, the best
+       two best cheap starts and Capuchin's construction, each repaired where it does not fit and
+       improved gap by gap, then by exchanges (:func:`solvers.relax.refine`).
+
+    ``plan.info["plan_from"]`` names the winner (``str``, a start such as ``dtr`` or ``capuchin``, or
+    ``polish:<start>+improve|+exchange``); ``phases_s`` has the wall seconds of each phase.
+
+    ``time_limit`` (default ``DEFAULT_TIME``) bounds the whole for approx/greedy, as wall time; for milp
+    it is the MILP's own limit.
     """
     from hybridmem.simulate import simulate
 
     t0 = time.perf_counter()
     total = time_limit if time_limit is not None else DEFAULT_TIME.get(solver)
-    deadline = None if total is None else t0 + total
+    # the plan's final simulation and annotation come after the deadline: keep a little for them
+    deadline = None if total is None else t0 + max(total * 0.95 - 0.3, 0.5 * total)
     inner = budget
     notes: list[str] = []
-    last_err: Exception | None = None
     p = planning_problem(graph, inner, model, **options)
     coarse = p.T != graph.num_stages
     minimum = int(p.min_bytes().max())
-    best: tuple[float, Plan | None, Any, str] = (float("inf"), None, None, "")
+    pool = _Pool(graph, budget, model)
+    fine = p if not coarse else build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
+    seeds = _seed(pool, fine) if options.get("seed", True) else []
+    t_seed = time.perf_counter()
     str_share = 0.45 if solver != "milp" else 1.0
+    str_plan: Plan | None = None
     for attempt in range(SHRINK_ATTEMPTS):
         if inner < int(p.min_bytes().max()):
             break
-        left = None if deadline is None else max((deadline - time.perf_counter()) * str_share, 0.5)
+        left = None if deadline is None else (deadline - time.perf_counter()) * str_share
         if solver == "milp" and time_limit is None:
             left = None
+        if left is not None and left < 0.3:
+            notes.append(f"no time left for {solver} on the {'coarse ' if coarse else ''}problem")
+            break
         out = _solve_problem(p, solver, left, verbose, options)
         if out is None:
             notes.append(f"{solver} found no plan on the {'coarse ' if coarse else ''}problem at {inner} B")
@@ -175,67 +263,88 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
             if attempt:
                 out.info["planning_budget_bytes"] = inner
                 notes.append(f"planned for {inner} B so that the full graph fits {budget} B")
-            best = (res.time_s, out, res, "str")
+            str_plan = out
+            if res.time_s <= pool.best[0] * (1 + 1e-9):      # ties go to the STR plan (MILP facts in its info)
+                pool.best = (res.time_s, out, res, "str")
             break
+        str_plan = str_plan or out          # over budget on the full graph: still a start for the repair
+        if not res.violations:
+            pool.note_reached(int(res.peak_bytes), "str")
         last_err = res.violations[0] if res.violations else None
         notes.append(f"attempt {attempt + 1}: " + (str(last_err) if last_err else f"peak {res.peak_bytes} B"))
         if res.violations and not any("exceeds the budget" in v.reason for v in res.violations):
             break
         inner -= max(int(res.peak_bytes) - budget, budget // 200) + 1
         p = planning_problem(graph, inner, model, **options)
+    t_str = time.perf_counter()
     polish = options.get("polish", solver != "milp" or coarse)
+    best = pool.best
     if best[2] is not None and best[0] <= float(best[2].compute_s) * (1 + 1e-12):
         polish = False                     # nothing to gain: the step already runs at compute speed
     if polish:
         # the MILP's time limit is its own: the polish after it gets its usual share
-        best = _polish(graph, budget, model, best, solver, None if solver == "milp" else deadline, options, notes)
-    _, out, res, source = best
+        _polish(pool, fine, str_plan, seeds, solver, None if solver == "milp" else deadline, options)
+    _, out, res, source = pool.best
+    phases = (f"setup {t_seed - t0:.2f} (seeds {','.join(pool.tried)}), {solver} {t_str - t_seed:.2f}, "
+              f"polish {time.perf_counter() - t_str:.2f}")
     if out is None:
-        raise BudgetInfeasibleError(
+        reached = (f"; the lowest budget any start reached is {fmt_bytes(pool.reached[0])} ({pool.reached[0]} B), "
+                   f"by {pool.reached[1]}" if pool.reached else "")
+        err = BudgetInfeasibleError(
             f"solver {solver!r} found no plan within {fmt_bytes(budget)} ({budget} B)"
             + (f": at least {fmt_bytes(minimum)} ({minimum} B) is needed with every saved activation evicted "
                "where it is not read" if budget < minimum else
                f" (a lower bound for its plans is {fmt_bytes(minimum)} ({minimum} B); a larger budget, or "
                "solver='milp' with a longer time_limit, may find one)")
-            + (f"; {'; '.join(notes)}" if notes else ""), minimum)
+            + reached + (f"; {'; '.join(notes)}" if notes else ""), minimum)
+        # minimum_bytes stays a lower bound; what a start reached is an upper bound on the least budget
+        err.reached_bytes = pool.reached[0] if pool.reached else None  # type: ignore[attr-defined]
+        raise err
+    if out is not str_plan:
+        # a start or polish won: its own info (a baseline's, or the STR plan's it was refined from) plus
+        # the STR facts that still hold (the LP bound is a bound within the STR model)
+        info = dict(out.info)
+        if str_plan is not None:
+            for k in ("lp_bound_s", "lp_status", "lp_s", "lp_vars", "lp_constraints", "status", "milp_vars",
+                      "milp_constraints", "milp_s", "objective_s", "bound_s", "mip_gap", "compact"):
+                if k in str_plan.info:
+                    info.setdefault(k, str_plan.info[k])
+        out.info = info
     out.solver = solver
     if notes:
         out.info["notes"] = "; ".join(notes)
     out.info["plan_from"] = source
+    out.info["phases_s"] = phases
     out.info["coarse_stages"] = p.T if coarse else None
     out.info["candidates"] = len(p.candidates)
     return out
 
 
-def _polish(graph: Graph, budget: int, model: Any, best: tuple, solver: str, deadline: float | None,
-            options: dict[str, Any], notes: list[str]) -> tuple:
-    """Full-graph polish: starts (the STR plan, Capuchin's construction, the DTR replay) repaired and
-    improved gap by gap (:func:`solvers.relax.refine`); the fastest plan under the simulator wins."""
-    from hybridmem.simulate import simulate
-
-    from .baselines import dtr_plan, numpy_victims
-
-    fine = build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
+def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple[float, str, Any]], solver: str,
+            deadline: float | None, options: dict[str, Any]) -> None:
+    """Full-graph polish: starts (the STR plan, the two best seeds, Capuchin's construction) repaired
+    where they do not fit and improved gap by gap (:func:`solvers.relax.refine`), best start first;
+    every result is offered to ``pool``."""
     left = options.get("polish_s", 12.0)
     if deadline is not None:
         left = min(left, max(deadline - time.perf_counter(), 0.0))
-    if left <= 0.2:
-        return best
-    starts: list[tuple[str, Any]] = []
-    if best[1] is not None:
-        starts.append(("str", best[1].actions))
-    starts.append(("capuchin", None))
-    try:
-        starts.append(("dtr", dtr_plan(fine, budget, numpy_victims).actions))
-    except BudgetInfeasibleError:
-        pass
-    info = dict(best[1].info) if best[1] is not None else {}
-    for name, sched, _ in relax.refine(fine, starts, time_budget=left):
+    if left <= 0.1:
+        return
+    ranked = sorted(seeds, key=lambda s: s[0])
+    if str_plan is not None:
+        t_str = pool.best[0] if pool.best[3] == "str" else float("inf")
+        ranked.insert(0, (t_str, "str", str_plan.actions))
+        ranked.sort(key=lambda s: s[0])
+    fitting = [s for s in ranked if s[0] < float("inf")]
+    starts = [(name, arg) for _, name, arg in fitting[:2]]
+    for _, name, arg in ranked:
+        if name in ("str", "capuchin") and name not in [n for n, _ in starts]:
+            starts.append((name, arg))     # STR and Capuchin are repaired even when they do not fit
+    info = dict(str_plan.info) if str_plan is not None else {}
+    # each result is written as a plan and simulated after refine returns: keep time for that
+    for name, sched, _ in relax.refine(fine, starts, time_budget=0.85 * left, keep_improved_only=True):
         cand = make_plan(fine, schedule_to_actions(fine, sched), solver, dict(info))
-        r2 = simulate(graph, cand, device=model, budget=None, strict=False)
-        if not r2.violations and r2.peak_bytes <= budget and r2.time_s < best[0] - 1e-12:
-            best = (r2.time_s, cand, r2, f"polish:{name}")
-    return best
+        pool.offer(f"polish:{name}", cand)
 
 
 def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: bool,

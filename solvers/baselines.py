@@ -53,10 +53,14 @@ def run(name: str, graph: Graph, budget: int, model: Any, *, time_limit: float |
     return out
 
 
+NO_BUDGET = 1 << 62   # simulate without the budget check: callers compare the peak (the simulator's
+                      # report of every stage over a budget is slow when a plan is far over it)
+
+
 def _sim(p: Problem, plan: Plan, budget: int | None = None):
     from hybridmem.simulate import simulate
 
-    return simulate(p.graph, plan, device=p.model, budget=None, strict=False)
+    return simulate(p.graph, plan, device=p.model, budget=NO_BUDGET, strict=False)
 
 
 def _fits(p: Problem, plan: Plan, budget: int) -> tuple[bool, Any]:
@@ -103,6 +107,12 @@ def keep_all(graph: Graph, budget: int, model: Any, **_: Any) -> Plan:
 # ---- Chen sqrt(n) ----------------------------------------------------------------------------------
 def chen(graph: Graph, budget: int, model: Any, **options: Any) -> Plan:
     p = build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
+    return chen_plan(p, budget)
+
+
+def chen_plan(p: Problem, budget: int) -> Plan:
+    """Chen's plan on the (full-graph) problem ``p``; :class:`BudgetInfeasibleError` when none fits."""
+    graph, model = p.graph, p.model
     order = [k for k in sorted(range(len(p.candidates)), key=lambda k: p.candidates[k].start)
              if _backward_gap(p, k) is not None]
     n = len(order)
@@ -154,7 +164,12 @@ def _chen_schedule(p: Problem, segments: list[list[int]]) -> Schedule:
 # ---- vDNN ------------------------------------------------------------------------------------------
 def swap_vdnn(graph: Graph, budget: int, model: Any, **options: Any) -> Plan:
     p = build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
-    g = graph
+    return vdnn_plan(p, budget)
+
+
+def vdnn_plan(p: Problem, budget: int) -> Plan:
+    """vDNN's plan on the (full-graph) problem ``p``; :class:`BudgetInfeasibleError` when it does not fit."""
+    g = p.graph
     chosen = []
     for k, c in enumerate(p.candidates):
         gap = _backward_gap(p, k)
@@ -185,6 +200,13 @@ def capuchin(graph: Graph, budget: int, model: Any, **options: Any) -> Plan:
     from .relax import GapPlanner
 
     p = build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
+    return capuchin_plan(p, budget)
+
+
+def capuchin_plan(p: Problem, budget: int) -> Plan:
+    """Capuchin's plan on the (full-graph) problem ``p``; :class:`BudgetInfeasibleError` when it does not fit."""
+    from .relax import GapPlanner
+
     gp = GapPlanner(p)
     r, swapped, recomputed = gp.capuchin_fill()
     if not gp.feasible(r):
@@ -213,7 +235,7 @@ def dtr_plan(p: Problem, budget: int, select: Callable[..., np.ndarray] | None =
         ok, res = _fits(p, plan, budget)
         if ok:
             return plan
-        if res.violations and not any("exceeds the budget" in v.reason for v in res.violations):
+        if res.violations:        # not a matter of memory: a smaller evictor budget will not help
             break
         inner -= max(int(res.peak_bytes) - budget, budget // 100) + 1
     raise _infeasible("dtr", budget, res)
@@ -250,9 +272,21 @@ def _dtr_replay(p: Problem, budget: int, select: Callable[..., np.ndarray] | Non
         for u in c.uses:
             uses_at.setdefault(u, []).append(k)
     produced_at: dict[int, list[int]] = {}
+    ends_at: dict[int, list[int]] = {}
     for k, c in enumerate(C):
         produced_at.setdefault(c.start, []).append(k)
-    src = [[p.index[j] for j in c.src if j in p.index] for c in C]
+        ends_at.setdefault(c.end, []).append(k)
+    # regenerable[k, t]: a replay can bring k back at its next read after t (precomputed per read: the
+    # evictor asks at every stage over budget, and a per-stage Python loop over the candidates dominated)
+    regenerable = np.zeros((K, T), dtype=bool)
+    for k, c in enumerate(C):
+        if not c.can_recompute:
+            continue
+        prev = c.start
+        for u in c.uses:
+            if u > prev and all(source_available(p, j, u) is not False for j in c.src):
+                regenerable[k, prev:u] = True
+            prev = max(prev, u)
     actions: list[Action] = list(p.early_free)
     clock = 0.0
     for t in range(T):
@@ -280,17 +314,16 @@ def _dtr_replay(p: Problem, budget: int, select: Callable[..., np.ndarray] | Non
         for k in list(pinned):
             if not regen(k):
                 return None
-        for k in produced_at.get(t, ()):
+        made = produced_at.get(t, [])
+        for k in made:
             resident[k] = True
-        need = int(p.base_mem[t] + b[resident & ~np.isin(np.arange(K), produced_at.get(t, []))].sum() - budget)
+        need = int(p.base_mem[t] + b[resident].sum() - b[made].sum() - budget)
         if need > 0:
             # only tensors a replay can bring back at their next read may go
-            regenerable = np.array([C[k].can_recompute and _next_use(C[k], t) is not None and all(
-                source_available(p, j, _next_use(C[k], t)) is not False for j in C[k].src) for k in range(K)])
-            pin = ~regenerable
+            pin = ~regenerable[:, t]
             pin[list(pinned)] = True
             pin[recs] = True
-            pin[produced_at.get(t, [])] = True
+            pin[made] = True
             mask = resident & ~pin
             victims = select_victims(cost, b, last_access, clock, need, evictable=mask)
             freed = 0
@@ -304,11 +337,11 @@ def _dtr_replay(p: Problem, budget: int, select: Callable[..., np.ndarray] | Non
         for k in recs:
             actions.append(Action("recompute", C[k].tensor, t))
             clock += cost[k]
-        for k in pinned | set(recs) | set(produced_at.get(t, ())):
+        for k in pinned | set(recs) | set(made):
             last_access[k] = clock
         clock += p.op_s[t]
-        for k in range(K):
-            if resident[k] and C[k].end == t:
+        for k in ends_at.get(t, ()):
+            if resident[k]:
                 resident[k] = False
                 if p.live_until[C[k].tensor] < p.graph.tensors[C[k].tensor].last_stage(p.graph.num_stages):
                     actions.append(Action("free", C[k].tensor, t))
@@ -373,7 +406,7 @@ def _restricted_milp(name: str, graph: Graph, budget: int, model: Any, time_limi
             ok2, res2 = _fits(p, alt, budget)
             if ok2:
                 return alt
-        if res_sim.violations and not any("exceeds the budget" in v.reason for v in res_sim.violations):
+        if res_sim.violations:    # not a matter of memory
             break
         inner -= max(int(res_sim.peak_bytes) - budget, budget // 200) + 1
         if time.perf_counter() - t0 > limit:

@@ -74,6 +74,7 @@ class GapPlanner:
         C = p.candidates
         self.K, self.T = len(C), p.T
         self.b = np.array([c.nbytes for c in C], dtype=np.int64)
+        self.bf = self.b.astype(np.float64)
         self.gaps: list[Gap] = []
         self.gaps_of: list[list[int]] = []
         for k, c in enumerate(C):
@@ -89,6 +90,7 @@ class GapPlanner:
         self.op_extra = p.op_extra()
         self.replay_extra = np.array([p.replay_extra(k) for k in range(self.K)], dtype=np.int64)
         self._can_rec: dict[tuple[int, int], bool] = {}
+        self._pinned: Gap | None = None
         self.src_cands = [[p.index[j] for j in c.src if j in p.index and p.index[j] != k] for k, c in enumerate(C)]
         self.rec_s = np.array([c.recompute_s for c in C])
         self.d2h_s = np.array([c.d2h_s for c in C])
@@ -182,7 +184,9 @@ class GapPlanner:
                 over[t] = max(max(int(self.replay_extra[k]) for k in ks) - int(self.op_extra[t]), 0)
         pres |= readable
         pres[np.arange(K), self.start] = False      # at its producer a candidate is in base_mem
-        mem = self.p.base_mem + self.b @ pres
+        # bytes per stage: a float BLAS product (exact: every partial sum is far below 2**53) is ~10x
+        # faster than numpy's integer matmul, and realize() runs once per move tried
+        mem = self.p.base_mem + np.rint(self.bf @ pres.astype(np.float64)).astype(np.int64)
         return Realized(readable, pres, mem, over, recs, cost, late, broken)
 
     def _trace(self, k: int, t: int, readable: np.ndarray, blocked: np.ndarray, acc: set[int], stack: set[int]) -> bool:
@@ -239,6 +243,8 @@ class GapPlanner:
         """Changes that may take candidate k off the device at stage t, with a rough added cost."""
         moves: list[tuple[float, tuple]] = []
         g = self.gap_at(k, t)
+        if g is not None and self._pinned is g:
+            return moves                   # the exchange keeps this gap: others must make room
         if g is not None and g.kind == REC and g.lo < g.q < t:
             return [(0.0, ("set", g, REC, -1))]     # recomputed early: recompute it where it is read
         held_by_out = self.out[k] is not None and not r.readable[k, t] and (g is None or g.kind != SWAP or g.q > t)
@@ -391,6 +397,30 @@ class GapPlanner:
                     changed = True
         return r
 
+    def exchange(self, r: Realized, deadline: float, repair_s: float = 0.5) -> Realized:
+        """Exchanges the gap-by-gap improvement cannot find: the costliest regenerations are kept
+        instead, the repair makes room elsewhere (never by evicting that gap again), and the result is
+        accepted when it fits and costs less. One pass, costliest first."""
+        costly = [g for g in self.gaps if g.kind != KEEP]
+        costly.sort(key=lambda g: -(self.rec_s[g.k] if g.kind == REC else self.p.in_stall(g.q, g.hi, self.h2d_s[g.k])))
+        for g in costly:
+            if time.perf_counter() >= deadline:
+                break
+            if g.kind == KEEP:
+                continue                   # an earlier exchange kept it already
+            snap = self._snapshot()
+            self._set(g, KEEP)
+            self._pinned = g
+            try:
+                r2 = self.repair(min(deadline, time.perf_counter() + repair_s))
+            finally:
+                self._pinned = None
+            if self.feasible(r2) and r2.cost < r.cost - 1e-12:
+                r = r2
+            else:
+                self._restore(snap)
+        return self.realize() if not self.feasible(r) else r
+
     # ---- output ------------------------------------------------------------------------------------
     def schedule(self, r: Realized) -> Schedule:
         p = self.p
@@ -403,9 +433,10 @@ class GapPlanner:
             sched.tensors[c.tensor] = TensorSchedule(c.tensor, c.start, pres, recs, self.out[k], swaps)
         return sched
 
-    def capuchin_fill(self) -> tuple[Realized, int, int]:
+    def capuchin_fill(self, deadline: float | None = None) -> tuple[Realized, int, int]:
         """Capuchin's order from keep-everything: swaps of the longest-idle gaps first, each kept only if
-        its copy stays hidden and it lowers the overflow; then recomputes by memory saved per second."""
+        its copy stays hidden and it lowers the overflow; then recomputes by memory saved per second.
+        Past ``deadline`` it stops where it is (the result may not fit)."""
         p, B = self.p, self.p.budget
         r = self.realize()
         idle = []
@@ -416,11 +447,17 @@ class GapPlanner:
                 idle.append((-free_time, gi))
         idle.sort()
         swapped = recomputed = 0
+
+        def over_in(gap: Gap) -> bool:
+            return bool(r.over(B)[gap.lo + 1:gap.hi].any())
+
         for _, gi in idle:
-            if not r.over(B).any():
+            if not r.over(B).any() or (deadline is not None and time.perf_counter() >= deadline):
                 break
             gap = self.gaps[gi]
-            if not self.can_swap(gap):
+            # exact shortcut: a swap (or recompute) of this gap changes memory only inside it (and may
+            # delay other copies), so with no overflow inside the gap it cannot lower the total
+            if not over_in(gap) or not self.can_swap(gap):
                 continue
             snap = self._snapshot()
             self._set(gap, SWAP, self.latest_hidden_q(gap))
@@ -434,10 +471,10 @@ class GapPlanner:
         msps = sorted((-(p.candidates[g.k].nbytes / max(p.candidates[g.k].recompute_s, 1e-12)), gi)
                       for gi, g in enumerate(self.gaps) if g.kind == KEEP)
         for _, gi in msps:
-            if not r.over(B).any():
+            if not r.over(B).any() or (deadline is not None and time.perf_counter() >= deadline):
                 break
             gap = self.gaps[gi]
-            if not self.can_rec(gap.k, gap.hi):
+            if not over_in(gap) or not self.can_rec(gap.k, gap.hi):
                 continue
             snap = self._snapshot()
             self._set(gap, REC)
@@ -542,7 +579,7 @@ def round_schedule(p: Problem, lp: LPValues | None, *, time_budget: float = 10.0
     tried = 0
     for name, src in starts:
         for v in variants:
-            if time.perf_counter() >= deadline and best is not None:
+            if time.perf_counter() >= deadline and (best is not None or tried):
                 break
             gp = GapPlanner(p, **v)
             if src is not None:
@@ -572,11 +609,15 @@ def _replay_representatives(p: Problem) -> list[int]:
     return [first.setdefault(p.producers(k), k) for k in range(len(p.candidates))]
 
 
-def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.0) -> list[tuple[str, Schedule, float]]:
-    """Improve plans on ``p`` (the full graph) gap by gap: each start is ``("actions", list)`` (a plan's
-    actions, e.g. the coarse plan written on the full graph: repaired first if it does not fit there)
-    or ``("capuchin", None)`` (Capuchin's construction). Returns ``(name, schedule, model seconds)`` for
-    every start that fits, improved by extending residency and cheaper regenerations where memory allows."""
+def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.0,
+           keep_improved_only: bool = False) -> list[tuple[str, Schedule, float]]:
+    """Improve plans on ``p`` (the full graph) gap by gap: each start is ``(name, actions)`` (a plan's
+    actions, e.g. the coarse plan written on the full graph: repaired first if it does not fit there),
+    ``(name, GapPlanner)`` (a planner on ``p`` in some state, used as it is) or ``("capuchin", None)``
+    (Capuchin's construction). Returns ``(name, schedule, model seconds)`` for
+    every start that fits, improved by extending residency and cheaper regenerations where memory allows.
+    With ``keep_improved_only``, a start that fits as it is comes back only if the model finds it
+    improved (the caller judged the start itself already)."""
     t0 = time.perf_counter()
     out = []
     for i, (name, arg) in enumerate(starts):
@@ -584,19 +625,35 @@ def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.
         if share <= 0.05:
             break
         t1 = time.perf_counter()
-        gp = GapPlanner(p)
-        if name == "capuchin":
-            r, _, _ = gp.capuchin_fill()
+        if isinstance(arg, GapPlanner):
+            gp = arg                       # a construction already run on p (e.g. Capuchin's)
+            r = gp.realize()
+        elif name == "capuchin":
+            gp = GapPlanner(p)
+            r, _, _ = gp.capuchin_fill(t1 + share)
         else:
+            gp = GapPlanner(p)
             gp.load_actions(arg)
             r = gp.realize()
+        repaired = False
         if not gp.feasible(r):
             r = gp.repair(t1 + share / 2)
             if not gp.feasible(r):
                 continue
-        out.append((f"{name}", gp.schedule(r), r.cost))
-        r = gp.improve(r, t1 + share)
-        out.append((f"{name}+improve", gp.schedule(r), r.cost))
+            repaired = True
+        c0 = r.cost
+        if repaired or not keep_improved_only:
+            out.append((f"{name}", gp.schedule(r), r.cost))
+        r = gp.improve(r, t1 + share / 2)
+        how = "+improve"
+        if time.perf_counter() < t1 + share:
+            c1 = r.cost
+            r = gp.exchange(r, t1 + share)
+            if r.cost < c1 - 1e-12:
+                r = gp.improve(r, t1 + share)
+                how = "+exchange"
+        if r.cost < c0 - 1e-12 or not keep_improved_only:
+            out.append((f"{name}{how}", gp.schedule(r), r.cost))
     return out
 
 
@@ -620,7 +677,7 @@ def solve_relaxed(p: Problem, *, time_limit: float | None = None, verbose: bool 
     if res.objective is not None and res.status == "optimal":
         info["lp_bound_s"] = p.compute_s + max(res.objective, 0.0)
         lp = lp_values(sm)
-    remaining = 8.0 if time_limit is None else max(time_limit - (time.perf_counter() - t0), 1.0)
+    remaining = 8.0 if time_limit is None else max(time_limit - (time.perf_counter() - t0), 0.2)
     sched, rinfo = round_schedule(p, lp, time_budget=remaining)
     info.update(rinfo)
     return sched, info

@@ -42,7 +42,7 @@ import torch
 
 import hybridmem
 from hybridmem.meter import profiler_peak
-from hybridmem.plugins.base import Entry, get_policy
+from hybridmem.plugins.compress import compressible_share as compressible_share_of
 from tests.test_runtime_common import Case, run, train
 from tests.test_runtime_zoo import FAST, OPTIM, SLOW, _case
 
@@ -86,35 +86,9 @@ def _tensors(obj: Any, depth: int = 3) -> list[torch.Tensor]:
 
 
 def compressible_share(case: Case, seed: int = 0) -> tuple[int, dict[str, int]]:
-    """(bytes, per codec what it would save) of the activations one training step saves for backward:
-    the storages autograd saves that are not parameters, buffers or inputs, each asked once, after the
-    loss (all alive), of the compress policy a session makes (``estimate``: nothing cached, only read).
-    A forward on a copy of the model with the first training step's RNG state; the caller's model and
-    RNG are left alone."""
-    policy = get_policy("compress")
-    model = copy.deepcopy(case.model)
-    fixed = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers(),
-                                                  *_tensors((case.args, case.kwargs, case.loss_fn)))}
-    saved: dict[int, torch.Tensor] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st._cdata not in fixed and st._cdata not in saved:
-            saved[st._cdata] = torch.empty(0, dtype=t.dtype).set_(st)   # the whole storage, as an entry has it
-        return t
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)  # as train() does before its first step: the same dropout masks
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = case.loss(model)
-        out: dict[str, int] = {}
-        for t in saved.values():
-            codec, saves = policy.estimate(Entry(tensor=t, nbytes=t.untyped_storage().nbytes(), dtype=t.dtype,
-                                                 device=t.device))
-            if codec is not None:
-                out[codec] = out.get(codec, 0) + saves
-    del loss
-    return sum(t.untyped_storage().nbytes() for t in saved.values()), out
+    """The share for ``case``: its inputs excluded, the first training step's seed (same dropout masks)."""
+    return compressible_share_of(case.model, case.loss, exclude=_tensors((case.args, case.kwargs, case.loss_fn)),
+                                 seed=seed)
 
 
 def _profiled(case: Case, **session: Any) -> tuple[list, Any, int]:

@@ -278,3 +278,105 @@ def test_chain_graph_from_helpers_plans() -> None:
     except BudgetInfeasibleError:
         return
     check_plan(g, p, budget)
+
+
+# ---- the hybrid portfolio ----------------------------------------------------------------------------
+def _zoo_graph(name: str, size: str = "tiny") -> Graph:
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    zoo = pytest.importorskip("bench.zoo")
+    from hybridmem.capture import capture
+
+    e = zoo.build(name, size, device="meta")
+    return capture(e.model, e.inputs, e.loss_fn, device="meta", cost_model=DEVICE)
+
+
+@pytest.fixture(scope="module")
+def vgg16_tiny() -> Graph:
+    return _zoo_graph("vgg16")
+
+
+COARSE = {"coarsen": True, "target": 30}     # plan a small zoo graph the way large ones are planned
+
+
+def test_approx_is_no_slower_than_the_heuristic_baselines_at_low_budgets(vgg16_tiny: Graph) -> None:
+    """A coarsened zoo graph near its least budget: the portfolio's starts (DTR, Chen, vDNN, Capuchin)
+    are evaluated on the full graph, so approx never loses to them, whatever the LP rounding does."""
+    g = vgg16_tiny
+    peak, lower = g.peak_bytes(), min_feasible_budget(g)
+    fitted = 0
+    for frac in (0.15, 0.35):
+        budget = int(lower + frac * (peak - lower))
+        others = {}
+        for b in ("chen", "swap-vdnn", "capuchin", "dtr"):
+            try:
+                others[b] = plan(g, budget, solver=b)
+            except BudgetInfeasibleError:
+                continue
+            check_plan(g, others[b], budget)
+        try:
+            mine = plan(g, budget, solver="approx", time_limit=15, **COARSE)
+        except BudgetInfeasibleError:
+            assert not others, f"approx found no plan at {frac} where {sorted(others)} did"
+            continue
+        fitted += 1
+        check_plan(g, mine, budget)
+        assert mine.info["plan_from"] and mine.info["coarse_stages"] <= 30
+        for b, other in others.items():
+            assert mine.predicted_time_s <= other.predicted_time_s * (1 + 1e-9), \
+                f"{b} at {frac}: {other.predicted_time_s} < approx {mine.predicted_time_s} ({mine.info['plan_from']})"
+    assert fitted >= 1
+
+
+def test_approx_keeps_a_seeded_plan_when_the_str_solve_fails(monkeypatch: pytest.MonkeyPatch,
+                                                               vgg16_tiny: Graph) -> None:
+    """With the LP rounding finding nothing, the plan comes from a heuristic start (polished), and the
+    run says so."""
+    monkeypatch.setattr(relax, "solve_relaxed", lambda p, **kw: (None, {"rounding": "disabled by the test"}))
+    g = vgg16_tiny
+    budget = int(0.5 * (g.peak_bytes() + min_feasible_budget(g)))
+    p = plan(g, budget, solver="approx", time_limit=10, **COARSE)
+    check_plan(g, p, budget)
+    assert p.info["plan_from"] != "str"
+    assert "found no plan on the coarse problem" in p.info["notes"]
+    dtr = plan(g, budget, solver="dtr")
+    assert p.predicted_time_s <= dtr.predicted_time_s * (1 + 1e-9)
+
+
+def test_refine_improves_a_start_and_keeps_it_valid(graph24: Graph) -> None:
+    """refine on the full problem: a GapPlanner start (Capuchin's construction) and an actions start
+    (the DTR replay) both come back fitting the budget, the improved ones no costlier in the model."""
+    from hybridmem.solvers.baselines import dtr_plan
+
+    budget = int(0.7 * graph24.peak_bytes())
+    p = build_problem(graph24, budget, DEVICE)
+    gp = relax.GapPlanner(p)
+    gp.capuchin_fill()
+    starts = [("capuchin", gp)]
+    try:
+        starts.append(("dtr", dtr_plan(p, budget).actions))
+    except BudgetInfeasibleError:
+        pass
+    out = relax.refine(p, starts, time_budget=5.0)
+    assert out
+    costs: dict[str, float] = {}
+    for name, sched, cost in out:
+        res = simulate(graph24, Plan(actions=schedule_to_actions(p, sched)), device=DEVICE, budget=budget, strict=True)
+        assert res.peak_bytes <= budget
+        costs[name] = cost
+    for name, cost in costs.items():
+        base = name.split("+")[0]
+        if base in costs:
+            assert cost <= costs[base] + 1e-12
+
+
+def test_infeasible_approx_reports_the_lower_bound_and_what_starts_reached(graph24: Graph) -> None:
+    need = int(build_problem(graph24, 1, DEVICE).min_bytes().max())
+    lower = min_feasible_budget(graph24)
+    budget = max(need, lower) - 1
+    with pytest.raises(BudgetInfeasibleError) as e:
+        plan(graph24, budget)
+    assert e.value.minimum_bytes > budget
+    reached = getattr(e.value, "reached_bytes", None)
+    if reached is not None:
+        assert reached > budget and str(reached) in str(e.value)
