@@ -576,7 +576,7 @@ def zoo_factory(name: str, size: str = "tiny", *, device: str = "cpu", seed: int
 
 def spec_factory(spec: str, size: str = "tiny", *, device: str = "cpu") -> Factory:
     """A factory from a command-line model spec: a zoo name, or ``MODULE:FACTORY`` whose ``FACTORY``
-    takes the dims as keyword arguments (``FACTORY(batch=8, seq=128) -> (model, inputs, loss_fn)``)."""
+    takes the dims as keyword arguments (``FACTORY(batch=8, seq=128) -> (model, inputs, loss_fn[, optimizer])``)."""
     if ":" not in spec:
         return zoo_factory(spec, size, device=device)
     import importlib
@@ -586,10 +586,10 @@ def spec_factory(spec: str, size: str = "tiny", *, device: str = "cpu") -> Facto
     if not callable(fn):
         raise ValueError(f"{spec!r}: {module_name} has no callable {attr!r}")
 
-    def make(dims: dict[str, int]) -> tuple[Any, Any, Any]:
+    def make(dims: dict[str, int]) -> tuple[Any, ...]:
         out = fn(**dims)
-        if not (isinstance(out, tuple) and len(out) in (2, 3)):
-            raise ValueError(f"{spec}(**{dims}) must return (model, inputs[, loss_fn])")
+        if not (isinstance(out, tuple) and len(out) in (2, 3, 4)):
+            raise ValueError(f"{spec}(**{dims}) must return (model, inputs[, loss_fn[, optimizer]])")
         return (*out, None) if len(out) == 2 else out
 
     return make
@@ -623,9 +623,10 @@ def plan_buckets(source: "str | Factory", shapes: Iterable[str | Mapping[str, in
     book.meta.update({"model": model_name, "size": size, "device": device, "solver": solver})
     for s in shapes:
         dims = parse_dims(s, names)
-        model, inputs, loss_fn = make(dims)
+        model, inputs, loss_fn, *rest = make(dims)
         key = ShapeKey.of_inputs(inputs)
-        g = capture(model, inputs, loss_fn, device=capture_device)
+        # a 4th value is the optimizer: its state is resident all step long, so the plan budgets for it
+        g = capture(model, inputs, loss_fn, device=capture_device, optimizer=rest[0] if rest else None)
         g.meta["shape_key"] = str(key)
         g.meta["dims"] = dims
         if device != "measured":

@@ -2,7 +2,7 @@
 
 A *stage* is one op (or a merged group of ops) of the step, forward then backward. A *tensor* here is a
 unit of device memory: one storage, shared by all its views. Tensors that exist before the step
-(parameters, buffers, inputs) have ``producer == -1`` and are never evictable.
+(parameters, buffers, inputs, optimizer state) have ``producer == -1`` and are never evictable.
 
 Memory model (shared by the simulator, the solvers and the meter): a tensor occupies ``nbytes`` on the
 device from its producer stage through ``freed_after`` inclusive (``None``: it outlives the step), so the
@@ -23,9 +23,10 @@ import numpy as np
 from .errors import GraphFormatError
 
 SCHEMA_VERSION = 1
-TENSOR_KINDS = ("activation", "param", "buffer", "input", "grad", "state", "other")
+# "optimizer": an optimizer's state (momentum, moments), resident for the whole step (producer -1, never freed)
+TENSOR_KINDS = ("activation", "param", "buffer", "input", "grad", "state", "optimizer", "other")
 PHASES = ("forward", "backward", "optimizer")
-FIXED_KINDS = frozenset({"param", "buffer", "input", "state"})
+FIXED_KINDS = frozenset({"param", "buffer", "input", "state", "optimizer"})
 
 
 @dataclass
@@ -105,7 +106,8 @@ class Graph:
         return float(sum(s.cost_s for s in self.stages))
 
     def fixed_bytes(self) -> int:
-        """Bytes resident for the whole step that no policy may evict (params, buffers, inputs, state)."""
+        """Bytes resident for the whole step that no policy may evict (params, buffers, inputs, state,
+        optimizer state)."""
         return sum(t.nbytes for t in self.tensors if t.producer < 0)
 
     def memory_profile(self) -> np.ndarray:
@@ -167,6 +169,9 @@ class Graph:
                 raise GraphFormatError(f"tensor {j}: kind {t.kind!r} is not one of {TENSOR_KINDS}")
             if not -1 <= t.producer < n:
                 raise GraphFormatError(f"tensor {j}: producer {t.producer} out of range -1..{n - 1}")
+            if t.kind == "optimizer" and (t.producer != -1 or t.freed_after is not None):
+                raise GraphFormatError(f"tensor {j}: optimizer state exists for the whole step: producer must be -1 "
+                                       f"and freed_after null, got {t.producer} and {t.freed_after}")
             if t.freed_after is not None and not t.first_stage() <= t.freed_after < n:
                 raise GraphFormatError(f"tensor {j}: freed_after {t.freed_after} is not within "
                                        f"{t.first_stage()}..{n - 1}")

@@ -243,3 +243,23 @@ def test_cli_plan_shapes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     rc = main(["plan", "--model", "transformer", "--size", "tiny", "--shapes", "8x16", "--budget", "80%",
                "--device", "cpu"])
     assert rc == 2 and "-o DIR" in capsys.readouterr().err
+
+
+def mlp_with_momentum(batch: int, seq: int) -> tuple:
+    """A ``MODULE:FACTORY`` for the test below: the 4th value is the optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(seq, 64), nn.ReLU(), nn.Linear(64, 1))
+    return model, torch.randn(batch, seq), lambda out: out.square().mean(), \
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_factory_optimizer_state_is_in_each_bucket(tmp_path: Path) -> None:
+    """A 4-tuple factory's optimizer state (momentum buffers: one parameter's worth) is budgeted."""
+    from hybridmem.buckets import plan_buckets
+
+    book = plan_buckets("tests.test_buckets:mlp_with_momentum", ["4x16"], "100%", out_dir=tmp_path / "book")
+    (key,) = book.entries
+    graph = book.graph(key)
+    assert graph is not None
+    params = sum(p.numel() * 4 for p in mlp_with_momentum(4, 16)[0].parameters())
+    assert sum(t.nbytes for t in graph.tensors if t.kind == "optimizer") == params

@@ -1,9 +1,12 @@
+import copy
+import re
 import time
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hybridmem._trace import is_stage_op, op_info
 from hybridmem.capture import CaptureError, capture, merge_stages, module_groups, run_step
@@ -341,6 +344,200 @@ def test_is_stage_op():
         assert is_stage_op(f), f
     assert op_info(aten.bernoulli_.float).rng and not op_info(aten.add.Tensor).rng
     assert op_info(aten.add.Tensor).name == "add.Tensor" and op_info(aten.mm.default).name == "mm"
+
+
+# ---- optimizer state ---------------------------------------------------------------------------------------
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "adamw-amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-3, amsgrad=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.9, centered=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),   # creates its state in the constructor
+    "adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),  # cannot step on meta
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2),         # calls .item(): sized on a CPU copy
+}
+
+
+def real_state(model, inputs, loss_fn, make_opt):
+    """Bytes of the state a real step creates (a copy of the model): what the graph must hold."""
+    m = copy.deepcopy(model)
+    opt = make_opt(m.parameters())
+    run_step(m, inputs, loss_fn)
+    opt.step()
+    storages = {id(v.untyped_storage()): v.untyped_storage().nbytes()
+                for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
+    return sum(storages.values())
+
+
+def optimizer_snapshot(opt):
+    return ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            {id(p): dict(st) for p, st in opt.state.items()})
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizer_state_sizes_match_a_real_step(name):
+    """The graph holds exactly the state a real step creates, as fixed tensors of kind "optimizer"; the
+    user's optimizer and model are not changed; the structure hash changes when there is state."""
+    model, x = ConvBN(), torch.randn(4, 3, 12, 12)
+    opt = OPTIMIZERS[name](model.parameters())
+    snap, osnap = snapshot(model), optimizer_snapshot(opt)
+    g0 = capture(model, x)
+    g = capture(model, x, optimizer=opt)
+    assert_unchanged(model, snap)
+    assert optimizer_snapshot(opt) == osnap  # no step taken, no state created or dropped
+    want = real_state(model, x, None, OPTIMIZERS[name])
+    info = g.meta["optimizer"]
+    assert info["class"] == type(opt).__name__ and info["state_bytes"] == want
+    assert info["source"] == {"adagrad": "existing", "asgd": "cpu-copy", "adam-fused": "meta-unfused"}.get(name, "meta")
+    state = [t for t in g.tensors if t.kind == "optimizer"]
+    assert sum(t.nbytes for t in state) == want and len(state) == info["tensors"]
+    assert all(t.producer == -1 and t.freed_after is None and not t.evictable and not t.consumers for t in state)
+    assert g.tensors[:len(g0.tensors)] == g0.tensors  # appended: the step's tensor ids do not move
+    assert g.peak_bytes() == g0.peak_bytes() + want and g.fixed_bytes() == g0.fixed_bytes() + want
+    assert (g.structure_hash() != g0.structure_hash()) == (want > 0)
+    if name == "sgd-momentum":
+        assert want == sum(p.numel() * 4 for p in model.parameters())
+        assert {t.name for t in state} == {f"optimizer.{n}.momentum_buffer" for n, _ in model.named_parameters()}
+        assert capture(model, x, optimizer=opt, granularity="module").peak_bytes() == g.peak_bytes()
+    # the same state on meta (a CPU model: its step counters are on its device too)
+    assert capture(model, x, optimizer=opt, device="meta").meta["optimizer"]["state_bytes"] == want
+
+
+def test_optimizer_state_of_an_adam_step_matches_meter():
+    """Compared: the keep-all peak of the graph captured with optimizer=Adam, and the meter's peak over a real
+    step (forward, backward, ``opt.step()``) taken after one warm-up step, so that the state exists from
+    the start as the graph assumes. The batch is large enough that the peak is in the backward pass: Adam's
+    own step (parameters + gradients + state + the per-parameter temporaries of its update) stays below
+    it. On the first step the state appears only in ``opt.step()``, so that peak is at most the graph's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    x = torch.randn(256, 16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = capture(model, x, optimizer=opt)
+    assert g.meta["optimizer"]["state_bytes"] == 2 * sum(p.numel() * 4 for p in model.parameters()) + 4 * 6
+
+    def metered_step(model, opt):
+        m = Meter("cpu")
+        m.track(model, x, opt)
+        with m:
+            run_step(model, x, None)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return m.peak_bytes
+
+    first = metered_step(model, opt)
+    assert len(opt.state) == len(list(model.parameters()))
+    assert metered_step(model, opt) == g.peak_bytes()
+    assert first <= g.peak_bytes()
+    assert g.peak_bytes() == capture(model, x, optimizer=opt).peak_bytes()  # now read from the existing state
+
+
+def test_optimizer_state_only_for_parameters_that_get_gradients():
+    """A frozen parameter and one the step does not use get no state, as in a real step."""
+    class Partial(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.unused, self.b = nn.Linear(8, 8), nn.Linear(8, 100), nn.Linear(8, 2)
+            self.a.bias.requires_grad_(False)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    model, x = Partial(), torch.randn(4, 8)
+    make = lambda ps: torch.optim.Adam(ps)  # noqa: E731
+    g = capture(model, x, optimizer=make(model.parameters()))
+    assert g.meta["optimizer"]["state_bytes"] == real_state(model, x, None, make)
+    names = {t.name.rsplit(".", 1)[0] for t in g.tensors if t.kind == "optimizer"}
+    assert names == {"optimizer.a.weight", "optimizer.b.weight", "optimizer.b.bias"}
+    gm = capture(model, x, optimizer=make(model.parameters()), device="meta")
+    assert gm.meta["optimizer"]["state_bytes"] == g.meta["optimizer"]["state_bytes"]
+
+
+def test_optimizer_errors_and_global_hooks():
+    model, x = mlp(), torch.randn(4, 16)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        capture(model, x, optimizer="adam")
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(CaptureError, match="LBFGS.*closure.*step the optimizer once before capture"):
+        capture(model, x, optimizer=lbfgs)
+
+    def closure():
+        lbfgs.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    lbfgs.step(closure)  # its state now exists: read as it is (the history lists too)
+    g = capture(model, x, optimizer=lbfgs)
+    held = {id(v.untyped_storage()): v.untyped_storage().nbytes() for st in lbfgs.state.values() for v in st.values()
+            if isinstance(v, torch.Tensor)}
+    held.update({id(v.untyped_storage()): v.untyped_storage().nbytes() for st in lbfgs.state.values()
+                 for lst in st.values() if isinstance(lst, list) for v in lst if isinstance(v, torch.Tensor)})
+    assert g.meta["optimizer"]["source"] == "existing" and g.meta["optimizer"]["state_bytes"] == sum(held.values()) > 0
+    # the sizing step is not a step of the user's: global optimizer hooks do not see it
+    seen = []
+    handle = register_optimizer_step_pre_hook(lambda o, a, k: seen.append(o))
+    try:
+        capture(model, x, optimizer=torch.optim.Adam(model.parameters()))
+    finally:
+        handle.remove()
+    assert seen == []
+
+
+# ---- FACTORY() -> (model, inputs, loss_fn, optimizer) and --optimizer (hybridmem plan / capture) -------------
+def factory_with_optimizer():
+    """A ``MODULE:FACTORY`` for the command line that returns the step's optimizer too."""
+    model = mlp()
+    return model, torch.randn(8, 16), None, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def factory_with_bad_optimizer():
+    model = mlp()
+    return model, torch.randn(8, 16), None, "adam"
+
+
+def test_factory_optimizer_reaches_capture_and_plan(capsys):
+    import json
+
+    from hybridmem.cli import main
+    from hybridmem.factory import load_model, parse_optimizer
+
+    spec = load_model("tests.test_capture:factory_with_optimizer")
+    assert isinstance(spec.optimizer, torch.optim.SGD)
+    momentum = sum(p.numel() * 4 for p in mlp().parameters())
+
+    def captured(*flags):
+        assert main(["capture", "--model", "tests.test_capture:factory_with_optimizer", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    with_state, without = captured(), captured("--optimizer", "none")
+    assert with_state["optimizer_state_bytes"] == momentum and without["optimizer_state_bytes"] == 0
+    assert with_state["peak_bytes"] == without["peak_bytes"] + momentum
+    assert with_state["structure_hash"] != without["structure_hash"]
+    adam = captured("--optimizer", "adam:betas=0.9/0.99,amsgrad=true")  # replaces the factory's optimizer
+    assert adam["optimizer_state_bytes"] == 3 * momentum + 4 * 6
+    # plan: the budget's percentage is of the keep-all peak with the state; the summary shows the state
+    assert main(["plan", "--model", "tests.test_capture:factory_with_optimizer", "--budget", "100%", "--solver",
+                 "keep-all", "--device", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimizer_state_bytes"] == momentum and out["keep_all_peak_bytes"] == with_state["peak_bytes"]
+    assert parse_optimizer("SGD:lr=0.1,momentum=0.9,nesterov=true") == ("sgd", {"lr": 0.1, "momentum": 0.9,
+                                                                                  "nesterov": True})
+    for argv, message in [
+        (["capture", "--model", "tests.test_capture:factory_with_bad_optimizer"], "4th value.*torch.optim.Optimizer"),
+        (["capture", "--model", "tests.test_capture:mlp", "--optimizer", "lamb"], "unknown optimizer 'lamb'.*adamw"),
+        (["capture", "--model", "tests.test_capture:mlp", "--optimizer", "sgd:momentum"], "not key=value"),
+        (["capture", "--model", "tests.test_capture:mlp", "--optimizer", "sgd:momentum=fast"], "not a number"),
+        (["capture", "--model", "tests.test_capture:factory_with_optimizer", "--optimizer", "sgd:colour=1"],
+         "SGD refused the options"),
+        (["plan", "--model", "tests.test_capture:mlp", "--budget", "90%", "--optimizer", "adam", "--shapes", "2x3",
+          "-o", "book"], "--optimizer cannot be combined with --shapes"),
+        (["plan", "--graph", "g.yaml", "--budget", "90%", "--optimizer", "adam"], "--optimizer applies to --model"),
+    ]:
+        assert main(argv) == 2, argv
+        assert re.search(message, capsys.readouterr().err), (argv, message)
 
 
 # ---- bench zoo -------------------------------------------------------------------------------------------

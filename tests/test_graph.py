@@ -80,3 +80,60 @@ def test_inconsistent_edges_are_named():
 def test_missing_file(tmp_path):
     with pytest.raises(GraphFormatError, match="cannot read"):
         Graph.load(tmp_path / "nope.yaml")
+
+
+def _with_optimizer_state(g: Graph, nbytes: int) -> Graph:
+    """``g`` plus one optimizer-state tensor (as capture(optimizer=) appends it: last, fixed, never freed)."""
+    d = g.to_dict(with_hash=False)
+    d["tensors"].append({"id": len(d["tensors"]), "nbytes": nbytes, "kind": "optimizer", "producer": -1,
+                         "name": "optimizer.w.momentum_buffer"})
+    return Graph.from_dict(d)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_optimizer_state_is_resident_at_every_stage(tmp_path, suffix):
+    """An optimizer-state tensor is fixed, not evictable, adds its bytes to every stage, to the peak, to the
+    simulator's peak and to the lower bound of any plan; it survives a save/load and changes the
+    structure hash (a plan made without it is refused on a graph with it)."""
+    from hybridmem.simulate import min_feasible_budget, simulate
+
+    g = chain_graph(3, nbytes=100, param_bytes=10)
+    h = _with_optimizer_state(g, 10)
+    assert h.tensors[-1].kind == "optimizer" and not h.tensors[-1].evictable and h.evictable() == g.evictable()
+    assert h.memory_profile().tolist() == [v + 10 for v in g.memory_profile().tolist()]
+    assert h.peak_bytes() == g.peak_bytes() + 10 and h.fixed_bytes() == g.fixed_bytes() + 10
+    assert simulate(h, None, device="cpu").peak_bytes == simulate(g, None, device="cpu").peak_bytes + 10
+    assert min_feasible_budget(h) == min_feasible_budget(g) + 10
+    assert h.structure_hash() != g.structure_hash()
+    back = Graph.load(h.save(tmp_path / f"g{suffix}"))
+    assert back.tensors[-1].kind == "optimizer" and back.structure_hash() == h.structure_hash()
+
+
+def test_solvers_budget_optimizer_state():
+    """The solvers see the state as fixed bytes: a budget one byte under the lower bound with the state is
+    refused, and a plan made with it fits its budget in the simulator."""
+    from hybridmem.errors import BudgetInfeasibleError
+    from hybridmem.simulate import min_feasible_budget, simulate
+    from hybridmem.solvers import plan as solve
+
+    h = _with_optimizer_state(chain_graph(6, nbytes=100, param_bytes=10), 50)
+    with pytest.raises(BudgetInfeasibleError):
+        solve(h, min_feasible_budget(h) - 1, device="cpu", solver="approx")
+    budget = min_feasible_budget(h) + 100
+    p = solve(h, budget, device="cpu", solver="approx")
+    assert p.predicted_peak_bytes <= budget
+    assert simulate(h, p, device="cpu", budget=budget).peak_bytes <= budget
+
+
+def test_unknown_tensor_kind_names_the_accepted_ones():
+    d = chain_graph(3).to_dict(with_hash=False)
+    d["tensors"][0]["kind"] = "momentum"
+    with pytest.raises(GraphFormatError, match="kind 'momentum' is not one of.*'optimizer'"):
+        Graph.from_dict(d)
+    d = _with_optimizer_state(chain_graph(3), 8).to_dict(with_hash=False)
+    d["tensors"][-1]["freed_after"] = 2
+    with pytest.raises(GraphFormatError, match="optimizer state exists for the whole step"):
+        Graph.from_dict(d)
+    d["tensors"][-1]["freed_after"], d["tensors"][1]["kind"] = None, "optimizer"  # a1: produced by stage 0
+    with pytest.raises(GraphFormatError, match="tensor 1: optimizer state.*producer must be -1"):
+        Graph.from_dict(d)
