@@ -6,6 +6,12 @@ shared machine hits all of them alike, and torch runs on one thread. Overhead is
 over rounds of ``step time / unmanaged step time in the same round - 1``: a ratio measured side by side,
 never an absolute time compared across runs.
 
+Step time is the process's CPU time (user + system, ``time.process_time``) by default: torch runs on one
+thread and nothing here waits on I/O or on a device, so on an idle machine it equals the wall time, and
+on shared cores it is not inflated by other processes' turns (wall-clock ratios swung by 20-30 % under
+load). ``HYBRIDMEM_BENCH_CLOCK=wall`` times with ``time.perf_counter`` instead (needed on CUDA, where
+copies and kernels run beside the Python thread).
+
 Methods (``METHODS``):
 
 ``unmanaged``          plain PyTorch, the reference for time, peak, losses and gradients
@@ -384,17 +390,28 @@ def _buffers(model: nn.Module) -> list[torch.Tensor]:
     return [b.detach().clone() for b in model.buffers()]
 
 
+def step_clock() -> Callable[[], float]:
+    """The clock steps are timed with: ``HYBRIDMEM_BENCH_CLOCK`` = ``cpu`` (default) or ``wall``."""
+    import os
+
+    name = os.environ.get("HYBRIDMEM_BENCH_CLOCK", "cpu").strip().lower()
+    if name not in ("cpu", "wall"):
+        raise ValueError(f"HYBRIDMEM_BENCH_CLOCK={name!r}: accepted values are 'cpu' and 'wall'")
+    return time.process_time if name == "cpu" else time.perf_counter
+
+
 def one_step(v: Variant, loss_fn: Callable[[Any], torch.Tensor], seed: int) -> tuple[float, float]:
-    """One training step of ``v`` with the RNG seeded: returns ``(loss, seconds)``."""
+    """One training step of ``v`` with the RNG seeded: returns ``(loss, seconds)`` (:func:`step_clock`)."""
+    clock = step_clock()
     torch.manual_seed(seed)
     v.model.zero_grad(set_to_none=True)
     with v.context():
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = loss_fn(v.forward())
         loss.backward()
         if v.optimizer is not None:
             v.optimizer.step()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         v.after_step()
     return float(loss.detach()), dt
 

@@ -128,7 +128,9 @@ def measured_markdown(run: dict[str, Any]) -> str:
     head = (f"### {run.get('model')} ({run.get('size')}, batch {run.get('batch')}): measured on this CPU\n\n"
             f"Real training steps (SGD), torch on {run.get('threads', 1)} thread, {run.get('steps')} timed steps per "
             f"method interleaved round-robin after {run.get('rounds', 0) - run.get('steps', 0)} warm-up; overhead = "
-            "median over rounds of (step time / unmanaged step time in the same round) - 1. "
+            "median over rounds of (step time / unmanaged step time in the same round) - 1; step time is the "
+            "process's CPU time (single-threaded, no device: equal to wall time on an idle machine) unless "
+            "`HYBRIDMEM_BENCH_CLOCK=wall`. "
             f"Peaks from the {run.get('peak_source', '?')}.")
     if run.get("budget_bytes"):
         head += (f" Budget {fmt_bytes(run['budget_bytes'])} = monitor-only peak {fmt_bytes(run.get('monitor_peak_bytes'))}"

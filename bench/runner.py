@@ -623,7 +623,9 @@ def _env() -> dict[str, Any]:
     except OSError:
         pass
     return {"hybridmem": hybridmem.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+            "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+            "step_clock": os.environ.get("HYBRIDMEM_BENCH_CLOCK", "cpu").strip().lower(),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
 def run(s: Settings) -> dict[str, Any]:

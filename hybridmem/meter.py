@@ -57,9 +57,17 @@ from .units import fmt_bytes, parse_bytes
 Tensor = torch.Tensor
 PressureHook = Callable[[int], int]
 
-__all__ = ["Meter", "MeterMode", "profiler_peak"]
+__all__ = ["Meter", "MeterMode", "StorageRef", "profiler_peak"]
 
 _TRIED = re.compile(r"[Tt]ried to allocate\s+([0-9.]+\s*[KMGT]?i?B)")
+
+
+class StorageRef(weakref.ref):
+    """The meter's entry for one tracked storage: a weak reference (its callback subtracts the bytes
+    when the storage is freed) carrying the storage's id and counted size. The runtime's produced
+    table subclasses it, so that one weak reference per new storage serves both ledgers."""
+
+    __slots__ = ("key", "nbytes")
 
 
 class Meter:
@@ -82,9 +90,10 @@ class Meter:
         self.raise_on_exceed = raise_on_exceed
         self.on_pressure = on_pressure
         self.mode_cls = mode_cls or MeterMode
-        # Simulated-device ledger: id(storage) -> (weak reference whose callback subtracts the bytes,
-        # bytes). Keyed by id: the callback removes the entry before the id can be reused.
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        # Simulated-device ledger: id(storage) -> StorageRef (a weak reference whose callback subtracts
+        # its bytes). Keyed by id: the callback removes the entry before the id can be reused.
+        self._live: dict[int, StorageRef] = {}
+        self._freed_cb = self._freed  # one bound method for every reference (not one per storage)
         self._current = 0
         self._peak = 0
         self._relieving = False
@@ -135,28 +144,33 @@ class Meter:
         st = t if isinstance(t, torch.UntypedStorage) else _storage(t)
         if st is None or not self.simulated:
             return
-        entry = self._live.pop(id(st), None)
-        if entry is not None:
-            self._current -= entry[1]
-        self._add(st)
+        entry = self._live.get(id(st))
+        if entry is None:
+            self._add(st)
+        else:
+            nb = st.nbytes()
+            self._current += nb - entry.nbytes
+            entry.nbytes = nb
         if self._current > self._peak:
             self._peak = self._current
 
     def _add(self, st: torch.UntypedStorage) -> int:
-        # A weakref with a callback costs about 1 us; weakref.finalize about 10x more (its registry).
+        # A weakref with a callback costs well under 1 us; weakref.finalize about 10x more (its registry).
         nb = st.nbytes()
         k = id(st)
-        self._live[k] = (weakref.ref(st, lambda r, k=k: self._freed(k, r)), nb)
+        r = StorageRef(st, self._freed_cb)
+        r.key, r.nbytes = k, nb
+        self._live[k] = r
         self._current += nb
         return nb
 
-    def _freed(self, k: int, ref: weakref.ref) -> None:
-        # Weak-reference callback: the storage is being deallocated. Check identity so a stale
-        # callback (after ``refresh`` replaced the entry) does not remove the new one.
-        entry = self._live.get(k)
-        if entry is not None and entry[0] is ref:
-            del self._live[k]
-            self._current -= entry[1]
+    def _freed(self, ref: StorageRef) -> None:
+        # Weak-reference callback: the storage is being deallocated. Check identity: the id may
+        # already belong to a new storage registered after this one died.
+        live = self._live
+        if live.get(ref.key) is ref:
+            del live[ref.key]
+            self._current -= ref.nbytes
 
     # ---- budget --------------------------------------------------------------------------------
     def check(self, extra_bytes: int = 0, *, what: str = "") -> None:
@@ -288,20 +302,8 @@ class MeterMode(TorchDispatchMode):
 
     def before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Called before each op. Base: register input storages seen for the first time."""
-        if not self._sim:
-            return
-        live, m = self._live, self.meter
-        for a in args:
-            if isinstance(a, Tensor):
-                _register(m, live, a)
-            elif type(a) is list or type(a) is tuple:
-                for b in a:
-                    if isinstance(b, Tensor):
-                        _register(m, live, b)
-        if kwargs:
-            for a in kwargs.values():
-                if isinstance(a, Tensor):
-                    _register(m, live, a)
+        if self._sim:
+            _register_inputs(self.meter, self._live, args, kwargs)
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Called after each op with its outputs. Base: register new output storages, enforce the
@@ -321,12 +323,7 @@ class MeterMode(TorchDispatchMode):
                             if isinstance(p, Tensor):
                                 new += _register(m, live, p)
             if _may_resize(func):  # a written storage may have grown: re-read its size
-                for t in written_tensors(func, args, kwargs):
-                    st = _storage(t)
-                    entry = live.get(id(st)) if st is not None else None
-                    if entry is not None and entry[1] != st.nbytes():
-                        new += st.nbytes() - entry[1]
-                        m.refresh(st)
+                new += _reread_written(m, func, args, kwargs)
             if m.raise_on_exceed and m.budget_bytes is not None and m._current > m.budget_bytes:
                 m._after_op_over(new, func)
             if m._current > m._peak:
@@ -335,14 +332,51 @@ class MeterMode(TorchDispatchMode):
             m._after_op_over(0, func)
 
 
-_RESIZING: dict[Any, bool] = {}
+_RESIZING: dict[int, bool] = {}  # by id(func): hashing an OpOverload runs Python
 
 
 def _may_resize(func: Any) -> bool:
-    r = _RESIZING.get(func)
+    r = _RESIZING.get(id(func))
     if r is None:
-        r = _RESIZING[func] = op_info(func).may_resize
+        r = _RESIZING[id(func)] = op_info(func).may_resize
     return r
+
+
+def _reread_written(m: Meter, func: Any, args: tuple, kwargs: dict) -> int:
+    """An op that may resize what it writes (``out=`` variants, ``resize_``) ran: re-read the sizes of
+    its written storages; returns the bytes they grew by."""
+    new = 0
+    live = m._live
+    for t in written_tensors(func, args, kwargs):
+        st = _storage(t)
+        entry = live.get(id(st)) if st is not None else None
+        if entry is not None and entry.nbytes != st.nbytes():
+            new += st.nbytes() - entry.nbytes
+            m.refresh(st)
+    return new
+
+
+def _register_inputs(m: Meter, live: dict, args: tuple, kwargs: dict) -> None:
+    """Count the storages of an op's tensor arguments (also in lists and keyword arguments) that the
+    meter sees for the first time. Plain tensors inline: this runs for every argument of every op."""
+    for a in args:
+        if type(a) is Tensor:
+            try:
+                st = a.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if id(st) not in live:
+                m._add(st)
+        elif isinstance(a, Tensor):
+            _register(m, live, a)
+        elif type(a) is list or type(a) is tuple:
+            for b in a:
+                if isinstance(b, Tensor):
+                    _register(m, live, b)
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, Tensor):
+                _register(m, live, a)
 
 
 def _register(m: Meter, live: dict, t: Tensor) -> int:

@@ -100,7 +100,7 @@ class Runtime:
         self.clock = Clock()
         self.meter = Meter(self.device)  # the runtime enforces the budget itself, before each op
         self.fsdp_sync = FsdpStorageSync(self.meter)  # FSDP's resize_ is not an op: re-read at collectives
-        self.produced = ProducedTable()
+        self.produced = ProducedTable(self.meter)
         self.store = SavedStore(self.device, self.produced, self.stats, self.clock)
         self.policies = self._make_policies(cfg)
         self.residency = Residency(self.store, self.policies, self.meter, self.stats, self.budget)
@@ -135,6 +135,8 @@ class Runtime:
         # ``plugins: {light: true}`` on CUDA without a budget or plan: only the allocator's statistics
         # (peak, current), no hooks and no per-op work; saved-activation bytes and steps are not counted.
         self.light = self.device.type == "cuda" and not manages and bool(cfg.extra.get("light", False))
+        # Nothing is ever evicted without a budget or a plan: saved tensors need no entries, only counting.
+        self._pack = self.store.pack if manages else self.store.pack_counting
 
     @staticmethod
     def _make_policies(cfg: Config) -> dict[str, Policy]:
@@ -163,14 +165,14 @@ class Runtime:
         if self.buckets is not None:
             self.buckets.install()  # before FixedMarker's hook, where the step starts: it picks the plan
         self.fixed.install()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.store.pack, self.store.unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self.store.unpack)
         self._hooks.__enter__()
 
     def uninstall(self) -> None:
         if self.light or self.mode is None:
             return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and top[0] != self.store.pack:
+        if top is not None and top[0] != self._pack:
             raise RuntimeError("hybridmem.disable() called inside another saved_tensors_hooks context "
                                "(e.g. torch.autograd.graph.save_on_cpu) opened after enable(): leave it first")
         from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -190,6 +192,7 @@ class Runtime:
 
     # ---- steps ---------------------------------------------------------------------------------
     def _step_started(self) -> None:
+        self.store.epoch += 1
         self.stats.step_started()
         self.estimator.new_step()
         self.residency.forget_offers()

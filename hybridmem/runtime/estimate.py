@@ -12,6 +12,11 @@ Sources, cheapest first:
 3. Far below the budget an op without a record is assumed to allocate nothing: it cannot matter. If
    the meta kernel fails, the largest input's size is the guess. An op that still overruns is counted
    in ``Stats.cap_overruns`` and the runtime evicts right after it.
+
+Meta results are cached by the op and its arguments' metadata (shapes, strides, dtypes and the
+other arguments): the ops a recompute replays have no stage, so without the cache every replay of
+every step would run the meta kernel again, and many meta kernels are Python decompositions
+(BatchNorm's takes milliseconds).
 """
 from __future__ import annotations
 
@@ -56,8 +61,41 @@ class OutputEstimator:
                 return nbytes
         if 2 * headroom > budget and headroom > 8 * self.largest > 0:
             return 0  # far below the budget: nothing one op allocates can matter
-        est = meta_bytes(func, args, kwargs)
-        return est if est is not None else _largest_input(args, kwargs)
+        return cached_meta_bytes(func, args, kwargs)
+
+
+_META: dict[Any, int] = {}
+_META_MAX = 1 << 14  # entries; a program whose shapes never repeat clears it now and then
+
+
+def cached_meta_bytes(func: Any, args: tuple, kwargs: dict) -> int:
+    """:func:`meta_bytes` (else the largest input's size), cached by the op and its arguments'
+    metadata; arguments that cannot be keyed (unhashable) skip the cache."""
+    try:
+        key = (id(func), _key(args), _key(tuple(kwargs.items())) if kwargs else None)
+        got = _META.get(key)
+    except TypeError:
+        key = got = None
+    if got is not None:
+        return got
+    est = meta_bytes(func, args, kwargs)
+    if est is None:
+        est = _largest_input(args, kwargs)
+    if key is not None:
+        if len(_META) >= _META_MAX:
+            _META.clear()
+        _META[key] = est
+    return est
+
+
+def _key(a: Any) -> Any:
+    """Hashable stand-in of an argument: a tensor by its geometry and dtype (what output sizes depend
+    on), sequences element-wise, anything else as itself."""
+    if isinstance(a, Tensor):
+        return (a.shape, a.stride(), a.dtype, a.device.type)
+    if type(a) is tuple or type(a) is list:
+        return tuple(_key(b) for b in a)
+    return a
 
 
 def _first_shape(args: tuple) -> Any:

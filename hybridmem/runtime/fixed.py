@@ -28,7 +28,8 @@ class FixedMarker:
         self.produced = produced
         self.meter = meter
         self.on_call = on_call  # every module call (the step tracker starts steps here)
-        self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        # id(module) -> weak reference: a lookup per module call (a WeakSet builds a weakref per test).
+        self._seen: dict[int, weakref.ref] = {}
         self._handle: Any = None
 
     def install(self) -> None:
@@ -41,12 +42,14 @@ class FixedMarker:
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         self.on_call()
-        if module in self._seen:
+        seen = self._seen
+        r = seen.get(id(module))
+        if r is not None and r() is module:
             return
         slots = self.produced.slots
         fixed = []
         for m in module.modules():
-            self._seen.add(m)
+            seen[id(m)] = weakref.ref(m, lambda _, k=id(m): self._forget(k))
             for t in (*m._parameters.values(), *m._buffers.values()):
                 if t is not None:
                     fixed.append(t)
@@ -54,3 +57,8 @@ class FixedMarker:
                     if slot is not None:
                         slot.node = slot.entry = None
         self.meter.track(*fixed)
+
+    def _forget(self, k: int) -> None:
+        r = self._seen.get(k)
+        if r is not None and r() is None:
+            del self._seen[k]

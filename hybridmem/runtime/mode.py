@@ -8,6 +8,9 @@ a plan's evictions for this stage run; the estimator learns the op's bytes.
 
 Far below the budget (or without one) this is a few dictionary lookups and attribute reads per op on
 top of the meter; per-op facts are cached by ``id(func)`` (hashing an ``OpOverload`` runs Python).
+On the simulated device an op's new output storage gets one weak reference shared by the meter and
+the produced table (:meth:`~.produced.ProducedTable.new`), and with nothing to manage (no budget,
+plan or lineage) every op takes ``_monitor_op``: the meter's and the runtime's work in one function.
 Work the runtime does itself is either *quiet* (not metered, not counted: policies) or *internal*
 (metered and capped, but no stage, no lineage: recompute's replayed ops).
 """
@@ -20,7 +23,7 @@ import torch
 
 from .._trace import op_info, uses_rng
 from ..distributed import is_collective
-from ..meter import Meter, MeterMode
+from ..meter import Meter, MeterMode, _register, _register_inputs, _reread_written, _storage
 from .lineage import RngBefore, replay_info, rng_state
 
 if TYPE_CHECKING:
@@ -39,6 +42,7 @@ class OpFacts(NamedTuple):
     writes: bool                # writes some argument in place
     maybe_rng: bool             # may draw random numbers (checked per call only then)
     collective: bool = False    # c10d / fsdp op (hybridmem.distributed.is_collective)
+    may_resize: bool = False    # may resize a storage it writes (the meter re-reads its size)
 
 
 _FACTS: dict[int, OpFacts] = {}
@@ -52,7 +56,8 @@ def facts(func: Any) -> OpFacts:
         fresh = ri.fresh
         f = _FACTS[id(func)] = OpFacts(info.name, info.stage, fresh, any(fresh),
                                        bool(ri.written or info.written_kw or info.bn_training >= 0),
-                                       info.rng or info.dropout_arg >= 0, is_collective(func))
+                                       info.rng or info.dropout_arg >= 0, is_collective(func),
+                                       info.may_resize)
     return f
 
 
@@ -81,6 +86,11 @@ class RuntimeMode(MeterMode):
         self._facts: OpFacts | None = None
         self._recording = False
         self._rng: Any = None
+        # Monitor-only on the simulated device (no budget, plan, lineage or prefetch): every op takes
+        # _monitor_op, the meter's and the runtime's per-op work in one function.
+        self._fast = (self._sim and self.budget is None and self.recorder is None and self.follower is None
+                      and self.prefetcher is None and rt.buckets is None and not meter.raise_on_exceed
+                      and meter.on_pressure is None)
 
     # ---- contexts for the runtime's own work -----------------------------------------------------
     @contextmanager
@@ -110,14 +120,69 @@ class RuntimeMode(MeterMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if self.quiet_depth:
             return func(*args, **(kwargs or {}))
+        if kwargs is None:
+            kwargs = {}
+        if self._fast and not self.internal:
+            return self._monitor_op(func, args, kwargs)
         self.depth += 1
         try:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            self.before_op(func, args, kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                if self.meter.on_pressure is None:
+                    raise
+                out = self.meter.retry_oom(func, *args, **kwargs)
+            self.after_op(func, args, kwargs, out)
+            return out
         finally:
             self.depth -= 1
 
+    def _monitor_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``before_op``, the op and ``after_op`` when there is nothing to manage (see ``_fast``)."""
+        m = self.meter
+        live = self._live
+        _register_inputs(m, live, args, kwargs)
+        self.clock.now += 1
+        f = self._facts = _FACTS.get(id(func)) or facts(func)
+        steps = self.steps
+        self._stage = steps.observe(f.stage, args)
+        self.depth += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.depth -= 1
+        if type(out) is Tensor:  # the common case of _outputs, inline
+            try:
+                st = out.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                st = None
+            if st is not None:
+                k = id(st)
+                if k not in live:
+                    nb = st.nbytes()
+                    if f.any_fresh and k not in self.slots:
+                        self.produced.new(st, k, nb).stage = steps.stage
+                    else:
+                        m._add(st)
+        else:
+            fresh, _ = self._outputs(f, out)
+            if fresh:  # as in capture: what a non-stage op allocates belongs to the last stage
+                stage = steps.stage
+                for _, slot, _ in fresh:
+                    slot.stage = stage
+        if f.may_resize:
+            _reread_written(m, func, args, kwargs)
+        if m._current > m._peak:
+            m._peak = m._current
+        self.store.last_op = f.name
+        if f.collective:
+            self.rt.fsdp_sync.after_op(func, args, kwargs)
+        return out
+
     def before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
-        super().before_op(func, args, kwargs)
+        if self._sim:
+            _register_inputs(self.meter, self._live, args, kwargs)
         self.clock.now += 1
         f = self._facts = _FACTS.get(id(func)) or facts(func)
         if self.internal:
@@ -141,17 +206,30 @@ class RuntimeMode(MeterMode):
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         f = self._facts or facts(func)
-        fresh, nbytes = self._fresh(f, out) if f.any_fresh else (_NONE, 0)
-        super().after_op(func, args, kwargs, out)
+        m = self.meter
+        if self._sim:
+            # One pass over the outputs: new storages join the meter, and those at fresh return
+            # positions the produced table too, sharing one weak reference (ProducedTable.new).
+            fresh, nbytes = self._outputs(f, out)
+            if f.may_resize:
+                _reread_written(m, func, args, kwargs)
+            if m.raise_on_exceed and m.budget_bytes is not None and m._current > m.budget_bytes:
+                m._after_op_over(nbytes, func)
+            if m._current > m._peak:
+                m._peak = m._current
+        else:
+            fresh, nbytes = self._fresh(f, out) if f.any_fresh else (_NONE, 0)
+            MeterMode.after_op(self, func, args, kwargs, out)
         budget = self.budget
         if self.internal:
-            if budget is not None and self.meter.current_bytes > budget:
+            if budget is not None and m.current_bytes > budget:
                 self._overrun(f)
             return
         self.store.last_op = f.name
         if fresh:  # as in capture: what a non-stage op allocates belongs to the last stage
+            st = self.steps.stage
             for _, slot, _ in fresh:
-                slot.stage = self.steps.stage
+                slot.stage = st
         stage = self._stage
         rec = self.recorder
         if rec is not None:
@@ -164,7 +242,7 @@ class RuntimeMode(MeterMode):
             self.rt.fsdp_sync.after_op(func, args, kwargs)
         if budget is not None:
             self.estimator.learn(stage, func, nbytes, args)
-            if self.meter.current_bytes > budget:
+            if m.current_bytes > budget:
                 self._overrun(f)
         if self.follower is not None:
             if stage >= 0:
@@ -173,17 +251,81 @@ class RuntimeMode(MeterMode):
                 self.follower.after_other(fresh)
 
     # ---- helpers -----------------------------------------------------------------------------------
-    def _fresh(self, f: OpFacts, out: Any) -> tuple[list[tuple[int, Any, Tensor]], int]:
-        """New output storages (not aliases of inputs), registered as produced, with positions."""
-        slots = self.slots
-        seen = self._live if self._sim else _EMPTY  # CPU: a storage the meter already knows is not new
+    def _outputs(self, f: OpFacts, out: Any) -> tuple[list[tuple[int, Any, Tensor]], int]:
+        """Simulated device: register the op's outputs with the meter; those at fresh return positions
+        (not aliases of inputs) that neither the meter nor the produced table knows are activations.
+        Returns (output position, slot, tensor) of those and their bytes."""
+        live = self._live
         if isinstance(out, Tensor):
+            if type(out) is not Tensor:
+                return self._outputs_slow(f, (out,))
             try:
                 st = out.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 return _NONE, 0
             k = id(st)
-            if k in slots or k in seen:
+            if k in live:  # a view, an in-place result, or an input returned
+                return _NONE, 0
+            nb = st.nbytes()
+            if f.any_fresh and k not in self.slots:
+                return [(0, self.produced.new(st, k, nb), out)], nb
+            self.meter._add(st)
+            return _NONE, 0
+        if type(out) is not tuple and type(out) is not list:
+            return _NONE, 0
+        res: list[tuple[int, Any, Tensor]] = []
+        nbytes = pos = 0
+        flags = f.fresh
+        nflags = len(flags)
+        for i, o in enumerate(out):
+            group = o if type(o) is list or type(o) is tuple else (o,)
+            new = i < nflags and flags[i]
+            for t in group:
+                if isinstance(t, Tensor):
+                    if type(t) is not Tensor:
+                        more, nb = self._outputs_slow(f, (t,), new, pos)
+                        res += more
+                        nbytes += nb
+                    else:
+                        try:
+                            st = t.untyped_storage()
+                        except (RuntimeError, NotImplementedError):
+                            st = None
+                        if st is not None and id(st) not in live:
+                            k = id(st)
+                            nb = st.nbytes()
+                            if new and k not in self.slots:
+                                res.append((pos, self.produced.new(st, k, nb), t))
+                                nbytes += nb
+                            else:
+                                self.meter._add(st)
+                pos += 1
+        return res, nbytes
+
+    def _outputs_slow(self, f: OpFacts, group: tuple, new: bool | None = None,
+                      pos: int = 0) -> tuple[list[tuple[int, Any, Tensor]], int]:
+        """Tensor subclasses (DTensor): produced by their own storage, metered by their inner ones."""
+        res: list[tuple[int, Any, Tensor]] = []
+        nbytes = 0
+        live, slots = self._live, self.slots
+        for t in group:
+            st = _storage(t)
+            if (f.any_fresh if new is None else new) and st is not None and id(st) not in slots \
+                    and id(st) not in live:
+                res.append((pos, self.produced.add(st), t))
+                nbytes += st.nbytes()
+            _register(self.meter, live, t)
+        return res, nbytes
+
+    def _fresh(self, f: OpFacts, out: Any) -> tuple[list[tuple[int, Any, Tensor]], int]:
+        """CUDA: new output storages (not aliases of inputs), registered as produced, with positions."""
+        slots = self.slots
+        if isinstance(out, Tensor):
+            try:
+                st = out.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return _NONE, 0
+            if id(st) in slots:
                 return _NONE, 0
             return [(0, self.produced.add(st), out)], st.nbytes()
         res: list[tuple[int, Any, Tensor]] = []
@@ -199,7 +341,7 @@ class RuntimeMode(MeterMode):
                         st = t.untyped_storage()
                     except (RuntimeError, NotImplementedError):
                         st = None
-                    if st is not None and id(st) not in slots and id(st) not in seen:
+                    if st is not None and id(st) not in slots:
                         res.append((pos, self.produced.add(st), t))
                         nbytes += st.nbytes()
                 pos += 1
@@ -224,7 +366,6 @@ class RuntimeMode(MeterMode):
 
 
 _NONE: list = []
-_EMPTY: frozenset = frozenset()
 
 
 def _generator_states(args: tuple, kwargs: dict) -> dict[int, Any]:

@@ -6,6 +6,10 @@ tensors on another device), or a *saved* handle pointing to the storage's :class
 view (size, stride, offset, dtype) and the version counter the tensor had. Many saves of one storage
 share one entry; the entry lives while handles do (autograd frees them with its nodes).
 
+Without a budget or a plan nothing is ever evicted, so the runtime installs :meth:`SavedStore.pack_counting`
+instead: it only counts each activation storage once per step for ``Stats.saved_bytes`` and keeps
+the tensor (a *kept* handle): no entry, no view, no handle with a finalizer per save.
+
 ``unpack`` makes the entry resident (regenerating it if a policy evicted it), checks the version
 counter (saved-tensor hooks switch off PyTorch's own check, so a saved tensor modified in place
 would otherwise give silently wrong gradients) and rebuilds the view.
@@ -87,6 +91,7 @@ class SavedStore:
         self.on_saved: Callable[[Entry], None] = _nothing  # a new entry (prefetch learns save order)
         self.on_read: Callable[[Entry], None] = _nothing   # an unpack (prefetch learns read order)
         self.last_op = ""  # set by the mode: named in error messages
+        self.epoch = 0     # steps started (pack_counting counts a storage once per step)
 
     # ---- hooks -------------------------------------------------------------------------------
     def pack(self, t: Tensor) -> Any:
@@ -114,6 +119,26 @@ class SavedStore:
         counter = None if e.root is not None and e.root() is root else weakref.ref(root)
         view = View.of(t)
         return Saved(self, e, None if view == e.view else view, t._version, counter)
+
+    def pack_counting(self, t: Tensor) -> Any:
+        """Monitor-only ``pack``: count an activation storage the first time this step saves it (as
+        ``pack`` counts a new entry) and keep the tensor itself, with its version for ``unpack``."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return t
+        slot = self.produced.slots.get(id(st))
+        if slot is not None and slot.saved_step != self.epoch and t.device == self.device:
+            if is_parameter_view(t) or (type(t) is not Tensor and is_traceable_wrapper_subclass(t)):
+                self.produced.slots.pop(id(st), None)  # not an activation: see pack
+                slot.node = slot.entry = None
+            else:
+                slot.saved_step = self.epoch
+                self.stats.saved(st.nbytes())
+        if t.grad_fn is not None:
+            with torch._C._DisableTorchDispatch():
+                t = t.detach()  # see _keep: no reference cycle through the node
+        return Kept(t, t._version)
 
     def unpack(self, h: Any) -> Tensor:
         if type(h) is Kept:
