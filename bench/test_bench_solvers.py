@@ -140,7 +140,9 @@ def test_baselines_table(benchmark, name: str, device: str) -> None:
 
 # The points where the approx plan lost to a baseline in an earlier sweep (share of the keep-all peak).
 LOW_POINTS = [("resnet101", 0.296), ("resnet101", 0.472), ("resnet152", 0.299), ("resnet152", 0.474),
-              ("mobilenet", 0.426)]
+              ("mobilenet", 0.426), ("mobilenet", 0.474)]
+# where recompute is what pays (MobileNet), approx's recompute-only LP start must match Checkmate's MILP
+CHECKMATE_POINTS = {"mobilenet"}
 
 
 @pytest.mark.slow
@@ -149,7 +151,8 @@ LOW_POINTS = [("resnet101", 0.296), ("resnet101", 0.472), ("resnet152", 0.299), 
 def test_approx_no_slower_than_baselines_at_low_budgets(benchmark, name: str, frac: float, device: str) -> None:
     """Paper size, low budgets: approx (the bench's 10 s) against every baseline at the same budget. The
     heuristic baselines (DTR, Capuchin, Chen, vDNN) are starts of the approx portfolio, so approx must
-    never lose to them; against the MILP baselines (Checkmate, swap-opt) the table says where it stands."""
+    never lose to them; nor to Checkmate on MobileNet (its recompute-only LP start); against the MILP
+    baselines elsewhere the table says where it stands."""
     g, _ = captured(name, device)
     budget = int(frac * g.peak_bytes())
     row: dict[str, float | None] = {}
@@ -166,6 +169,6 @@ def test_approx_no_slower_than_baselines_at_low_budgets(benchmark, name: str, fr
     keep = simulate(g, None, device=device).time_s
     print(f"\n{name} {device} {frac:.1%}: " + "  ".join(
         f"{k} {'-' if v is None else f'{v / keep - 1:.2%}'}" for k, v in row.items()))
-    for s in ("chen", "swap-vdnn", "capuchin", "dtr"):
+    for s in ("chen", "swap-vdnn", "capuchin", "dtr") + (("checkmate",) if name in CHECKMATE_POINTS else ()):
         if row[s] is not None:
             assert row["approx"] is not None and row["approx"] <= row[s] * (1 + 1e-9), (s, row)

@@ -15,7 +15,8 @@ The step runs under a ``TorchDispatchMode`` that sees every aten op, forward the
   ``id`` is ``"{phase}/{module}/{op}#{k}"``, ``k`` counting repeats of ``(phase, module, op)``.
 - **Tensors** are storages. An op's inputs are the storages of its tensor arguments (lists
   included); its outputs are the storages it returns that did not exist before (a view shares its
-  base's storage; an in-place op writes an input). Storages first seen as inputs existed before the
+  base's storage; an in-place op writes an input, recorded in its ``writes``: ``relu_``, ``add_``,
+  ``out=``, BatchNorm running stats). Storages first seen as inputs existed before the
   step: ``producer=-1``, kind ``param``/``buffer``/``input`` (matched by storage, so ``weight.t()``
   is a param) or ``state``. Storages produced in backward are ``grad``, in forward ``activation``.
   ``freed_after`` is the last stage executed before the storage was freed (a weak-reference callback),
@@ -312,7 +313,9 @@ class _Recorder:
             index=index, id=f"{self.phase}/{module}/{info.name}#{k}", op=info.name, module=module,
             phase=self.phase, flops=_flops(func, args, kwargs, out), bytes_accessed=sum(in_bytes.values()) + out_bytes,
             inputs=list(inputs), outputs=outputs, rng=uses_rng(func, args, kwargs), side_effect=side_effect,
-            deterministic=not (info.cuda_nondeterministic and self.target_cuda)))
+            deterministic=not (info.cuda_nondeterministic and self.target_cuda),
+            # storages that existed before the op and that it wrote: a recompute of one replays this op too
+            writes=[j for j in dict.fromkeys(written) if j in inputs and j not in outputs]))
         self.measured.append(dt)
         return out
 
@@ -664,6 +667,7 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
         "input_shapes": _shapes(args, kwargs), "torch": str(torch.__version__),
         "num_ops": len(rec.stages), "capture_s": 0.0,
     }
+    meta["writes_recorded"] = True  # Stage.writes is filled (graph files written before it was are not)
     if measure:
         meta["measured_cost_s"] = list(rec.measured)
     if rec.mutations:
@@ -874,7 +878,8 @@ def merge_stages(graph: Graph, groups: Sequence[Sequence[int]]) -> Graph:
     disappear, their memory kept as ``workspace``: the merged stage's memory (``memory_profile``)
     is the maximum of its ops' memory. (It can be higher when the group holds an input that an early op
     frees together with an output of a late op: an atomic stage needs both.) Costs, FLOPs and bytes
-    add up; ``rng`` and ``side_effect`` are OR-ed and ``deterministic`` AND-ed.
+    add up; ``rng`` and ``side_effect`` are OR-ed and ``deterministic`` AND-ed; ``writes`` keeps the in-place
+    writes into tensors produced outside the group.
     """
     n = graph.num_stages
     flat = [i for g in groups for i in g]
@@ -909,6 +914,7 @@ def merge_stages(graph: Graph, groups: Sequence[Sequence[int]]) -> Graph:
         members = [graph.stages[i] for i in g]
         inputs: dict[int, None] = {}
         outputs: dict[int, None] = {}
+        writes: dict[int, None] = {}
         for s in members:
             for old in s.inputs:
                 j = new_id.get(old)
@@ -918,6 +924,12 @@ def merge_stages(graph: Graph, groups: Sequence[Sequence[int]]) -> Graph:
                 j = new_id.get(old)
                 if j is not None:
                     outputs[j] = None
+            for old in s.writes:
+                # a write into a tensor made inside the group is part of making it (replaying the group
+                # replays it); one into a tensor from outside is a write of the merged stage
+                j = new_id.get(old)
+                if j is not None and tensors[j].producer != gi:
+                    writes[j] = None
         ops = list(dict.fromkeys(s.op for s in members))
         op = "+".join(ops)
         if len(op) > _MAX_OP_CHARS:
@@ -931,6 +943,7 @@ def merge_stages(graph: Graph, groups: Sequence[Sequence[int]]) -> Graph:
             index=gi, id=f"{phase}/{module}/{op}#{k}", op=op, module=module, phase=phase,
             cost_s=math.fsum(s.cost_s for s in members), flops=math.fsum(s.flops for s in members),
             bytes_accessed=sum(s.bytes_accessed for s in members), inputs=list(inputs), outputs=list(outputs),
+            writes=list(writes),
             rng=any(s.rng for s in members), side_effect=any(s.side_effect for s in members),
             deterministic=all(s.deterministic for s in members), ops=sum(s.ops for s in members)))
 

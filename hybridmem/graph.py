@@ -70,6 +70,8 @@ class Stage:
     bytes_accessed: int = 0      # bytes read + written by the op (for HBM-bound cost models)
     inputs: list[int] = field(default_factory=list)   # tensor ids read
     outputs: list[int] = field(default_factory=list)  # tensor ids produced (new storages)
+    writes: list[int] = field(default_factory=list)   # tensor ids written in place (``relu_``'s self, ``out=``,
+    #                                                   BatchNorm running stats); each is also an input
     workspace: int = 0           # transient bytes during the stage beyond its live tensors
     rng: bool = False            # consumes the RNG (dropout): replay must restore RNG state
     side_effect: bool = False    # mutates state outside its outputs (BatchNorm running stats)
@@ -102,6 +104,39 @@ class Graph:
         """Activations that live past their producer stage: the candidates for eviction."""
         return [t for t in self.tensors if t.evictable and t.last_stage(self.num_stages) > t.producer]
 
+    def writers(self) -> dict[int, list[int]]:
+        """Tensor id -> the forward stages that write it in place, ascending (only tensors with writers)."""
+        out: dict[int, list[int]] = {}
+        for s in self.stages:
+            if s.phase == "forward":
+                for tid in s.writes:
+                    out.setdefault(tid, []).append(s.index)
+        return out
+
+    def replay_stages(self, tensor_id: int, before: int | None = None, *,
+                      writers: dict[int, list[int]] | None = None) -> list[int]:
+        """The stages a recompute of ``tensor_id`` replays, in order: its producer, then the forward stages
+        that wrote it in place after it (``conv -> bn -> relu_``: regenerating bn's output storage as the
+        backward reads it replays bn and ``relu_``). This is what the runtime's lineage replays, and
+        what the simulator and the planners charge a recompute.
+
+        ``before``: a recompute issued before stage ``before`` regenerates the content of that moment, so
+        only writers earlier than it replay (``None``: all forward writers, as for a backward recompute).
+        ``writers``: ``self.writers()``, passed by callers that ask for many tensors. Empty for a tensor
+        that exists before the step (nothing to replay).
+        """
+        t = self.tensors[tensor_id]
+        if t.producer < 0:
+            return []
+        ws = (self.writers() if writers is None else writers).get(tensor_id, ())
+        return [t.producer, *(w for w in ws if w > t.producer and (before is None or w < before))]
+
+    @property
+    def writes_recorded(self) -> bool:
+        """False for a graph loaded from a file written before in-place writes were recorded
+        (``meta["writes_recorded"] is False``): its recomputes are charged their producer only."""
+        return self.meta.get("writes_recorded") is not False
+
     def compute_time(self) -> float:
         return float(sum(s.cost_s for s in self.stages))
 
@@ -132,7 +167,11 @@ class Graph:
     def structure_hash(self) -> str:
         """Hash of what a plan depends on: stage identities, ops, edges and tensor sizes, not costs.
 
-        Plans record it; a plan is refused on a graph whose structure hash differs.
+        Plans record it; a plan is refused on a graph whose structure hash differs. In-place writes
+        (``Stage.writes``) are left out: they follow from the same ops on the same inputs (a re-capture of the
+        same step records the same ones), and a plan's actions name stages and tensors only, so a plan made
+        on a graph file that predates recorded writes still names the right things; the simulator checks
+        it again against the writes (a recompute must find its writers' inputs too).
         """
         h = hashlib.sha256()
         for s in self.stages:
@@ -143,7 +182,11 @@ class Graph:
 
     def content_hash(self) -> str:
         """Hash of the whole graph, costs and meta included (stable across save/load)."""
-        blob = json.dumps(self.to_dict(with_hash=False), sort_keys=True, default=str)
+        d = self.to_dict(with_hash=False)
+        for st in d["stages"]:
+            if not st["writes"]:
+                del st["writes"]  # hashes of graphs without in-place writes are what they were before the field
+        blob = json.dumps(d, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     # ---- validation ----------------------------------------------------------------------------
@@ -157,9 +200,17 @@ class Graph:
                 raise GraphFormatError(f"stage {i}: phase {s.phase!r} is not one of {PHASES}")
             if not (s.cost_s >= 0) or s.workspace < 0 or s.flops < 0:
                 raise GraphFormatError(f"stage {i}: cost_s, flops and workspace must be non-negative numbers")
-            for tid in (*s.inputs, *s.outputs):
+            for tid in (*s.inputs, *s.outputs, *s.writes):
                 if not 0 <= tid < len(self.tensors):
                     raise GraphFormatError(f"stage {i}: tensor id {tid} out of range 0..{len(self.tensors) - 1}")
+            if s.writes:
+                ins = set(s.inputs)
+                for tid in s.writes:
+                    # an in-place op reads what it writes; a new storage is an output, not a write
+                    if tid not in ins or tid in s.outputs:
+                        raise GraphFormatError(f"stage {i}: writes tensor {tid} in place, so it must be one of "
+                                               f"its inputs and not one of its outputs (inputs {s.inputs}, "
+                                               f"outputs {s.outputs})")
         for j, t in enumerate(self.tensors):
             if t.id != j:
                 raise GraphFormatError(f"tensor {j}: id field is {t.id}, expected {j}")
@@ -212,7 +263,8 @@ class Graph:
         tensors = [_build(TensorInfo, t, f"{source}: tensors[{i}]") for i, t in enumerate(_as_list(d["tensors"], source, "tensors"))]
         for t in tensors:
             t.shape = tuple(t.shape)
-        g = cls(stages, tensors, dict(d.get("meta") or {}))
+        meta = dict(d.get("meta") or {})
+        g = cls(stages, tensors, meta)
         try:
             g.validate()
         except GraphFormatError as e:
@@ -221,6 +273,10 @@ class Graph:
         if want is not None and want != g.content_hash():
             raise GraphFormatError(f"{source}: content hash {want} does not match the content ({g.content_hash()}); "
                                    "the file was edited or corrupted")
+        if "writes_recorded" not in meta and stages and not any(
+                isinstance(s, dict) and "writes" in s for s in d["stages"]):
+            # written before in-place writes were recorded: say so rather than infer "no writes"
+            meta["writes_recorded"] = False
         return g
 
     def save(self, path: str | Path) -> Path:

@@ -8,11 +8,13 @@ Per stage ``t``, in this order (plan.py's timing rules, made exact):
 
 1. ``swap_in`` actions are issued at the start of stage t: the device buffer is allocated at issue; the
    copy starts when the h2d stream is free *and* the tensor's swap-out has finished (its host copy exists).
-2. ``recompute`` / ``decompress`` run on the compute stream, in list order. A recompute replays the
-   producer stage p: it waits for p's inputs (stalling on in-flight swap-ins) and costs p's op time.
-   All ``recompute`` actions at stage t whose tensors share a producer are served by *one* replay of p.
-   While p runs, p's workspace and all its other outputs count as transient bytes. A decompress holds
-   both forms while it runs.
+2. ``recompute`` / ``decompress`` run on the compute stream, in list order. A recompute replays
+   ``Graph.replay_stages``: the producer stage p, then the forward stages that wrote the tensor in place
+   before t (``bn`` then ``relu_``). It waits for those stages' inputs (stalling on in-flight swap-ins)
+   and costs their op times. All ``recompute`` actions at stage t whose tensors share a producer are
+   served by *one* replay of the union of their stages. While it runs, the largest workspace of those
+   stages and all their other outputs count as transient bytes. A decompress holds both forms while it
+   runs.
 3. Op t waits for its inputs (stall = compute idle waiting on h2d copies), allocates its outputs, runs.
 4. ``swap_out`` / ``compress`` / ``free`` after op t, in list order. A free (or a compress, which drops
    the full form) of a tensor whose swap-out is still in flight releases its bytes when the copy ends.
@@ -59,7 +61,7 @@ class SimResult:
 
     time_s: float                 # step time: all streams idle
     compute_s: float              # sum of the stages' op times
-    recompute_s: float            # replays of producer stages
+    recompute_s: float            # replays of producer stages and their in-place writers
     compress_s: float             # compress + decompress on the compute stream
     stall_s: float                # compute stream idle, waiting on swap-ins
     peak_bytes: int
@@ -210,6 +212,7 @@ class _Replay:
         self.last = np.array(self.last_l, dtype=np.int64)
         self.nb = np.array(self.nb_l, dtype=np.int64)
         self.ws = [s.workspace for s in graph.stages]
+        self.writers = graph.writers()  # tensor -> forward stages writing it in place (part of its replay)
 
         # Per-stage action lists, list order kept within each group (plan.py: "in list order").
         self.swap_ins: dict[int, list["Action"]] = {}
@@ -485,36 +488,49 @@ class _Replay:
                 group.append(x)
         if not group:
             return
-        stage = g.stages[p]
-        if not stage.deterministic:
-            self.fail(group[0], f"recompute of {self.label(group[0])} replays stage {p} ({stage.op}), which is "
-                                "not deterministic: swap it instead")
-            return
-        # The producer's inputs must be on the device now.
+        # One replay serves the group: the producer, then every writer of a member before this stage.
+        order = sorted({r for x in group for r in g.replay_stages(x, self.t, writers=self.writers)})
+        what = ", ".join(f"{r} ({g.stages[r].op})" for r in order)
+        for r in order:
+            if not g.stages[r].deterministic:
+                self.fail(group[0], f"recompute of {self.label(group[0])} replays stage {r} ({g.stages[r].op}), "
+                                    "which is not deterministic: swap it instead")
+                return
+        # The replayed stages' inputs must be on the device now, except what the replay itself makes.
+        made = set(group)
+        for r in order:
+            made.update(g.stages[r].outputs)
         ready = self.clock
-        for u in dict.fromkeys(stage.inputs):
-            s = self.ts.get(u)
-            if s is None:
-                if self.prod_l[u] < self.t <= self.last_l[u]:
+        for r in order:
+            for u in dict.fromkeys(g.stages[r].inputs):
+                if u in made:
                     continue
-            elif s.state == _RESIDENT:
-                ready = max(ready, s.arrival)
-                continue
-            self.fail(group[0], f"recompute of {self.label(group[0])} replays stage {p} ({stage.op}), whose input "
-                                f"{self.label(u)} is not resident: it was {self.describe(u)} and nothing "
-                                f"regenerated it before stage {self.t}")
-            return
+                s = self.ts.get(u)
+                if s is None:
+                    if self.prod_l[u] < self.t <= self.last_l[u]:
+                        continue
+                elif s.state == _RESIDENT:
+                    ready = max(ready, s.arrival)
+                    continue
+                by = f" (read by stage {r}, {g.stages[r].op})" if len(order) > 1 else ""
+                self.fail(group[0], f"recompute of {self.label(group[0])} replays stage"
+                                    f"{'s' if len(order) > 1 else ''} {what}, whose input {self.label(u)}{by} "
+                                    f"is not resident: it was {self.describe(u)} and nothing regenerated it "
+                                    f"before stage {self.t}")
+                return
         self.wait(ready)
         self.release_due()
-        # Transients while p runs: its workspace and its outputs that are not being regenerated.
-        transient = {y: self.nb_l[y] for y in stage.outputs if y not in group}
+        # Transients during the replay: the largest workspace and the outputs that are not being regenerated.
+        transient = {y: self.nb_l[y] for r in order for y in g.stages[r].outputs if y not in group}
         for x in group:
             s = self.ts[x]
             s.state, s.live, s.arrival = _RESIDENT, s.n, 0.0
             self.alloc(x, s.n)
-        self.check_mem(self.base_pre[self.t] + self.mbytes + sum(transient.values()) + stage.workspace, "pre",
-                       f"while recomputing {self.label(group[0])} (replay of stage {p})", transient)
-        dt = self.op_s[p]
+        self.check_mem(self.base_pre[self.t] + self.mbytes + sum(transient.values())
+                       + max(self.ws[r] for r in order), "pre",
+                       f"while recomputing {self.label(group[0])} (replay of stage{'s' if len(order) > 1 else ''} "
+                       f"{', '.join(map(str, order))})", transient)
+        dt = math.fsum(self.op_s[r] for r in order)
         self.clock += dt
         self.recompute_s += dt
 

@@ -13,8 +13,9 @@ planners and the MILP baselines, and the plan is written and validated on the fu
 Solvers (``SOLVERS``):
 
 - ``approx`` (default): a portfolio on the full graph: heuristic starts (DTR replay, Capuchin, Chen,
-  vDNN: never slower than those baselines), the LP relaxation + recursive source tracing rounding
-  (:mod:`solvers.relax`) on the (coarsened) problem, and a gap-by-gap polish of the best of them;
+  vDNN: never slower than those baselines), the rounding of Checkmate's recompute-only LP relaxation,
+  the STR LP relaxation + recursive source tracing rounding (:mod:`solvers.relax`) on the (coarsened)
+  problem, and a gap-by-gap polish of the best of them;
   ``plan.info`` has ``lp_bound_s`` (the LP value: a lower bound *within the STR model*, whose copy
   timing is conservative) and ``gap`` (time / lp_bound - 1; negative when the plan, polished on the full
   graph with the simulator's FIFO link timing, beats the model), and ``lower_bound_s`` (the compute
@@ -207,6 +208,50 @@ def _seed(pool: _Pool, fine: Problem) -> list[tuple[float, str, Any]]:
     return out
 
 
+RECOMPUTE_LP_SHARE = 0.35   # of the time left after the seeds, at most, for the recompute-only LP start
+RECOMPUTE_LP_GATE = 1.25    # rounded only if its LP overhead is below this times the best start's overhead
+
+
+def _recompute_start(pool: _Pool, p: Problem, seeds: list[tuple[float, str, Any]], time_limit: float | None,
+                     notes: list[str]) -> None:
+    """Checkmate's recompute-only LP relaxation on the planning problem, rounded by dropped mass
+    (:meth:`solvers.relax.GapPlanner.load_lp` ``rule="drop"``; the repair may add swaps). Where recompute
+    is what pays (a slow host link, cheap-to-recompute tensors: MobileNet on v100) the STR LP spreads
+    its mass over swaps and recomputes that its rounding cannot follow, and this plan (one LP, no
+    branching) is as fast as Checkmate's MILP or faster. Offered to ``pool`` and added to ``seeds`` for
+    the polish. Not rounded when the LP value says recompute-only plans are far slower than the best
+    start (ResNets: the time goes to the polish). Its LP value bounds recompute-only plans only: it is
+    not reported as the plan's bound."""
+    from . import milp
+
+    t0 = time.perf_counter()
+    pool.tried.append("recompute-lp")
+    try:
+        sm = milp.build_model(p, relax=True, swap=False, compact=relax.is_large(p))
+        left = None if time_limit is None else max(time_limit - (time.perf_counter() - t0), 0.05)
+        res = milp.solve(sm, relax=True, time_limit=left)
+        if res.objective is None or res.status != "optimal":
+            notes.append(f"recompute-only LP start: LP {res.status}")
+            return
+        best = pool.best[0]
+        lower = p.compute_s + max(res.objective, 0.0)
+        if best < float("inf") and lower - p.compute_s > RECOMPUTE_LP_GATE * (best - p.compute_s):
+            return                 # recompute-only plans cannot come near the best start: not worth rounding
+        left = 8.0 if time_limit is None else max(time_limit - (time.perf_counter() - t0), 0.1)
+        sched, info = relax.round_schedule(p, relax.lp_values(sm), time_budget=left, rules=("lp-drop",),
+                                           variants=({}, {"allow_swap": False}))
+    except Exception as e:           # an extra start: the portfolio goes on without it
+        notes.append(f"recompute-only LP start failed: {type(e).__name__}: {e}")
+        return
+    if sched is None:
+        notes.append(f"recompute-only LP start: {info.get('rounding')}")
+        return
+    plan = make_plan(p, schedule_to_actions(p, sched), "recompute-lp",
+                     {"recompute_lp_bound_s": lower, "rounding": info.get("rounding")})
+    t = pool.offer("recompute-lp", plan)
+    seeds.append((float("inf") if t is None else t, "recompute-lp", plan.actions))
+
+
 def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: float | None, verbose: bool,
             options: dict[str, Any]) -> Plan:
     """A portfolio on the full graph, in STR's spirit (the LP rounding warm-started and polished from
@@ -214,7 +259,8 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
 
     0. Cheap starts (:func:`_seed`: DTR replays, Chen, vDNN, Capuchin's construction) are planned on the
        full graph and kept if they fit, whatever the later steps do (they run even when the time limit is
-       short: a plan is then never slower than these baselines').
+       short: a plan is then never slower than these baselines'); then the rounding of the recompute-only
+       LP (:func:`_recompute_start`, not for greedy; option ``recompute_lp=False`` turns it off).
     1. STR on the planning problem (coarsened above the threshold). If the full-graph simulation finds the
        plan over budget (the coarse model is conservative but not exact), plan again for a budget smaller
        by the excess.
@@ -242,6 +288,10 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     pool = _Pool(graph, budget, model)
     fine = p if not coarse else build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
     seeds = _seed(pool, fine) if options.get("seed", True) else []
+    if solver != "greedy" and options.get("recompute_lp", True):
+        left = None if deadline is None else (deadline - time.perf_counter()) * RECOMPUTE_LP_SHARE
+        if left is None or left >= 0.3:
+            _recompute_start(pool, p, seeds, left, notes)
     t_seed = time.perf_counter()
     str_share = 0.45 if solver != "milp" else 1.0
     str_plan: Plan | None = None

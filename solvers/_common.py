@@ -49,7 +49,7 @@ class Candidate:
     end: int                   # last stage that reads it (the planner frees it after this)
     uses: tuple[int, ...]      # stages (> start) whose op reads it
     src: tuple[int, ...]       # fine tensor ids the members' producers read, members excluded
-    recompute_s: float         # seconds to replay the members' producer stages
+    recompute_s: float         # seconds to replay the members' producers and in-place writers
     can_recompute: bool
     d2h_s: float
     h2d_s: float
@@ -236,6 +236,7 @@ def build_problem(graph: Graph, budget: int, device: Any = "h100-80gb", *, min_b
         key = (int(group_of[t.producer]), int(group_of[fine_end[x]])) if bundle else (x,)
         keyed.setdefault(key, []).append(x)
     det = [s.deterministic for s in graph.stages]
+    writers = graph.writers()
     cands: list[Candidate] = []
     for members in keyed.values():
         mset = set(members)
@@ -244,8 +245,11 @@ def build_problem(graph: Graph, budget: int, device: Any = "h100-80gb", *, min_b
         uses = [u for u in uses if u > start]
         if not uses:
             continue
-        prods = list(dict.fromkeys(tensors[x].producer for x in members))
-        src = tuple(dict.fromkeys(j for pr in prods for j in graph.stages[pr].inputs if j not in mset))
+        # a recompute replays the producers and the forward stages that wrote the members in place
+        # (Graph.replay_stages, as the simulator charges it); their inputs are its sources
+        prods = sorted({r for x in members for r in graph.replay_stages(x, writers=writers)})
+        made = mset.union(*(graph.stages[r].outputs for r in prods))
+        src = tuple(dict.fromkeys(j for pr in prods for j in graph.stages[pr].inputs if j not in made))
         nbytes = sum(tensors[x].nbytes for x in members)
         cands.append(Candidate(
             tensor=members[0], nbytes=nbytes, start=start, end=uses[-1], uses=tuple(uses), src=src,

@@ -140,6 +140,11 @@ def chen_plan(p: Problem, budget: int) -> Plan:
 
 def _chen_schedule(p: Problem, segments: list[list[int]]) -> Schedule:
     sched = Schedule()
+
+    def resident(j: int, t: int) -> bool:  # a source from another segment (an in-place writer's input) not evicted at t
+        ts = sched.tensors.get(p.candidates[p.index[j]].tensor)
+        return ts is None or ts.is_present(t)
+
     for seg in segments:
         body = seg[:-1]                    # the last of a segment is its checkpoint
         gaps = {k: _backward_gap(p, k) for k in body}
@@ -150,7 +155,7 @@ def _chen_schedule(p: Problem, segments: list[list[int]]) -> Schedule:
             lo, _ = gaps[k]
             ok = c.can_recompute and hi > lo + 1 and all(
                 source_available(p, j, hi) is not False and (p.index.get(j) is None or p.index[j] in recomputed
-                                                              or p.index[j] not in body)
+                                                              or p.index[j] not in body and resident(j, hi))
                 for j in c.src)
             if not ok:
                 continue

@@ -5,7 +5,8 @@
 2. Round per *gap*. Between two consecutive reads ``lo < hi`` of a candidate (its producer counts as a
    read), the tensor is either kept, or dropped after ``lo`` and regenerated for ``hi`` by a recompute or
    by a swap-in issued at some ``q`` (from its host checkpoint). The LP's mass on each way (mean of S over
-   the gap, R at ``hi``, Y landing at ``hi``) picks the first choice.
+   the gap, R at ``hi``, Y landing at ``hi``) picks the first choice; a second rule evicts every gap the LP
+   mostly drops (mean S below 1/2), however it regenerates it, and lets step 5 keep back what fits.
 3. Trace sources. A recompute at ``hi`` needs the producer's inputs there: kept, landed, or recomputed
    in turn at ``hi`` (recursively, sharing replays), else that recompute is not possible.
 4. Repair memory, stage by stage in time order: at the first stage over budget, the cheapest change per
@@ -513,8 +514,17 @@ class GapPlanner:
             if self.out[k] is not None and not any(self.gaps[i].kind == SWAP for i in self.gaps_of[k]):
                 self.out[k] = None
 
-    def load_lp(self, lp: "LPValues") -> None:
-        """First choice per gap from the LP's mass on keep / recompute / swap-in."""
+    def load_lp(self, lp: "LPValues", rule: str = "mass", drop: float = 0.5) -> None:
+        """First choice per gap from the LP's mass on keep / recompute / swap-in.
+
+        ``rule="mass"``: the way with the most mass (recompute: R at the gap's end). ``rule="drop"``: the
+        gap is evicted when the LP keeps less than ``1 - drop`` of it on average, and regenerated the
+        way the LP leans to (recompute unless it puts more on swap-ins), whatever it does at the gap's
+        end: the LP often drops a tensor but regenerates it fractionally elsewhere (recomputed where a
+        replay runs anyway, spread over stages), which the mass rule reads as a keep and the repair then
+        has to make up for with its greedy. The improvement pass keeps back what memory allows."""
+        if rule not in ("mass", "drop"):
+            raise ValueError(f"load_lp rule {rule!r}: expected 'mass' or 'drop'")
         for g in self.gaps:
             k = g.k
             keep = float(np.mean([lp.S.get((t, k), 0.0) for t in range(g.lo + 1, g.hi)]))
@@ -524,7 +534,20 @@ class GapPlanner:
                 if u == g.hi and g.lo < q <= g.hi:
                     swap_by_q[q] = swap_by_q.get(q, 0.0) + v
             swap = sum(swap_by_q.values())
-            if rec >= max(keep, swap) and rec > 0 and self.can_rec(k, g.hi):
+            if rule == "drop":
+                if 1.0 - keep < drop:
+                    self._set(g, KEEP)
+                elif rec >= swap and self.can_rec(k, g.hi):
+                    self._set(g, REC)
+                elif swap_by_q and self.can_swap(g):
+                    self._set(g, SWAP, max(swap_by_q, key=swap_by_q.get))
+                elif self.can_rec(k, g.hi):
+                    self._set(g, REC)
+                elif self.allow_swap and self.can_swap(g):
+                    self._set(g, SWAP, self.latest_hidden_q(g))
+                else:
+                    self._set(g, KEEP)
+            elif rec >= max(keep, swap) and rec > 0 and self.can_rec(k, g.hi):
                 self._set(g, REC)
             elif swap > keep and swap_by_q and self.can_swap(g):
                 self._set(g, SWAP, max(swap_by_q, key=swap_by_q.get))
@@ -566,24 +589,28 @@ VARIANTS = ({"link_weight": 0.0}, {"link_weight": 1.0}, {"link_weight": 0.0, "al
 
 
 def round_schedule(p: Problem, lp: LPValues | None, *, time_budget: float = 10.0,
-                   variants: tuple[dict[str, Any], ...] = VARIANTS) -> tuple[Schedule | None, dict[str, Any]]:
+                   variants: tuple[dict[str, Any], ...] = VARIANTS,
+                   rules: tuple[str, ...] = ("lp-drop", "lp", "keep")) -> tuple[Schedule | None, dict[str, Any]]:
     """Source-tracing rounding of ``lp`` (None: start from keep-everything, the greedy planner).
 
     A few variants of the repair (how much a new copy's link time counts against it; recompute only)
-    run from the LP's choices and from keep-everything; the cheapest feasible result wins.
+    run from the LP's choices (``rules``: "lp-drop" and "lp", the two rules of
+    :meth:`GapPlanner.load_lp`, dropped mass first: it fits more often) and from keep-everything
+    ("keep"); the cheapest feasible result wins.
     """
     t0 = time.perf_counter()
     deadline = t0 + time_budget
     best: tuple[float, GapPlanner, Realized, str] | None = None
-    starts = ([("lp", lp)] if lp is not None else []) + [("keep", None)]
+    starts = [(name, src, rule) for name, src, rule in (("lp-drop", lp, "drop"), ("lp", lp, "mass"), ("keep", None, ""))
+              if name in rules and (src is not None or name == "keep")]
     tried = 0
-    for name, src in starts:
+    for name, src, rule in starts:
         for v in variants:
             if time.perf_counter() >= deadline and (best is not None or tried):
                 break
             gp = GapPlanner(p, **v)
             if src is not None:
-                gp.load_lp(src)
+                gp.load_lp(src, rule)
             left = max(deadline - time.perf_counter(), 0.05)
             r = gp.repair(time.perf_counter() + left / 2)
             tried += 1
@@ -663,8 +690,12 @@ def is_large(p: Problem) -> bool:
 
 
 def solve_relaxed(p: Problem, *, time_limit: float | None = None, verbose: bool = False,
+                  variants: tuple[dict[str, Any], ...] = VARIANTS, rules: tuple[str, ...] = ("lp-drop", "lp", "keep"),
                   **model_options: Any) -> tuple[Schedule | None, dict[str, Any]]:
-    """LP relaxation + source-tracing rounding. ``info`` has the LP bound (seconds of step time)."""
+    """LP relaxation + source-tracing rounding. ``info`` has the LP bound (seconds of step time).
+
+    ``model_options`` go to :func:`solvers.milp.build_model` (e.g. ``swap=False``: the relaxation of
+    Checkmate's recompute-only MILP, whose rounding is a start of the ``approx`` portfolio)."""
     from . import milp
 
     t0 = time.perf_counter()
@@ -678,6 +709,6 @@ def solve_relaxed(p: Problem, *, time_limit: float | None = None, verbose: bool 
         info["lp_bound_s"] = p.compute_s + max(res.objective, 0.0)
         lp = lp_values(sm)
     remaining = 8.0 if time_limit is None else max(time_limit - (time.perf_counter() - t0), 0.2)
-    sched, rinfo = round_schedule(p, lp, time_budget=remaining)
+    sched, rinfo = round_schedule(p, lp, time_budget=remaining, variants=variants, rules=rules)
     info.update(rinfo)
     return sched, info

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridmem._trace import is_stage_op, op_info
 from hybridmem.capture import CaptureError, capture, merge_stages, module_groups, run_step
@@ -305,6 +306,97 @@ def test_capture_module_granularity_and_whole_graph_merge():
         merge_stages(g, [[0, 1], [3]])
     with pytest.raises(ValueError, match="mixes phases"):
         merge_stages(g, [list(range(g.num_stages))])
+
+
+def test_in_place_writes_are_recorded_and_replayed():
+    model, x = ConvBN().train(), torch.randn(2, 3, 8, 8)
+    g = capture(model, x)
+    assert g.meta["writes_recorded"] is True and g.writes_recorded
+    bn = next(s for s in g.stages if s.op == "native_batch_norm" and s.phase == "forward")
+    relu = next(s for s in g.stages if s.op == "relu_")
+    y = bn.outputs[0]                                   # BN's output storage, which relu_ overwrites
+    assert relu.writes == [y] and relu.inputs == [y] and relu.outputs == []
+    # BN writes its running statistics (buffers) in place too
+    assert {g.tensors[j].name for j in bn.writes} == {"body.1.running_mean", "body.1.running_var"}
+    assert g.tensors[y].saved  # ReLU's backward reads its output: the storage after relu_ wrote it
+    # a recompute of it replays BN and then relu_ (and only BN when issued before relu_ runs)
+    assert g.replay_stages(y) == [bn.index, relu.index] and g.replay_stages(y, before=relu.index) == [bn.index]
+    assert not any(s.writes for s in g.stages if s.op in ("convolution", "mean.dim", "addmm"))
+    # merging keeps a write into a tensor made in another group, drops one made inside its own group
+    gm = capture(model, x, granularity="module")
+    mrelu = next(s for s in gm.stages if s.module == "body.2" and s.phase == "forward")
+    mbn = next(s for s in gm.stages if s.module == "body.1" and s.phase == "forward")
+    assert mrelu.writes == mrelu.inputs and gm.tensors[mrelu.writes[0]].producer == mbn.index
+    assert gm.replay_stages(mrelu.writes[0]) == [mbn.index, mrelu.index]
+    whole = merge_stages(g, [list(range(g.num_forward)), list(range(g.num_forward, g.num_stages))])
+    assert all(whole.tensors[j].producer < 0 for j in whole.stages[0].writes)  # only the BN buffers are left
+
+
+class _VersionWrites(TorchDispatchMode):
+    """Ground truth independent of the op schemas: which stage wrote which storage, from version counters.
+
+    Autograd bumps a tensor's version after the kernel returns, above this mode; so a storage whose version
+    grew since it was last seen was written by the last stage that took it as an argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.k, self.prod, self.seen, self.last, self.keep, self.pairs = 0, {}, {}, {}, [], set()
+
+    def check(self, t):
+        st, v = id(t.untyped_storage()), t._version
+        if st in self.seen and v > self.seen[st] and st in self.prod and st in self.last:
+            self.pairs.add((self.last[st][0], *self.prod[st]))  # (writer, producer stage, output position)
+        self.seen[st] = max(v, self.seen.get(st, v))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ts = [b for a in (*args, *kwargs.values()) for b in (a if isinstance(a, (list, tuple)) else (a,))
+              if isinstance(b, torch.Tensor)]
+        for t in ts:
+            self.check(t)
+        out = func(*args, **kwargs)
+        if is_stage_op(func):
+            for t in ts:
+                self.last[id(t.untyped_storage())] = (self.k, t)
+            n_new = 0
+            for o in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(o, torch.Tensor) and id(o.untyped_storage()) not in self.seen:
+                    st = o.untyped_storage()
+                    self.prod[id(st)] = (self.k, n_new)  # (producer stage, position among its new storages)
+                    self.seen[id(st)] = o._version
+                    self.keep.append(st)  # keep ids unique
+                    n_new += 1
+            self.k += 1
+        return out
+
+    def finish(self):
+        for _, t in list(self.last.values()):
+            self.check(t)
+
+
+def test_zoo_resnet50_in_place_writers_match_version_counters():
+    e = zoo.build("resnet50", "tiny")
+    g = capture(e.model, e.inputs, e.loss_fn)
+    truth = _VersionWrites()
+    with truth:
+        run_step(e.model, e.inputs, e.loss_fn)
+    truth.finish()
+    assert truth.k == g.num_stages
+    nf = g.num_forward
+    want = {x for x in truth.pairs if x[0] < nf}
+    got = {(s.index, g.tensors[j].producer, g.stages[g.tensors[j].producer].outputs.index(j))
+           for s in g.stages[:nf] for j in s.writes if g.tensors[j].producer >= 0}
+    assert got == want and len(want) == 49 + 16  # a relu_ after every BN (49), an add_ per bottleneck (16)
+    # so every saved tensor written in place has its writers, and a recompute of it replays them in order
+    writers = g.writers()
+    n_written = 0
+    for t in g.tensors:
+        if t.saved and t.evictable:
+            pos = g.stages[t.producer].outputs.index(t.id)
+            truth_w = sorted(w for w, p, k in want if (p, k) == (t.producer, pos))
+            assert g.replay_stages(t.id, writers=writers) == [t.producer, *truth_w], t
+            n_written += bool(truth_w)
+    assert n_written == 49  # the BN outputs relu_ overwrote (add_ writes a BN output that relu_ then writes)
 
 
 # ---- errors ----------------------------------------------------------------------------------------------

@@ -137,3 +137,50 @@ def test_unknown_tensor_kind_names_the_accepted_ones():
     d["tensors"][-1]["freed_after"], d["tensors"][1]["kind"] = None, "optimizer"  # a1: produced by stage 0
     with pytest.raises(GraphFormatError, match="tensor 1: optimizer state.*producer must be -1"):
         Graph.from_dict(d)
+
+
+def _with_write(g: Graph) -> Graph:
+    """chain_graph with forward stage 1 also writing its input a0 (tensor 1) in place (``a0.relu_()``-like)."""
+    g.stages[1].writes = [1]
+    return g.validate()
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_in_place_writes_round_trip_and_replay(tmp_path, suffix):
+    g = _with_write(chain_graph(3))
+    h = Graph.load(g.save(tmp_path / f"g{suffix}"))
+    assert [s.writes for s in h.stages] == [s.writes for s in g.stages] and h.stages[1].writes == [1]
+    assert h.content_hash() == g.content_hash() and h.writes_recorded
+    # a recompute of a0 replays its producer and then its in-place writer; before the writer, the producer only
+    assert h.writers() == {1: [1]}
+    assert h.replay_stages(1) == [0, 1] and h.replay_stages(1, before=1) == [0] and h.replay_stages(2) == [1]
+    assert h.replay_stages(0) == []  # the parameter exists before the step: nothing to replay
+    # writes are not structure (same ops, same edges: plans still match), but they are content
+    plain = chain_graph(3)
+    assert g.structure_hash() == plain.structure_hash() and g.content_hash() != plain.content_hash()
+
+
+def test_graph_file_without_writes_loads_and_says_so():
+    d = chain_graph(3).to_dict()
+    for s in d["stages"]:
+        del s["writes"]  # a file written before Stage.writes existed; its content hash is still valid
+    g = Graph.from_dict(d)
+    assert g.meta["writes_recorded"] is False and not g.writes_recorded
+    assert all(s.writes == [] for s in g.stages) and g.replay_stages(1) == [0]
+    assert g.structure_hash() == chain_graph(3).structure_hash()
+    # a graph made in memory (or saved with the field) claims nothing is missing
+    assert chain_graph(3).writes_recorded and "writes_recorded" not in Graph.from_dict(chain_graph(3).to_dict()).meta
+
+
+def test_bad_writes_are_named():
+    g = chain_graph(3)
+    g.stages[1].writes = [3]  # stage 1 does not read tensor 3
+    with pytest.raises(GraphFormatError, match="stage 1: writes tensor 3 in place, so it must be one of its inputs"):
+        g.validate()
+    g.stages[1].writes = [99]
+    with pytest.raises(GraphFormatError, match="tensor id 99 out of range"):
+        g.validate()
+    d = chain_graph(3).to_dict(with_hash=False)
+    d["stages"][1]["writes"] = "a0"
+    with pytest.raises(GraphFormatError, match="'writes' must be a list of integers"):
+        Graph.from_dict(d)

@@ -22,13 +22,15 @@ SLOW_LINK = DeviceModel("toy", {"float32": 1e12}, hbm_bw=1e12, h2d_bw=1000.0, d2
 
 def make_graph(stages: list[tuple[float, list[int], list[int]]],
                tensors: list[tuple[int, int, int | None]], *, kinds: dict[int, str] | None = None,
-               workspace: dict[int, int] | None = None, nondeterministic: tuple[int, ...] = ()) -> Graph:
-    """stages: (cost_s, inputs, outputs); tensors: (nbytes, producer, freed_after)."""
-    kinds, workspace = kinds or {}, workspace or {}
+               workspace: dict[int, int] | None = None, nondeterministic: tuple[int, ...] = (),
+               writes: dict[int, list[int]] | None = None) -> Graph:
+    """stages: (cost_s, inputs, outputs); tensors: (nbytes, producer, freed_after); writes: stage -> tensors
+    it writes in place."""
+    kinds, workspace, writes = kinds or {}, workspace or {}, writes or {}
     ts = [TensorInfo(i, nb, producer=p, freed_after=f, kind=kinds.get(i, "activation" if p >= 0 else "input"),
                      name=f"t{i}") for i, (nb, p, f) in enumerate(tensors)]
     ss = [Stage(i, f"forward/m/op#{i}", "aten.op", cost_s=c, inputs=list(ins), outputs=list(outs),
-                workspace=workspace.get(i, 0), deterministic=i not in nondeterministic)
+                workspace=workspace.get(i, 0), deterministic=i not in nondeterministic, writes=writes.get(i, []))
           for i, (c, ins, outs) in enumerate(stages)]
     link_consumers(ss, ts)
     return Graph(ss, ts).validate()
@@ -220,6 +222,55 @@ def test_recompute_with_missing_input_rejected():
         sim(g, [A("free", 1, 1), A("free", 2, 1), A("recompute", 2, 4), A("recompute", 1, 5)])
     assert (e.value.stage, e.value.tensor) == (4, 2)
     assert "input tensor 1 (t1) is not resident" in e.value.reason and "freed after stage 1" in e.value.reason
+
+
+def writer_graph(**kw) -> Graph:
+    """x -> r = op0(x); a = op1(x); op2 writes a in place from r (``a += r``, 2 s); filler 3; op4 reads a;
+    op5 reads r. A recompute of a after op2 replays op1 and op2, and needs r."""
+    return make_graph(
+        [(1.0, [0], [1]), (1.0, [0], [2]), (2.0, [2, 1], []), (1.0, [0], [3]), (1.0, [2, 3], []), (1.0, [1], [])],
+        [(100, -1, None), (1000, 0, 5), (1000, 1, 4), (10, 3, 4)], writes={2: [2]}, **kw)
+
+
+def test_recompute_replays_in_place_writers():
+    g = writer_graph()
+    assert g.replay_stages(2) == [1, 2]
+    r = sim(g, [A("free", 2, 2), A("recompute", 2, 4)])
+    assert r.feasible and r.recompute_s == pytest.approx(1.0 + 2.0)   # producer + writer
+    assert r.time_s == pytest.approx(g.compute_time() + 3.0)
+    assert r.memory[3] == g.memory_profile()[3] - 1000
+    # recomputed before its writer runs, a is what its producer made: the writer is not replayed
+    r = sim(g, [A("free", 2, 1), A("recompute", 2, 2)])
+    assert r.feasible and r.recompute_s == pytest.approx(1.0)
+    # a non-deterministic writer makes the tensor non-recomputable, like a non-deterministic producer
+    with pytest.raises(InfeasiblePlanError, match=r"replays stage 2 \(aten.op\), which is not deterministic"):
+        sim(writer_graph(nondeterministic=(2,)), [A("free", 2, 2), A("recompute", 2, 4)])
+
+
+def test_recompute_rejected_when_a_writer_input_is_missing():
+    g = writer_graph()
+    # r is evicted after op2 and only regenerated for op5: the replay of op2 at stage 4 has no r
+    acts = [A("free", 1, 2), A("free", 2, 2), A("recompute", 2, 4), A("recompute", 1, 5)]
+    with pytest.raises(InfeasiblePlanError) as e:
+        sim(g, acts)
+    assert (e.value.stage, e.value.tensor) == (4, 2)
+    assert ("replays stages 1 (aten.op), 2 (aten.op), whose input tensor 1 (t1) (read by stage 2, aten.op) "
+            "is not resident" in e.value.reason) and "freed after stage 2" in e.value.reason
+    # regenerating r first (same stage, list order) makes it valid, and r stays for op5
+    r = sim(g, [A("free", 1, 2), A("free", 2, 2), A("recompute", 1, 4), A("recompute", 2, 4)])
+    assert r.feasible and r.recompute_s == pytest.approx(1.0 + 1.0 + 2.0)
+
+
+def test_shared_producer_replays_the_union_of_writers_once():
+    # op0 makes a and b; op1 writes a, op2 writes b (1 s and 3 s); op4 reads both
+    g = make_graph([(2.0, [0], [1, 2]), (1.0, [1], []), (3.0, [2], []), (1.0, [0], [3]), (1.0, [1, 2, 3], [])],
+                   [(100, -1, None), (1000, 0, 4), (1000, 0, 4), (10, 3, 4)], writes={1: [1], 2: [2]})
+    acts = [A("free", 1, 2), A("free", 2, 2), A("recompute", 1, 4), A("recompute", 2, 4)]
+    r = sim(g, acts)
+    assert r.feasible and r.recompute_s == pytest.approx(2.0 + 1.0 + 3.0)
+    # one of them alone: the producer and its own writer (the other output is a transient of the replay)
+    r = sim(g, [A("free", 1, 2), A("recompute", 1, 4)])
+    assert r.feasible and r.recompute_s == pytest.approx(2.0 + 1.0)
 
 
 def test_recompute_input_past_natural_end_rejected():

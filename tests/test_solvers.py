@@ -380,3 +380,45 @@ def test_infeasible_approx_reports_the_lower_bound_and_what_starts_reached(graph
     reached = getattr(e.value, "reached_bytes", None)
     if reached is not None:
         assert reached > budget and str(reached) in str(e.value)
+
+
+# ---- the recompute-only LP start -------------------------------------------------------------------
+def test_recompute_only_lp_rounded_by_dropped_mass_gives_a_recompute_plan(vgg16_tiny: Graph) -> None:
+    """Checkmate's LP relaxation rounded by dropped mass: a valid plan with recomputes only (the
+    repair without swaps), no faster than its LP bound says a recompute-only plan can be."""
+    from hybridmem.costs import get_cost_model
+    from hybridmem.solvers._common import make_plan
+
+    g = vgg16_tiny
+    budget = int(0.5 * (g.peak_bytes() + min_feasible_budget(g)))
+    pb = planning_problem(g, budget, get_cost_model(DEVICE), **COARSE)
+    sched, info = relax.solve_relaxed(pb, swap=False, rules=("lp-drop",), variants=({"allow_swap": False},))
+    assert sched is not None and info["rounding"].startswith("lp-drop:")
+    p = make_plan(pb, schedule_to_actions(pb, sched), "test")
+    assert p.actions and not any(a.kind in ("swap_out", "swap_in") for a in p.actions)
+    res = simulate(g, p, device=DEVICE, budget=budget, strict=True)
+    assert res.peak_bytes <= budget
+    assert res.time_s >= info["lp_bound_s"] * (1 - 1e-9)
+    with pytest.raises(ValueError, match="expected 'mass' or 'drop'"):
+        relax.GapPlanner(pb).load_lp(relax.LPValues({}, {}, {}, {}), "round")
+
+
+def test_approx_offers_the_recompute_only_lp_start(vgg16_tiny: Graph) -> None:
+    """The start runs in the portfolio (off with ``recompute_lp=False``), and approx is never slower than it."""
+    from hybridmem.costs import get_cost_model
+    from hybridmem.solvers._common import make_plan
+
+    g = vgg16_tiny
+    budget = int(min_feasible_budget(g) + 0.3 * (g.peak_bytes() - min_feasible_budget(g)))
+    mine = plan(g, budget, solver="approx", time_limit=10, **COARSE)
+    check_plan(g, mine, budget)
+    assert "recompute-lp" in mine.info["phases_s"]
+    pb = planning_problem(g, budget, get_cost_model(DEVICE), **COARSE)
+    sched, _ = relax.solve_relaxed(pb, swap=False, rules=("lp-drop",), variants=({"allow_swap": False}, {}))
+    if sched is not None:
+        res = simulate(g, make_plan(pb, schedule_to_actions(pb, sched), "test"), device=DEVICE, budget=None,
+                       strict=False)
+        if not res.violations and res.peak_bytes <= budget:
+            assert mine.predicted_time_s <= res.time_s * (1 + 1e-9)
+    off = plan(g, budget, solver="approx", time_limit=10, recompute_lp=False, **COARSE)
+    assert "recompute-lp" not in off.info["phases_s"]
