@@ -8,11 +8,6 @@ Unless ``--benchmark-storage`` is given, runs are saved to and compared against 
 
 pytest-benchmark files the runs per machine (``Linux-CPython-3.11-64bit``): a comparison finds the
 baseline saved by the same platform and Python.
-
-Timer: the process's CPU time (``time.process_time``) unless ``--benchmark-timer`` is given or
-``HYBRIDMEM_BENCH_CLOCK=wall``: these suites run torch on one thread with no device, so on an idle
-machine CPU time equals wall time, and on shared cores it is not inflated by other processes' turns
-(the same clock as ``bench.measure``).
 """
 from __future__ import annotations
 
@@ -22,7 +17,6 @@ import pytest
 
 BASELINE_DIR = Path(__file__).resolve().parent / "baseline"
 PLUGIN_DEFAULT_STORAGE = "file://./.benchmarks"  # pytest-benchmark's own default (relative to the cwd)
-PLUGIN_DEFAULT_TIMER = "time.perf_counter"
 
 
 def storage_uri(given: str | None) -> str | None:
@@ -36,7 +30,3 @@ def storage_uri(given: str | None) -> str | None:
 def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config.option, "benchmark_storage"):
         config.option.benchmark_storage = storage_uri(config.option.benchmark_storage)
-    if getattr(config.option, "benchmark_timer", None) == PLUGIN_DEFAULT_TIMER:
-        from bench.measure import step_clock
-
-        config.option.benchmark_timer = f"time.{step_clock().__name__}"
