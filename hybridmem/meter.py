@@ -288,8 +288,10 @@ class MeterMode(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if kwargs is None:
-            kwargs = {}
+        return self.run_op(func, args, {} if kwargs is None else kwargs)
+
+    def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``before_op``, the op (on CUDA: evict and retry once on allocation failure), ``after_op``."""
         self.before_op(func, args, kwargs)
         try:
             out = func(*args, **kwargs)

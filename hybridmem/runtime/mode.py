@@ -126,15 +126,7 @@ class RuntimeMode(MeterMode):
             return self._monitor_op(func, args, kwargs)
         self.depth += 1
         try:
-            self.before_op(func, args, kwargs)
-            try:
-                out = func(*args, **kwargs)
-            except torch.OutOfMemoryError:
-                if self.meter.on_pressure is None:
-                    raise
-                out = self.meter.retry_oom(func, *args, **kwargs)
-            self.after_op(func, args, kwargs, out)
-            return out
+            return self.run_op(func, args, kwargs)
         finally:
             self.depth -= 1
 
