@@ -264,8 +264,8 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     1. STR on the planning problem (coarsened above the threshold). If the full-graph simulation finds the
        plan over budget (the coarse model is conservative but not exact), plan again for a budget smaller
        by the excess.
-    2. Polish on the full graph (approx/greedy, and milp on coarsened graphs): the STR plan, the best
-       two best cheap starts and Capuchin's construction, each repaired where it does not fit and
+    2. Polish on the full graph (approx/greedy, and milp on coarsened graphs): the STR plan, the two best
+       cheap starts and Capuchin's construction, each repaired where it does not fit and
        improved gap by gap, then by exchanges (:func:`solvers.relax.refine`).
 
     ``plan.info["plan_from"]`` names the winner (``str``, a start such as ``dtr`` or ``capuchin``, or
