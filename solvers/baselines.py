@@ -202,8 +202,6 @@ def vdnn_plan(p: Problem, budget: int) -> Plan:
 
 # ---- Capuchin-like -----------------------------------------------------------------------------------
 def capuchin(graph: Graph, budget: int, model: Any, **options: Any) -> Plan:
-    from .relax import GapPlanner
-
     p = build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
     return capuchin_plan(p, budget)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -52,6 +53,16 @@ def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 3):
     return losses, grads, {n: b.clone() for n, b in model.named_buffers()}
 
 
+def _reference(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, Any, int]:
+    """Seeded inputs, the unmanaged run on them, and the monitor-only peak of the same steps."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+    base = _train(model, x, y)
+    with hybridmem.session(budget=None, device="cpu") as s:
+        _train(model, x, y)
+    return x, y, base, s.stats().peak_bytes
+
+
 def _same(a, b) -> bool:
     (la, ga, ba), (lb, gb, bb) = a, b
     return (all(torch.equal(x, y) for x, y in zip(la, lb))
@@ -61,12 +72,7 @@ def _same(a, b) -> bool:
 
 def test_compress_alone_bn_inplace_relu_is_bit_identical() -> None:
     model = _net()
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
-    base = _train(model, x, y)
-    with hybridmem.session(budget=None, device="cpu") as s:
-        _train(model, x, y)
-    peak = s.stats().peak_bytes
+    x, y, base, peak = _reference(model)
     evicted = 0
     for cut in (1 << 14, 1 << 15):      # a little and some more below the monitor peak
         with hybridmem.session(budget=peak - cut, policies=("compress",), device="cpu") as s:
@@ -87,12 +93,7 @@ def test_compress_alone_max_pool_indices_are_narrowed_and_bit_identical() -> Non
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                           nn.Conv2d(8, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                           nn.Flatten(), nn.Linear(64 * 4 * 4, 10))
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
-    base = _train(model, x, y)
-    with hybridmem.session(budget=None, device="cpu") as s:
-        _train(model, x, y)
-    peak = s.stats().peak_bytes
+    x, y, base, peak = _reference(model)
     budget = peak - (1 << 13)
     only_narrow = {"extra": {"compress": {"lossless_codecs": ["narrow"]}}}   # the indices, nothing else
     with hybridmem.session(budget=budget, policies=("compress",), device="cpu", config=only_narrow) as s:

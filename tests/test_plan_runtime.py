@@ -169,18 +169,8 @@ def test_plan_followed_on_cpu_matches_simulator(name: str, solver: str, level: s
     assert p.budget_bytes == budget and pred is not None and pred <= budget
     assert p.actions, f"{name} {solver}: the plan evicts nothing at {budget} B"
 
-    got, stats = _train(c.case, p, c.optimizer)
-    assert stats is not None
-    whole, followed = stats
-    for i, (a, b) in enumerate(zip(got, c.reference)):
-        assert a == b, f"{name} {solver} {level}: step {i} (loss, gradients, buffers or RNG) differs from unmanaged"
-    assert followed.plan == "following", f"{name} {solver} {level}: plan {followed.plan} ({followed.plan_note})"
+    followed = _check_followed(c, p, budget, label=f"{name} {solver} {level}")
     assert followed.steps == STEPS - 1 and followed.evicted_bytes > 0
-    assert whole.peak_bytes <= budget, f"{name} {solver} {level}: peak {whole.peak_bytes} > budget {budget}"
-    measured = followed.peak_bytes
-    assert abs(measured - pred) <= TOLERANCE * pred, (
-        f"{name} {solver} {level}: measured peak {measured} B vs predicted {pred} B "
-        f"({measured / pred:.4f}; budget {budget} B)")
 
 
 # ---- a small stack, run by default: the two follower faults ---------------------------------------------
@@ -251,19 +241,21 @@ def test_plan_regenerations_run_at_their_stages(stack: Captured, monkeypatch: py
 
 
 # ---- optimizer state: plans made with capture(optimizer=) --------------------------------------------------
-def _check_followed(c: Captured, p: Plan, budget: int) -> Stats:
+def _check_followed(c: Captured, p: Plan, budget: int, label: str | None = None) -> Stats:
     """Follow ``p`` for ``STEPS`` steps with the case's optimizer: bit-identical to unmanaged, followed to the
     end, the whole run within the budget, steps 2-3 within ``TOLERANCE`` of the prediction."""
+    label = label or c.case.name
     got, stats = _train(c.case, p, c.optimizer)
     assert stats is not None
     whole, followed = stats
     for i, (a, b) in enumerate(zip(got, c.reference)):
-        assert a == b, f"{c.case.name}: step {i} (loss, gradients, buffers or RNG) differs from unmanaged"
-    assert followed.plan == "following", f"{c.case.name}: plan {followed.plan} ({followed.plan_note})"
-    assert whole.peak_bytes <= budget, f"{c.case.name}: peak {whole.peak_bytes} > budget {budget}"
+        assert a == b, f"{label}: step {i} (loss, gradients, buffers or RNG) differs from unmanaged"
+    assert followed.plan == "following", f"{label}: plan {followed.plan} ({followed.plan_note})"
+    assert whole.peak_bytes <= budget, f"{label}: peak {whole.peak_bytes} > budget {budget}"
     pred = p.predicted_peak_bytes
     assert pred is not None and abs(followed.peak_bytes - pred) <= TOLERANCE * pred, (
-        f"{c.case.name}: measured peak {followed.peak_bytes} B vs predicted {pred} B ({followed.peak_bytes / pred:.4f})")
+        f"{label}: measured peak {followed.peak_bytes} B vs predicted {pred} B ({followed.peak_bytes / pred:.4f}; "
+        f"budget {budget} B)")
     return followed
 
 
