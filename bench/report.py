@@ -199,9 +199,10 @@ def simulated_markdown(run: dict[str, Any]) -> str:
             f"Graph captured on meta at {run.get('size', 'paper')} size: {run.get('stages')} stages, keep-all peak "
             f"{fmt_bytes(peak)}, keep-all step {fmt_time(run.get('keep_all_time_s'))}, min-feasible lower bound "
             f"{fmt_bytes(run.get('min_feasible_bytes'))}{_minimum_note(run)}. Cells: simulated overhead against keep-all "
-            "(lowest in bold; `inf.`: the method found no plan within the budget; `—`: not run). LP bound: the "
-            "LP relaxation's lower bound on the step time at that budget, as an overhead (`c`: no LP solution "
-            "there, so the bound is the pure compute time); gaps below are measured against it.")
+            "(lowest in bold; `inf.`: the method found no plan within the budget; `—`: not run). Bound: the best "
+            "lower bound on the step time known at that budget, as an overhead: the LP relaxation's (`LP`, a bound "
+            "within the STR model) or the swap/recompute bound of the full graph (`s`, valid for every "
+            "swap/recompute plan; `c`: it is the pure compute time there); gaps below are measured against it.")
     if run.get("budget_capped_at_device_memory"):
         head += (f" The keep-all peak exceeds the device's {fmt_bytes(run.get('device_memory_bytes'))}: budgets stop "
                  "there, so without a plan this step does not fit at all.")
@@ -226,10 +227,11 @@ def simulated_markdown(run: dict[str, Any]) -> str:
         cells = [f"**{c}**" if best is not None and c == fmt_pct(best) else c for c in cells]
         lb = bounds.get(b, {})
         bound = fmt_pct(lb.get("lower_bound_overhead"))
-        if lb and not str(lb.get("source", "")).startswith("LP"):
-            bound += " c"  # no LP solution at this budget: the bound is the pure compute time
+        src = str(lb.get("source", ""))
+        if lb:
+            bound += " LP" if src.startswith("LP") else " s" if src.startswith("swap") else " c"
         rows.append([fmt_bytes(b), fmt_pct(b / peak, sign=False) if peak else "—", bound, *cells])
-    body = table(["budget", "of peak", "LP bound", *methods], rows)
+    body = table(["budget", "of peak", "bound", *methods], rows)
     gap_rows = []
     for m in methods:
         rs = [r for r in run.get("results", []) if r["method"] == m]

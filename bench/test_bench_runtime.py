@@ -7,10 +7,12 @@
 
 Two families:
 
-- ``test_monitor_overhead``: ``hybridmem.session(budget=None)`` (measure, never evict) against plain
-  PyTorch, interleaved step by step (the only fair way on shared cores); the ratio is in the test's
-  ``extra_info``. The issue's target is <= 5 %; set ``HYBRIDMEM_BENCH_MAX_OVERHEAD=0.05`` to assert it
-  (off by default: a timing threshold on a busy 2-core machine would make the suite flaky).
+- ``test_monitor_overhead``: ``hybridmem.session(budget=None)`` (measure, never evict: on the CPU the
+  native allocator meter, nothing per op) against plain PyTorch, interleaved step by step (the only fair
+  way on shared cores) for 30 rounds (``HYBRIDMEM_BENCH_MONITOR_ROUNDS``); the median per-round ratio is
+  in the test's ``extra_info``, beside the op-level monitor's (``monitor="ops"``, the cap's units). The
+  issue's target is <= 5 %; set ``HYBRIDMEM_BENCH_MAX_OVERHEAD=0.05`` to assert it (off by default: a
+  timing threshold on a busy 2-core machine would make the suite flaky).
 - ``test_budget_step``: one group per model, one benchmark per method at the budget "monitor-only peak
   minus 40 % of the saved activations": hybridmem, ``torch.utils.checkpoint`` (every block) and
   ``save_on_cpu``, side by side in pytest-benchmark's table, peaks in ``extra_info``. hybridmem must
@@ -80,6 +82,14 @@ def _steps(benchmark: Any) -> int:
     return 1 if getattr(benchmark, "disabled", False) else 5
 
 
+def _monitor_rounds(benchmark: Any) -> int:
+    """Interleaved rounds for the overhead ratio. Single rounds on these shared cores scatter by +-15 %
+    (an unmanaged-vs-unmanaged run gives medians of +-2 % over 12 rounds): a few % needs many rounds."""
+    if getattr(benchmark, "disabled", False):
+        return 1
+    return int(os.environ.get("HYBRIDMEM_BENCH_MONITOR_ROUNDS", "30"))
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_monitor_overhead(benchmark: Any, name: str) -> None:
     _need_runtime()
@@ -87,8 +97,9 @@ def test_monitor_overhead(benchmark: Any, name: str) -> None:
     holder: dict[str, Any] = {}
 
     def interleaved() -> None:
-        holder["res"], _ = measure.run_methods(e.model, e.inputs, e.loss_fn, ["hybridmem-monitor"], budget=None,
-                                               steps=_steps(benchmark), warmup=1)
+        holder["res"], _ = measure.run_methods(e.model, e.inputs, e.loss_fn,
+                                               ["hybridmem-monitor", "hybridmem-monitor-ops"], budget=None,
+                                               steps=_monitor_rounds(benchmark), warmup=1)
 
     benchmark.group = f"monitor-only overhead ({SIZE})"
     benchmark.pedantic(interleaved, rounds=1, iterations=1)
@@ -96,8 +107,14 @@ def test_monitor_overhead(benchmark: Any, name: str) -> None:
     mon = res["hybridmem-monitor"]
     assert mon.status == "ok", mon.reason
     assert mon.losses_identical and mon.grads_identical, "monitor-only mode changed the results"
+    ops = res["hybridmem-monitor-ops"]
+    assert ops.status == "ok", ops.reason
+    assert ops.losses_identical and ops.grads_identical, "monitor-only mode (monitor='ops') changed the results"
     benchmark.extra_info.update(overhead=mon.overhead, step_s=mon.step_s, unmanaged_step_s=res["unmanaged"].step_s,
-                                peak_bytes=mon.peak_bytes)
+                                peak_bytes=mon.peak_bytes, ops_overhead=ops.overhead, ops_step_s=ops.step_s,
+                                rounds=len(mon.times_s))
+    print(f"\n{name}: monitor-only overhead {mon.overhead:+.2%} (allocator meter), {ops.overhead:+.2%} "
+          f"(monitor='ops'), median of {len(mon.times_s)} interleaved rounds")
     limit = os.environ.get("HYBRIDMEM_BENCH_MAX_OVERHEAD")
     if limit is not None and not getattr(benchmark, "disabled", False):
         assert mon.overhead is not None and mon.overhead <= float(limit), \

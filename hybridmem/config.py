@@ -22,7 +22,10 @@ ENV_VARS = {
     "HYBRIDMEM_DEVICE": "device",
     "HYBRIDMEM_LOSSY": "lossy",
     "HYBRIDMEM_VERBOSE": "verbose",
+    "HYBRIDMEM_MONITOR": "monitor",
 }
+
+MONITORS = ("auto", "allocator", "ops")
 
 
 @dataclass
@@ -35,6 +38,11 @@ class Config:
     device: str | None = None            # 'cpu' (simulated device) or 'cuda[:i]'; None = auto
     lossy: tuple[str, ...] = ()          # lossy codecs allowed for compress (e.g. 'bf16'); none by default
     verbose: bool = False
+    # Without a budget or plan, what measures: "allocator" (the allocator's own counters: CUDA's
+    # statistics, or on the CPU hybridmem.cpumeter; nothing per op), "ops" (every op through a dispatch
+    # mode: the cap's units, stages, min_budget_bytes), "auto" (CPU: allocator where the native meter
+    # builds, else ops; CUDA: ops).
+    monitor: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)  # plugin-specific settings (YAML 'plugins:' section)
 
     def budget_bytes(self, device_total: int | None = None) -> int | None:
@@ -107,6 +115,11 @@ def _apply(cfg: Config, values: Mapping[str, Any], *, where: str) -> Config:
             out["budget"] = None
         elif not (isinstance(b, str) and b.strip().endswith("%")):
             out["budget"] = parse_bytes(b, what="budget")  # validate early, percentages need the device
+    if "monitor" in out:
+        m = out["monitor"]
+        if not isinstance(m, str) or m.strip().lower() not in MONITORS:
+            raise ValueError(f"monitor must be one of {', '.join(MONITORS)}, got {m!r}")
+        out["monitor"] = m.strip().lower()
     if "extra" in out and not isinstance(out["extra"], dict):
         raise ValueError(f"plugins/extra must be a mapping, got {type(out['extra']).__name__}")
     return replace(cfg, **out)

@@ -126,7 +126,7 @@ def test_report_renders_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureF
     printed = capsys.readouterr()
     md = (tmp_path / "run.md").read_text()
     for text in ("Measured on this CPU", "Simulated on device models", "hybridmem-approx", "inf.", "Solver time",
-                 "+2.0 %", "skipped (not a chain)", "LP bound"):
+                 "+2.0 %", "skipped (not a chain)", "swap/recompute bound of the full graph"):
         assert text in md, text
     assert "Measured on this CPU" in printed.out
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
@@ -321,3 +321,79 @@ def test_benchmark_save_then_compare(tmp_path: Path) -> None:
                               cwd=tmp_path, capture_output=True, text=True, timeout=300)
     out = compared.stdout + compared.stderr
     assert compared.returncode != 0 and "Performance has regressed" in out and "0002" in out, out
+
+
+# ---- bench.rebound: the valid swap/recompute bound added to a saved run ------------------------------
+def _rebound_module():
+    try:
+        import bench.rebound as rebound
+    except ImportError:  # installed layout
+        import hybridmem.bench.rebound as rebound  # type: ignore[no-redef]
+    return rebound
+
+
+def test_rebound_raises_bounds_only_where_higher_and_recomputes_gaps(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridmem.costs import apply_costs, get_cost_model
+    from hybridmem.simulate import min_feasible_budget, simulate
+    from hybridmem.solvers.bound import lower_bound
+
+    rebound = _rebound_module()
+    torch.set_num_threads(1)
+    dev = "v100-16gb"  # VGG16 (small) on V100: the host link makes the bound exceed the compute time
+    g0 = runner.capture_graph("vgg16", "small", "meta")
+    g = apply_costs(g0, get_cost_model(dev))
+    base = simulate(g, None, device=dev)
+    ka, peak = base.time_s, int(base.peak_bytes)
+    lo = int(min_feasible_budget(g))
+    tight = int(lo + 0.1 * (peak - lo))
+    valid = lower_bound(g, tight, dev)
+    assert valid.kind == "swap/recompute" and valid.time_s > ka * 1.001  # the test needs a non-trivial bound
+    lp = 1.5 * ka  # a recorded LP bound above the valid one (at the peak): it must stay
+    run = {"model": "vgg16", "size": "small", "batch": g0.meta["batch"], "device": dev, "stages": g0.num_stages,
+           "tensors": len(g0.tensors), "keep_all_peak_bytes": peak, "keep_all_time_s": ka, "budgets": [tight, peak],
+           "bounds": [{"budget_bytes": tight, "lower_bound_s": ka, "lower_bound_overhead": 0.0, "source": "compute time"},
+                      {"budget_bytes": peak, "lower_bound_s": lp, "lower_bound_overhead": 0.5,
+                       "source": "LP relaxation"}],
+           "results": [
+               {"method": "hybridmem-approx", "budget_bytes": tight, "status": "ok", "time_s": 1.1 * valid.time_s,
+                "gap_to_bound": 1.1 * valid.time_s / ka - 1},
+               {"method": "capuchin", "budget_bytes": tight, "status": "ok", "time_s": 0.99 * valid.time_s,
+                "gap_to_bound": 0.99 * valid.time_s / ka - 1},  # faster than the valid bound: must be flagged
+               {"method": "chen", "budget_bytes": tight, "status": "infeasible"},
+               {"method": "dtr", "budget_bytes": peak, "status": "ok", "time_s": 1.6 * ka, "gap_to_bound": 1.6 / 1.5 - 1}]}
+    data = {"schema": report.SCHEMA, "command": "hybridmem bench", "measured": [], "missing": [], "simulated": [run]}
+    src, dst = tmp_path / "in.json", tmp_path / "out.json"
+    src.write_text(json.dumps(data))
+    assert rebound.main([str(src), "-o", str(dst)]) == 0
+    out = json.loads(dst.read_text())
+    new = out["simulated"][0]
+    b0, b1 = new["bounds"]
+    # raised at the tight budget: the bound, its overhead and source, and every plan's gap there
+    assert b0["lower_bound_s"] == pytest.approx(valid.time_s) and b0["source"] == "swap/recompute bound"
+    assert b0["lower_bound_overhead"] == pytest.approx(valid.time_s / ka - 1)
+    assert b0["valid_bound_s"] == pytest.approx(valid.time_s) and b0["valid_bound_kind"] == "swap/recompute"
+    rows = {r["method"]: r for r in new["results"]}
+    assert rows["hybridmem-approx"]["gap_to_bound"] == pytest.approx(0.1)
+    assert rows["capuchin"]["gap_to_bound"] == pytest.approx(-0.01)
+    assert "gap_to_bound" not in rows["chen"]
+    # kept at the peak, where the recorded bound is higher; the valid bound is still stored
+    assert (b1["lower_bound_s"], b1["lower_bound_overhead"], b1["source"]) == (lp, 0.5, "LP relaxation")
+    assert b1["valid_bound_kind"] == "compute" and b1["valid_bound_s"] == pytest.approx(ka)
+    assert rows["dtr"]["gap_to_bound"] == pytest.approx(1.6 / 1.5 - 1)
+    # everything else as it was; what was done is recorded, with the plan below the valid bound
+    assert {k: v for k, v in out.items() if k not in ("simulated", "rebound")} == \
+        {k: v for k, v in data.items() if k != "simulated"}
+    assert {k: v for k, v in new.items() if k not in ("bounds", "results")} == \
+        {k: v for k, v in run.items() if k not in ("bounds", "results")}
+    rec = out["rebound"]
+    assert (rec["raised"], rec["budgets"], rec["below_valid_bound"]) == (1, 2, 1)
+    assert rec["runs"][0]["below_valid_bound"][0]["method"] == "capuchin"
+
+    # a graph that is not the run's (here: the stage count differs) is refused, naming what differs
+    monkeypatch.setattr(rebound, "capture_graph", lambda *a, **k: g0)  # no second capture
+    data["simulated"][0]["stages"] += 1
+    with pytest.raises(ValueError, match="stages"):
+        rebound.rebound(data)
+    with pytest.raises(ValueError, match="schema"):
+        rebound.rebound({"schema": "other"})

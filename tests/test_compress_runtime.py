@@ -58,7 +58,7 @@ def _reference(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, Any, int]:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
     base = _train(model, x, y)
-    with hybridmem.session(budget=None, device="cpu") as s:
+    with hybridmem.session(budget=None, device="cpu", monitor="ops") as s:  # the cap's units
         _train(model, x, y)
     return x, y, base, s.stats().peak_bytes
 

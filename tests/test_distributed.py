@@ -88,7 +88,7 @@ def _train(name: str, rank: int, wrap: str, *, managed: bool, budget: int | None
     losses = []
     stats = None
     if managed:
-        hybridmem.enable(budget=budget, device="cpu")
+        hybridmem.enable(budget=budget, device="cpu", monitor="ops" if budget is None else None)
     t0 = time.perf_counter()
     try:
         for i in range(steps):
@@ -113,7 +113,7 @@ def _saved_activation_bytes(name: str, rank: int) -> int:
     measured by the runtime in monitor-only mode outside any wrapper."""
     e = _entry(name, rank)
     torch.manual_seed(1234 + rank)
-    with hybridmem.session(budget=None, device="cpu") as s:
+    with hybridmem.session(budget=None, device="cpu", monitor="ops") as s:
         e.loss().backward()
     return s.stats().saved_bytes
 
@@ -244,7 +244,7 @@ def _tp_case(rank: int, world: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
     step()
     g0 = grads()
-    with hybridmem.session(budget=None, device="cpu") as s:
+    with hybridmem.session(budget=None, device="cpu", monitor="ops") as s:
         step()
     grads()
     mon = s.stats()
@@ -468,9 +468,9 @@ def _script_ref(rank: int, world: int, path: str) -> dict[str, Any]:
 
     train = runpy.run_path(path)["train"]
     ref = train(rank)
-    with hybridmem.session(budget=None, device="cpu") as s:
+    with hybridmem.session(budget=None, device="cpu", monitor="ops") as s:
         train(rank)
-    with hybridmem.session(budget=None, device="cpu") as bare:  # saved bytes: see _saved_activation_bytes
+    with hybridmem.session(budget=None, device="cpu", monitor="ops") as bare:  # saved bytes: see _saved_activation_bytes
         train(rank, wrap=False)
     return {"losses": ref[0], "grads": ref[1], "peak": s.stats().peak_bytes, "saved": bare.stats().saved_bytes}
 

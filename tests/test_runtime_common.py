@@ -62,6 +62,10 @@ def run(case: Case, *, steps: int = 3, optim: str = "sgd", **session: Any) -> tu
     model = copy.deepcopy(case.model)
     if not session:
         return train(case, model, steps, optim), None
+    if session.get("budget") is None and session.get("plan") is None:
+        # monitor-only runs here measure what budgets derive from: the op-level meter, in the cap's units
+        # (the default allocator monitor has its own tests in test_monitor.py)
+        session.setdefault("monitor", "ops")
     with hybridmem.session(device="cpu", **session) as s:
         result = train(case, model, steps, optim)
     return result, s.stats()

@@ -137,9 +137,10 @@ def test_approx_reports_the_lp_bound_and_a_valid_lower_bound(graph24: Graph) -> 
     # compute time bounds every plan
     assert p.info["gap"] == pytest.approx(p.predicted_time_s / p.info["lp_bound_s"] - 1)
     assert p.info["lp_bound_s"] >= p.info["compute_s"] - 1e-12
-    assert p.info["lower_bound_s"] == pytest.approx(p.info["compute_s"])
+    assert p.info["lower_bound_s"] >= p.info["compute_s"] - 1e-12
+    assert p.info["lower_bound_kind"] in ("compute", "swap/recompute")
     assert p.predicted_time_s >= p.info["lower_bound_s"] - 1e-12
-    assert p.info["gap_to_lower_bound"] == pytest.approx(p.predicted_time_s / p.info["compute_s"] - 1)
+    assert p.info["gap_to_lower_bound"] == pytest.approx(p.predicted_time_s / p.info["lower_bound_s"] - 1)
 
 
 def test_highs_backend_missing_says_how_to_install(graph24: Graph) -> None:

@@ -16,8 +16,9 @@ While enabled, every tensor autograd saves for backward on the managed device go
 saved-tensor hooks pair, and every op through a dispatch mode that meters device bytes. Before an op
 would take the live bytes over the budget, saved activations are evicted (swapped to the host,
 dropped for recomputation, or compressed) and regenerated when backward reads them, bit-identical
-for the lossless policies. ``budget=None`` only measures. Hooks and the mode are thread-local: enable
-on the thread that trains. Only the innermost ``saved_tensors_hooks`` pair runs, so tensors saved
+for the lossless policies. ``budget=None`` only measures: on the CPU, by default, through the native
+allocator meter with no dispatch mode (:mod:`.monitor`; ``monitor="ops"`` meters every op). Hooks and
+the mode are thread-local: enable on the thread that trains (the allocator meter is process-wide). Only the innermost ``saved_tensors_hooks`` pair runs, so tensors saved
 inside ``torch.utils.checkpoint`` or ``save_on_cpu`` regions are left to them.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ _current: Any = None  # the enabled Runtime, if any
 
 def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFAULT_POLICIES,
            plan: "Plan | str | Path | None" = None, device: str | None = None,
-           config: "str | Path | Mapping[str, Any] | Config | None" = None) -> None:
+           config: "str | Path | Mapping[str, Any] | Config | None" = None, *, monitor: str | None = None) -> None:
     """Start managing saved activations on this thread; replaces a runtime already enabled.
 
     ``budget``: bytes the managed device may hold (an int, ``"512MiB"``, ``"8GB"``, ``"8GiB"``; on CUDA
@@ -46,14 +47,18 @@ def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFA
     follow (its evictions at its stages, the online scorer for the rest). ``device``: ``"cpu"``
     (a simulated device: the meter counts live bytes) or ``"cuda[:N]"``; default CUDA if available.
     ``config``: YAML file or mapping. Precedence: arguments > ``HYBRIDMEM_*`` variables > YAML > defaults
-    (``policies`` left at its default does not override ``HYBRIDMEM_POLICIES``). Raises ValueError on a
-    malformed budget or setting, UnknownNameError (a ValueError) on an unknown policy.
+    (``policies`` left at its default does not override ``HYBRIDMEM_POLICIES``). ``monitor`` (without a
+    budget or plan): ``"allocator"`` reads the allocator's counters, nothing per op (on the CPU the native
+    meter of :mod:`hybridmem.cpumeter`); ``"ops"`` meters every op (the cap's units, stages,
+    ``min_budget_bytes``); ``"auto"`` (default): allocator on the CPU where the native meter builds, else
+    ops. Raises ValueError on a malformed budget or setting, UnknownNameError (a ValueError) on an unknown
+    policy.
     """
     global _current
     from .core import Runtime, resolve_plan
 
     plan_obj = plan if isinstance(plan, Plan) else None
-    cfg = Config.resolve(config, budget=budget, device=device,
+    cfg = Config.resolve(config, budget=budget, device=device, monitor=monitor,
                          policies=None if policies is DEFAULT_POLICIES else policies,
                          plan=None if plan is None or plan_obj is not None else str(plan))
     rt = Runtime(cfg, plan_obj if plan_obj is not None else resolve_plan(cfg.plan))
@@ -108,7 +113,8 @@ class Session:
 @contextmanager
 def session(budget: int | str | None = None, policies: Sequence[str] | str = DEFAULT_POLICIES,
             plan: "Plan | str | Path | None" = None, device: str | None = None,
-            config: "str | Path | Mapping[str, Any] | Config | None" = None) -> Iterator[Session]:
+            config: "str | Path | Mapping[str, Any] | Config | None" = None, *,
+            monitor: str | None = None) -> Iterator[Session]:
     """``enable(...)`` for the duration of a ``with`` block; the runtime enabled before (if any) comes back."""
     global _current
     outer = _current
@@ -116,7 +122,7 @@ def session(budget: int | str | None = None, policies: Sequence[str] | str = DEF
         outer.uninstall()
         _current = None
     try:
-        enable(budget=budget, policies=policies, plan=plan, device=device, config=config)
+        enable(budget=budget, policies=policies, plan=plan, device=device, config=config, monitor=monitor)
         s = Session(_current)
         try:
             yield s

@@ -27,6 +27,7 @@ from .fixed import FixedMarker
 from .follow import PlanFollower
 from .lineage import OpCost, Recorder, Replayer
 from .mode import RuntimeMode
+from .monitor import NOTE as MONITOR_NOTE, AllocatorMonitor
 from .prefetch import Prefetcher
 from .produced import ProducedTable
 from .residency import NoMode, Residency
@@ -132,11 +133,41 @@ class Runtime:
                 bind(self)
         self.mode: RuntimeMode | None = None
         self._hooks: Any = None
-        # ``plugins: {light: true}`` on CUDA without a budget or plan: only the allocator's statistics
-        # (peak, current), no hooks and no per-op work; saved-activation bytes and steps are not counted.
-        self.light = self.device.type == "cuda" and not manages and bool(cfg.extra.get("light", False))
+        # Monitor-only through the allocator's counters, nothing per op: on CUDA (``monitor="allocator"``
+        # or ``plugins: {light: true}``) only its statistics, no hooks, saved bytes and steps not counted;
+        # on the CPU the native meter with counting hooks (runtime.monitor).
+        self.allocator: AllocatorMonitor | None = None
+        self.light = False
+        kind = self._monitor_kind(cfg, manages)
+        if kind == "allocator" and self.device.type == "cuda":
+            self.light = True
+        elif kind == "allocator":
+            from ..cpumeter import load
+            self.allocator = AllocatorMonitor(load(), self.stats)  # _monitor_kind checked it loads
+            self.stats.note(MONITOR_NOTE)
         # Nothing is ever evicted without a budget or a plan: saved tensors need no entries, only counting.
         self._pack = self.store.pack if manages else self.store.pack_counting
+
+    def _monitor_kind(self, cfg: Config, manages: bool) -> str:
+        """``"allocator"`` or ``"ops"`` (see ``Config.monitor``); errors for what cannot be honoured."""
+        if manages:
+            if cfg.monitor == "allocator":
+                raise ValueError("monitor='allocator' measures without a budget or a plan; under a budget the "
+                                 "runtime meters every op: use monitor='auto' or 'ops'")
+            return "ops"
+        if self.device.type == "cuda":
+            return "allocator" if cfg.monitor == "allocator" or cfg.extra.get("light", False) else "ops"
+        if cfg.monitor == "ops":
+            return "ops"
+        from ..cpumeter import load, unavailable_reason
+        if load() is not None:
+            return "allocator"
+        why = unavailable_reason() or "unknown reason"
+        if cfg.monitor == "allocator":
+            raise ValueError(f"monitor='allocator' on the CPU needs hybridmem's native meter, which is not "
+                             f"available here: {why}; use monitor='ops' (or 'auto')")
+        self.stats.note(f"monitor: per op (the native CPU meter is not available: {why})")
+        return "ops"
 
     @staticmethod
     def _make_policies(cfg: Config) -> dict[str, Policy]:
@@ -150,6 +181,9 @@ class Runtime:
 
     # ---- install / uninstall -----------------------------------------------------------------
     def install(self, reset_peak: bool = True) -> None:
+        if self.allocator is not None:
+            self.allocator.install(reset_peak)
+            return
         if reset_peak:
             self.meter.reset_peak()
         if self.light:
@@ -169,6 +203,9 @@ class Runtime:
         self._hooks.__enter__()
 
     def uninstall(self) -> None:
+        if self.allocator is not None:
+            self.allocator.uninstall()
+            return
         if self.light or self.mode is None:
             return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -213,9 +250,10 @@ class Runtime:
 
     # ---- stats ---------------------------------------------------------------------------------
     def snapshot(self) -> Stats:
-        return self.stats.snapshot(device=str(self.device), budget=self.budget, peak=self.meter.peak_bytes,
-                                   current=self.meter.current_bytes)
+        src: Any = self.allocator if self.allocator is not None else self.meter
+        return self.stats.snapshot(device=str(self.device), budget=self.budget, peak=src.peak_bytes,
+                                   current=src.current_bytes)
 
     def reset_stats(self) -> None:
-        self.meter.reset_peak()
+        (self.allocator if self.allocator is not None else self.meter).reset_peak()
         self.stats.reset()

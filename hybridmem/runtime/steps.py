@@ -71,6 +71,18 @@ class StepTracker:
             self.in_backward = False
             self._start()
 
+    def saved_seen(self) -> None:
+        """Autograd saved a tensor outside backward (the allocator monitor's pack hook, which sees no op):
+        a program that calls no module starts its step here."""
+        if self.phase == IDLE and _grad_enabled() and _task_id() == -1:
+            self._start()
+
+    def backward_seen(self) -> None:
+        """A backward pass read a saved tensor (the allocator monitor's unpack hook)."""
+        self.in_backward = True
+        if self.phase != BACKWARD:
+            self._enter_backward()
+
     @property
     def recording(self) -> bool:
         """Whether ops now belong to a forward computation whose lineage is worth recording."""

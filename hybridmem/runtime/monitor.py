@@ -1,0 +1,167 @@
+"""Monitor-only on the CPU with nothing per op in Python: the native allocator meter instead of a dispatch mode.
+
+``enable(budget=None)`` on the CPU measures through :mod:`hybridmem.cpumeter` (a C++ wrapper around
+PyTorch's CPU allocator) when it builds here: no dispatch mode, so an op costs what it costs without
+hybridmem. What Python still does is per saved tensor and per module call, not per op:
+
+- a saved-tensor hooks pair counts each activation storage once per step (``Stats.saved_bytes``): a
+  storage the allocator handed out after the step's first module call (or, without modules, after the
+  previous backward) is an activation; parameters, buffers and the batch made before are not. It also
+  checks version counters at unpack (saved-tensor hooks switch off PyTorch's own in-place check);
+- a global module pre-hook starts steps (as the op-level monitor does) and counts the parameters and
+  buffers allocated before ``enable()``, which the allocator never saw, once each while they live;
+- the first unpack of a backward pass queues the engine callback that ends the step.
+
+Semantics (``Stats``): ``peak_bytes``/``current_bytes`` are the bytes PyTorch's CPU allocator handed out
+since ``enable()`` and still held (every thread: the allocator is process-wide), plus the module state
+from before it. Unlike the op-level monitor (``monitor="ops"``), this includes scratch memory kernels
+allocate inside an op and not tensors made before ``enable()`` that no module owns; stages and
+``min_budget_bytes`` are not measured (both need every op).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from ..cpumeter import CpuAllocatorMeter
+from ..distributed import is_parameter_view, is_traceable_wrapper_subclass, plain_storages
+from .saved import Kept, _modified
+from .stats import StatsRecorder
+from .steps import BACKWARD, IDLE, StepTracker, _task_id
+
+Tensor = torch.Tensor
+NOTE = ("monitor: CPU allocator (native meter, no per-op hook): stages and min_budget_bytes are not "
+        "measured; monitor='ops' measures them, per op")
+
+
+class AllocatorMonitor:
+    """Install/uninstall the native meter, the counting hooks and the step hook (see the module docstring)."""
+
+    def __init__(self, native: CpuAllocatorMeter, stats: StatsRecorder) -> None:
+        self.native = native
+        self._serial_of = native.serial_of_fn  # the C function itself: the pack hook's one native call
+        self.stats = stats
+        self.steps = StepTracker(self._step_started, self._step_ended)
+        self.step_serial = 0             # allocations with a serial >= this are the current step's
+        self._seen: set[int] = set()     # data pointers of the storages saved in the current step
+        self.fixed_bytes = 0             # module state from before enable(), alive
+        self._fixed: dict[int, weakref.ref] = {}    # id(storage) -> weak reference, for those bytes
+        self._modules: dict[int, weakref.ref] = {}  # modules whose state was looked at
+        self._frozen: tuple[int, int] | None = None  # (peak, current) at uninstall
+        self._floor = 0                  # peak before an inner session reset the native peak
+        self._hooks: Any = None
+        self._handle: Any = None
+
+    # ---- install / uninstall -----------------------------------------------------------------
+    def install(self, reset_peak: bool = True) -> None:
+        self.native.install()
+        if reset_peak:
+            self.native.reset_peak()
+            self._floor = 0
+        elif self._frozen is not None:
+            self._floor = max(self._floor, self._frozen[0])
+        self._frozen = None
+        self.step_serial = self.native.serial
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+
+    def uninstall(self) -> None:
+        if self._hooks is None:
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] != self.pack:
+            raise RuntimeError("hybridmem.disable() called inside another saved_tensors_hooks context "
+                               "(e.g. torch.autograd.graph.save_on_cpu) opened after enable(): leave it first")
+        self._hooks.__exit__(None, None, None)
+        self._hooks = None
+        self._handle.remove()
+        self._handle = None
+        self._frozen = (self.peak_bytes, self.current_bytes)
+        self.native.uninstall()
+
+    # ---- measurements ------------------------------------------------------------------------
+    @property
+    def peak_bytes(self) -> int:
+        if self._frozen is not None:
+            return self._frozen[0]
+        return max(self._floor, self.native.peak_bytes + self.fixed_bytes)
+
+    @property
+    def current_bytes(self) -> int:
+        if self._frozen is not None:
+            return self._frozen[1]
+        return self.native.current_bytes + self.fixed_bytes
+
+    def reset_peak(self) -> None:
+        self._floor = 0
+        if self._frozen is not None:
+            self._frozen = (self._frozen[1], self._frozen[1])
+        else:
+            self.native.reset_peak()
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def pack(self, t: Tensor) -> Any:
+        if type(t) is not Tensor and is_traceable_wrapper_subclass(t):
+            return Kept(t.detach() if t.grad_fn is not None else t, t._version)  # DTensor: not counted here
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return t  # sparse, nested: nothing to count
+        steps = self.steps
+        if steps.phase == IDLE and _task_id() == -1:
+            steps.saved_seen()  # a program that calls no module: the step starts here
+        ptr = st.data_ptr()
+        seen = self._seen
+        if ptr not in seen:
+            seen.add(ptr)  # one look per storage and step
+            if t.is_cpu and self._serial_of(ptr) >= self.step_serial and not is_parameter_view(t):
+                self.stats.saved(st.nbytes())
+        if t.grad_fn is not None:
+            t = t.detach()  # no reference cycle through the node that saves it
+        return Kept(t, t._version)
+
+    def unpack(self, h: Any) -> Tensor:
+        if self.steps.phase != BACKWARD and _task_id() != -1:
+            self.steps.backward_seen()  # queues the engine callback that ends the step
+        if type(h) is Kept:
+            if h.tensor._version != h.version:
+                raise _modified(tuple(h.tensor.shape), h.tensor.dtype, "", h.version, h.tensor._version)
+            return h.tensor
+        return h
+
+    def _module_called(self, module: torch.nn.Module, args: Any) -> None:
+        self.steps.module_called()
+        r = self._modules.get(id(module))
+        if r is not None and r() is module:
+            return
+        for m in module.modules():
+            self._modules[id(m)] = weakref.ref(m, lambda _, k=id(m): self._modules.pop(k, None))
+            for t in (*m._parameters.values(), *m._buffers.values()):
+                if t is None or not t.is_cpu:
+                    continue
+                for st in plain_storages(t):  # a DTensor's bytes are in its local shard
+                    k = id(st)
+                    if k in self._fixed or self._serial_of(st.data_ptr()) >= 0:
+                        continue  # counted already, or allocated through the meter (it counts it)
+                    nbytes = st.nbytes()
+                    self._fixed[k] = weakref.ref(st, lambda _, k=k, n=nbytes: self._fixed_gone(k, n))
+                    self.fixed_bytes += nbytes
+
+    def _fixed_gone(self, k: int, nbytes: int) -> None:
+        if self._fixed.pop(k, None) is not None:
+            self.fixed_bytes -= nbytes
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _step_started(self) -> None:
+        self._seen.clear()
+        if self.steps.modules:
+            self.step_serial = self.native.serial  # the batch and the weights come before this
+        self.stats.step_started()
+
+    def _step_ended(self, stages: int) -> None:
+        self.stats.step_done(0)  # stages are not counted without an op hook
+        if not self.steps.modules:
+            self.step_serial = self.native.serial
