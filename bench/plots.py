@@ -97,9 +97,9 @@ def overhead_vs_budget(runs: Sequence[dict[str, Any]], path: Path, *, title: str
                100 * _num(r.get("lower_bound_overhead"))) for r in run.get("bounds", [])]
         lb = [p for p in lb if not math.isnan(p[1])]
         if lb:
-            ax.plot(*zip(*sorted(lb)), color="#444444", ls=":", lw=1, label="LP lower bound")
-            if "LP lower bound" not in methods:
-                methods.append("LP lower bound")
+            ax.plot(*zip(*sorted(lb)), color="#444444", ls=":", lw=1, label="best lower bound")
+            if "best lower bound" not in methods:
+                methods.append("best lower bound")
         mf = _num(run.get("min_feasible_bytes"))
         xs = [p[0] for pts in by_method.values() for p in pts]
         if not math.isnan(mf):
