@@ -123,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", help="comma-separated policies (default: swap,recompute,compress)")
     p.add_argument("--plan", help="plan file to follow")
     p.add_argument("--config", help="YAML config file")
+    p.add_argument("--monitor", choices=("auto", "allocator", "ops"),
+                   help="without a budget: how to measure (default auto: the allocator's counters where "
+                        "possible, nothing per op; ops: every op, in the units a budget caps)")
     p.add_argument("--report", help="save the run's report here at exit (a .json run file for `hybridmem report`)")
     p.add_argument("script", help="the Python script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -297,7 +300,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ._autoload import run_script
 
     settings = {"HYBRIDMEM_BUDGET": args.budget, "HYBRIDMEM_POLICIES": args.policies,
-                "HYBRIDMEM_PLAN": args.plan, "HYBRIDMEM_CONFIG": args.config, "HYBRIDMEM_REPORT": args.report}
+                "HYBRIDMEM_PLAN": args.plan, "HYBRIDMEM_CONFIG": args.config, "HYBRIDMEM_REPORT": args.report,
+                "HYBRIDMEM_MONITOR": args.monitor}
     return run_script([args.script, *args.args], {k: v for k, v in settings.items() if v is not None})
 
 

@@ -143,7 +143,7 @@ def test_without_the_native_meter_auto_falls_back_and_allocator_is_an_error() ->
     assert "HYBRIDMEM_NATIVE=0" in out.stdout
 
 
-def test_environment_variable_selects_the_monitor() -> None:
+def test_environment_variable_and_hybridmem_run_select_the_monitor(tmp_path) -> None:
     code = "import torch, hybridmem\n" \
            "with hybridmem.session(budget=None, device='cpu') as s:\n" \
            "    torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()\n" \
@@ -152,3 +152,14 @@ def test_environment_variable_selects_the_monitor() -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+    script = tmp_path / "train.py"
+    script.write_text("import torch, hybridmem\n"
+                      "torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()\n"
+                      "st = hybridmem.stats()\n"
+                      "print(st.steps, st.stages_last_step > 0, st.budget_bytes)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDMEM_")}
+    for monitor, stages in (("ops", "True"), ("allocator", "False")):
+        out = subprocess.run([sys.executable, "-m", "hybridmem.cli", "run", "--monitor", monitor, str(script)],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["1", stages, "None"], (monitor, out.stdout, out.stderr)

@@ -62,8 +62,9 @@ def _out(res: subprocess.CompletedProcess) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Monitor-only run through the environment: its peak sets the budget of the managed runs."""
-    out = _out(_run(tmp_path_factory.mktemp("ref"), {"HYBRIDMEM_BUDGET": "none"}))
+    """Monitor-only run through the environment: its peak (in the cap's units) sets the budget of the
+    managed runs."""
+    out = _out(_run(tmp_path_factory.mktemp("ref"), {"HYBRIDMEM_BUDGET": "none", "HYBRIDMEM_MONITOR": "ops"}))
     assert out["stats"]["budget"] is None and out["stats"]["steps"] == 3
     return out
 
