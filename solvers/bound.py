@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LowerBound:
-    """``time_s`` >= the step time of every swap/recompute plan within ``budget_bytes``."""
+    """``time_s`` <= the step time of every swap/recompute plan within the budget it was computed for."""
 
     time_s: float
     compute_s: float          # the pure compute time (the trivial bound)
@@ -59,8 +59,10 @@ def lower_bound(graph: "Graph", budget: int, device: Any = DEFAULT_DEVICE) -> Lo
     if n == 0:
         return LowerBound(compute, compute, -1, 0.0, 0.0)
     before = np.concatenate(([0.0], np.cumsum(op_s)))  # before[t]: op time of stages < t
-    per_d2h = model.copy_time(1 << 30, "d2h") / (1 << 30)  # seconds per byte (the models are linear)
-    per_h2d = model.copy_time(1 << 30, "h2d") / (1 << 30)
+    # Seconds per byte: the marginal rate, so that a fixed cost per copy (none in the models today) is
+    # left out rather than overcharged.
+    per_d2h = (model.copy_time(2 << 30, "d2h") - model.copy_time(1 << 30, "d2h")) / (1 << 30)
+    per_h2d = (model.copy_time(2 << 30, "h2d") - model.copy_time(1 << 30, "h2d")) / (1 << 30)
     mem = graph.memory_profile()
     writers = graph.writers()
     # Candidates (evictable tensors that outlive their producer) as arrays, for per-stage masks.
