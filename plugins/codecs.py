@@ -55,10 +55,16 @@ def flat_view(storage: torch.UntypedStorage, dtype: torch.dtype, device: torch.d
 
 def bits_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """The integer dtype whose elements are this dtype's bit patterns (None: unsupported width)."""
-    width = torch.empty(0, dtype=dtype).element_size()
-    if width in _INT_OF_WIDTH:
-        return _INT_OF_WIDTH[width]
-    return torch.int64 if width % 8 == 0 else None    # complex128: pairs of 64-bit words
+    got = _BITS_OF.get(dtype, _UNKNOWN)
+    if got is _UNKNOWN:  # cached per dtype: asked for every codec of every saved tensor at each decision
+        width = torch.empty(0, dtype=dtype).element_size()
+        got = _BITS_OF[dtype] = (_INT_OF_WIDTH[width] if width in _INT_OF_WIDTH
+                                 else torch.int64 if width % 8 == 0 else None)  # complex128: 64-bit pairs
+    return got
+
+
+_BITS_OF: dict[torch.dtype, torch.dtype | None] = {}
+_UNKNOWN = object()
 
 
 @dataclass(frozen=True)

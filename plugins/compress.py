@@ -122,15 +122,18 @@ class CompressPolicy:
         nbytes = storage.nbytes()
         limit = self.max_ratio * nbytes
         stats: dict[str, Any] = {}          # one pass per kind of statistics, shared by the codecs
+        views: dict[torch.dtype, torch.Tensor] = {}
         best: tuple[int, Codec, Any] | None = None
         for lossy, codecs in ((False, self.lossless_codecs), (True, self.lossy_codecs)):
             if lossy and best is not None and self.prefer_lossless:
                 break
             for codec in codecs:
                 vdt = codec.view_dtype(t.dtype)
-                if vdt is None or nbytes == 0 or nbytes % torch.empty(0, dtype=vdt).element_size():
+                if vdt is None or nbytes == 0 or nbytes % vdt.itemsize:
                     continue
-                flat = flat_view(storage, vdt, t.device)
+                flat = views.get(vdt)
+                if flat is None:  # one view per dtype, shared by the codecs reading the same bits
+                    flat = views[vdt] = flat_view(storage, vdt, t.device)
                 info = None
                 if codec.needs:
                     info = stats.get(codec.needs)

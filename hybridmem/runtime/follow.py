@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanFormatError, StalePlanError
 from ..plan import Plan
+from .mode import _FACTS, facts
 
 if TYPE_CHECKING:
     from ..graph import Graph
@@ -172,8 +173,7 @@ class PlanFollower:
 
     # ---- per op ----------------------------------------------------------------------------------
     def before(self, stage: int, func: Any) -> None:
-        from .mode import facts
-        name = facts(func).name
+        name = _op_name(func)
         self.seen.append(name)
         self.outputs.append([])
         if self.state != "following":
@@ -295,3 +295,9 @@ class PlanFollower:
             self.rt.residency.prefetch([e])  # the copy starts now on its stream; the read waits for it
         else:
             self.rt.residency.ensure(e)
+
+
+def _op_name(func: Any) -> str:
+    """The op's name as the mode's facts give it (cached there by ``id(func)``)."""
+    f = _FACTS.get(id(func))
+    return (f if f is not None else facts(func)).name

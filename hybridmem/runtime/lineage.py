@@ -37,6 +37,9 @@ MAX_OPS_PER_NODE = 64   # a storage written in place more often than this (an ac
 PRUNE_AFTER = 200_000   # nodes recorded without a step end (forward passes without backward) before pruning
 
 
+_new, _set = object.__new__, object.__setattr__
+
+
 @dataclass(frozen=True, slots=True)
 class View:
     """Where a tensor sits in its storage: enough to rebuild it on any tensor over that storage."""
@@ -48,7 +51,14 @@ class View:
 
     @classmethod
     def of(cls, t: Tensor) -> "View":
-        return cls(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+        # The frozen dataclass's __init__ made field by field (what it does itself), without its call
+        # overhead: a View is made per saved tensor and per recorded tensor argument.
+        v = _new(cls)
+        _set(v, "size", tuple(t.shape))
+        _set(v, "stride", t.stride())
+        _set(v, "offset", t.storage_offset())
+        _set(v, "dtype", t.dtype)
+        return v
 
     def on(self, base: Tensor) -> Tensor:
         """This view of ``base``'s storage (a view of ``base``, so it shares its version counter)."""
@@ -102,6 +112,9 @@ class _Opaque:
 
 
 OPAQUE = _Opaque()
+# Argument types that are never tensors, lists of them or generators: recorded as they are.
+_PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format))
 _REFS = (NodeRef, FixedRef, _Opaque)
 
 
@@ -109,24 +122,28 @@ class OpRecord:
     """One recorded op call, with tensor arguments replaced by references. ``func is None`` marks a
     barrier: the storage was written by something unrecorded, or its lineage was dropped."""
 
-    __slots__ = ("func", "args", "kwargs", "rng", "cost_s", "why_not")
+    __slots__ = ("func", "args", "kwargs", "rng", "cost_s", "why_not", "_refs")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict, rng: Any, why_not: str):
         self.func, self.args, self.kwargs, self.rng = func, args, kwargs, rng
         self.cost_s = 0.0
         self.why_not = why_not  # "" when replayable, else the reason (non-deterministic op, ...)
+        self._refs: tuple[Any, ...] | None = None
 
     def refs(self) -> Iterator[Any]:
-        for a in self.args:
-            if isinstance(a, _REFS):
-                yield a
-            elif type(a) in (list, tuple):
-                yield from (b for b in a if isinstance(b, _REFS))
-        for a in self.kwargs.values():
-            if isinstance(a, _REFS):
-                yield a
-            elif type(a) in (list, tuple):
-                yield from (b for b in a if isinstance(b, _REFS))
+        """The reference arguments, in argument order. Collected once: a record's arguments never
+        change after it is made, and validity checks, cost estimates and pruning ask again and again."""
+        got = self._refs
+        if got is None:
+            out: list[Any] = []
+            for group in (self.args, self.kwargs.values()):
+                for a in group:
+                    if isinstance(a, _REFS):
+                        out.append(a)
+                    elif type(a) in (list, tuple):
+                        out.extend(b for b in a if isinstance(b, _REFS))
+            got = self._refs = tuple(out)
+        return iter(got)
 
 
 def _barrier(reason: str) -> tuple[OpRecord, int]:
@@ -266,6 +283,8 @@ class Recorder:
         return FixedRef(root, -1 if value_unused else t._version, View.of(t))
 
     def _refs(self, v: Any) -> Any:
+        if type(v) in _PLAIN:  # most non-tensor arguments; isinstance(v, Generator) runs Python code
+            return v
         if isinstance(v, Tensor):
             return self.ref(v)
         if type(v) in (list, tuple) and any(isinstance(b, Tensor) for b in v):
@@ -287,8 +306,8 @@ class Recorder:
             if any(isinstance(a, Tensor) and a.is_cuda for a in args):
                 why = f"{op_info(func).name} is non-deterministic on CUDA"
         unused = _unused_stats(info, args)
-        rargs = tuple(self.ref(a, i in unused) if isinstance(a, Tensor) else self._refs(a)
-                      for i, a in enumerate(args))
+        rargs = tuple([self.ref(a, i in unused) if isinstance(a, Tensor) else self._refs(a)
+                       for i, a in enumerate(args)])
         rkw = {k: self._refs(v) for k, v in kwargs.items()} if kwargs else {}
         rec = OpRecord(func, rargs, rkw, rng.default if rng is not None else None,
                        why or _fixed_write_reason(info, rargs, unused))
@@ -390,10 +409,14 @@ class OpCost:
 
     def __call__(self, func: Any, args: tuple, kwargs: dict, out: Any, out_bytes: int) -> float:
         nbytes = out_bytes
-        for a in (*args, *kwargs.values()):
-            for t in (a if type(a) in (list, tuple) else (a,)):
-                if isinstance(t, Tensor):
-                    nbytes += t.numel() * t.element_size()
+        for group in (args, kwargs.values()) if kwargs else (args,):
+            for a in group:
+                if isinstance(a, Tensor):
+                    nbytes += a.numel() * a.element_size()
+                elif type(a) in (list, tuple):
+                    for t in a:
+                        if isinstance(t, Tensor):
+                            nbytes += t.numel() * t.element_size()
         return float(self.model.op_time(_Work(matmul_flops(func, args, out), nbytes)))
 
 
@@ -510,6 +533,13 @@ class Replayer:
     def cost(self, node: Node, version: int, memo: dict[tuple[int, int], float]) -> float:
         """Seconds to replay ``node`` at ``version``, plus its inputs that are not available now
         (each counted once per ``memo``: one eviction decision)."""
+        if not memo:
+            # The usual case at a scoring pass: every input is available, so the cost is the node's
+            # own (what the walk below returns then, without its stack and keys).
+            own, inputs = node.deps(version)
+            if all(self.available(m, w) for m, w in inputs):
+                memo[(id(node), version)] = 0.0
+                return own
         total = 0.0
         stack = [(node, version)]
         while stack:

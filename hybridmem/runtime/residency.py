@@ -23,6 +23,7 @@ from hybridmem.plugins.base import Entry, Policy
 
 from ..meter import Meter
 from ..units import fmt_bytes
+from ..scorer import select_victims
 from .saved import SavedStore
 from .stats import StatsRecorder
 
@@ -121,11 +122,10 @@ class Residency:
         need_min, need = need, need + slack
         freed = 0
         while freed < need:
-            pairs, costs, saves, last = self._score_inputs()
-            self._note_floor(extra, saves, pairs)
+            pairs, costs, saves, last, best = self._score_inputs()
+            self._raise_floor(self.meter.current_bytes - best + extra)
             if not pairs:
                 break
-            from ..scorer import select_victims
             picks = select_victims(costs, saves, last, float(self.store.clock.now), need - freed)
             done: set[int] = set()
             progress = False
@@ -148,19 +148,25 @@ class Residency:
         """The CUDA allocator failed to allocate ``need`` bytes (``Meter.on_pressure``)."""
         return self.relieve(max(need, 1), need)
 
-    def _score_inputs(self) -> tuple[list[tuple[Entry, Policy]], np.ndarray, np.ndarray, np.ndarray]:
+    def _score_inputs(self) -> tuple[list[tuple[Entry, Policy]], np.ndarray, np.ndarray, np.ndarray, int]:
+        """Candidates' (entry, policy) pairs, costs, savings and last accesses, plus the sum over
+        candidate entries of their best savings (for the floor), in one pass."""
         pairs: list[tuple[Entry, Policy]] = []
         costs: list[float] = []
         saves: list[int] = []
         last: list[float] = []
+        best_total = 0
         for e in self.candidates():
+            best = 0
             for p, cost, save in self._offers(e):
                 pairs.append((e, p))
                 costs.append(p.cost(e) if cost is None else cost)
                 saves.append(save)
                 last.append(e.last_access)
+                best = max(best, save)
+            best_total += best
         return (pairs, np.asarray(costs, np.float64), np.asarray(saves, np.int64),
-                np.asarray(last, np.float64))
+                np.asarray(last, np.float64), best_total)
 
     def _offers(self, e: Entry) -> list[tuple[Policy, float | None, int]]:
         """(policy, cost or None = ask each time, savings) for each policy applicable to ``e``.
@@ -182,12 +188,8 @@ class Residency:
         else:
             self._offer_cache.pop(e.uid, None)
 
-    def _note_floor(self, extra: int, saves: np.ndarray, pairs: list[tuple[Entry, Policy]]) -> None:
+    def _raise_floor(self, floor: int) -> None:
         """Lower bound on any workable budget: what no policy can evict now, plus the new bytes."""
-        best: dict[int, int] = {}
-        for (e, _), s in zip(pairs, saves.tolist()):
-            best[e.uid] = max(best.get(e.uid, 0), s)
-        floor = self.meter.current_bytes - sum(best.values()) + extra
         if floor > self.stats.min_budget_bytes:
             self.stats.min_budget_bytes = floor
 
