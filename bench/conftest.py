@@ -4,7 +4,7 @@ Unless ``--benchmark-storage`` is given, runs are saved to and compared against 
 (whatever the working directory), so the baseline is versioned with the code it measures::
 
     pytest bench/ --benchmark-autosave                                     # save: bench/baseline/<machine>/NNNN_*.json
-    pytest bench/ --benchmark-compare=0001 --benchmark-compare-fail=mean:25%   # compare with run 0001, fail on +25 %
+    pytest bench/ --benchmark-compare=0002 --benchmark-compare-fail=mean:25%   # compare with run 0002, fail on +25 %
 
 pytest-benchmark files the runs per machine (``Linux-CPython-3.11-64bit``): a comparison finds the
 baseline saved by the same platform and Python.
