@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .report import SCHEMA
-from .runner import _json_default, capture_graph
+from .runner import _BOUND_SOURCE, _json_default, capture_graph
 
-SOURCE = "swap/recompute bound"   # as bench.runner._BOUND_SOURCE names it
+SOURCE = _BOUND_SOURCE["lower_bound_s"]  # the runner's name for this bound
 _REL = 1e-9                        # "higher" means higher by more than rounding (as runner._best_bound)
 
 
