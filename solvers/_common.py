@@ -14,8 +14,10 @@ Discrete time model (the planners' view of the plan timing rules in :mod:`hybrid
   read earlier it stalls the compute stream by ``cum[q] + d - cum[u]``. The H2D link is busy during
   stages ``q .. min(u, in_ready - 1)``.
 - One copy per direction at a time. The MILP either gives each copy the stages it overlaps alone
-  (``link="stage"``: one row per stage) or follows the simulator's FIFO queue exactly (``link="fifo"``,
-  small problems); the rounding/repair planner (:mod:`solvers.relax`) always queues copies FIFO.
+  (``link="stage"``: one row per stage) or follows the simulator's FIFO queue (``link="fifo"``, small
+  problems); the rounding/repair planner (:mod:`solvers.relax`) always queues copies FIFO. Small
+  uncoarsened MILPs drop this discrete model for the simulator's own clock (``link="exact"``,
+  :mod:`solvers.exact_time`), which also sees what stalls and replays let copies finish.
 
 Problems may be *coarse*: ``Problem.groups`` maps each problem stage to a run of graph stages
 (:mod:`solvers.coarsen`) and a candidate may be a bundle of tensors evicted together; plans are always

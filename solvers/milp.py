@@ -12,9 +12,11 @@ Variables (all binary)::
     X[t,p]    stage p is replayed before op t (only for producers with several candidate outputs:
               one replay serves them all, as in the simulator; otherwise X = R)
     P[t,f,i]  swap-out of i issued after op t, its device bytes held through stage f (the copy ends
-              in f: fixed by the timing with link="stage", a choice with link="fifo")
+              in f: fixed by the timing with link="stage", a choice with link="fifo"; f = t with
+              link="exact", where the copy's end is a time variable)
     Y[q,u,i]  swap-in of i issued at the start of stage q, first read at stage u; u = ready(q) is a
               hidden copy, u < ready(q) stalls the compute stream for cum[q] + h2d_i - cum[u] seconds
+              (link="exact": u is the first stage reading it, the stall follows from the clock)
     stall[q,u,i] >= 0 (continuous, link="fifo" only): the stall, bounded below by the FIFO arrival time
 
 Constraint families (one block each in :func:`build_model`): dependencies (an op's candidate inputs
@@ -24,24 +26,26 @@ swap-out, issued while present, holding the bytes until it ends; swap-ins, any n
 host link (one copy per direction at a time), memory (per stage, everything present + swap-in buffers in
 flight + the constant part <= budget) and memory during replays (their workspace and other outputs).
 
-Discrete timing (see :mod:`solvers._common`): compute times without recomputes or stalls decide where
-copies end; recomputes and stalls only stretch the compute stream, so every copy ends no later than the
-model says. That is what makes every solution a valid plan for the simulator.
+Timing, three link models. ``"stage"`` and ``"fifo"`` (discrete, see :mod:`solvers._common`): compute
+times without recomputes or stalls decide where copies end; recomputes and stalls only stretch the
+compute stream, so every copy ends no later than the model says, which makes every solution a valid
+plan, but the model cannot see what a stall buys (a swap-out that has ended by the delayed op, whose
+freed bytes are then gone). ``"exact"`` (the default for uncoarsened problems of at most
+``FIFO_MAX_STAGES`` stages; :mod:`solvers.exact_time`): the simulator's clock as variables equal to it,
+its FIFO copy streams, deferred releases and a memory row at each stage's start as well as at its op;
+its optimum is the simulator's optimum over these plans (tests/test_solvers_exact.py checks it
+against exhaustive search).
 
 Objective: iteration time = compute (constant) + recompute + swap-in stalls (modelled, not forbidden:
 a copy that cannot land in time is charged its stall), plus a tiny charge per copy (1e-9 s) so that
 useless transfers are never chosen; it is reported without that charge. Swap-outs never stall: a
 swap-out that does not end inside the step is not offered, and the copy keeps its device bytes until
-it ends. The objective is in microseconds and memory rows in MiB, so coefficients stay near 1.
+it ends (with link="exact": the step's end, all streams idle, less the compute time; a swap-out must
+be read back). The objective is in microseconds and memory rows in MiB, so coefficients stay near 1.
 
 Time limit (:func:`solve_problem`): wall time for building, solving and reading the solution. CBC gets
 what is left after the build, less a reserve for its overrun; a child still running a second past the
 deadline is stopped and reported as ``status="time limit"`` (the caller falls back to its warm start).
-
-Not modelled (``h100-80gb, 3, 12`` in tests/test_solvers_exact.py): a swap-in stall that delays an op,
-and so its memory check, until a swap-out has ended and released its bytes. Copies end by the clock
-without stalls, which is conservative; modelling it needs the stall variables to equal the simulator's
-stall (not only bound it from below), else the model could buy memory with a stall that never happens.
 """
 from __future__ import annotations
 
@@ -59,7 +63,9 @@ from ._common import Problem, Schedule, TensorSchedule, quiet_fd, source_availab
 COPY_CHARGE = 1e-9         # seconds charged per transfer: breaks ties against useless copies
 TIME_UNIT = 1e-6           # objective in microseconds and memory rows in MiB: coefficients near 1 keep
 BYTE_UNIT = 2.0**20        # the solvers' tolerances meaningful (seconds and bytes span 1e-9 .. 1e10)
-FIFO_MAX_STAGES = 12       # the exact FIFO link model has O(copies^2) rows: small problems only
+FIFO_MAX_STAGES = 12       # the exact and FIFO link models have O(copies^2) rows: small problems only
+LINKS = ("exact", "fifo", "stage")
+EXACT_TOL = 1e-9           # integrality and feasibility tolerance of link="exact" models (see _exact_link)
 MEM_MARGIN = 0             # bytes kept free in each memory row (scaling by 2**20 is exact in binary)
 
 
@@ -81,6 +87,7 @@ class StrModel:
     stall: dict[tuple[int, int, int], float] = field(default_factory=dict)
     sigma: dict[tuple[int, int, int], Any] = field(default_factory=dict)   # fifo: stall variables (us)
     build_s: float = 0.0
+    link: str = "stage"
 
     @property
     def num_vars(self) -> int:
@@ -179,9 +186,10 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
     replayed from it) is read, swap-ins issued at most ``window`` stages (default 6) before the latest
     issue that still hides the copy, and one stalling arrival per issue stage.
 
-    ``link`` is how one copy per direction at a time is modelled. ``"fifo"`` (default up to
-    ``FIFO_MAX_STAGES`` stages):
-    exactly as the simulator runs it, copies in issue order, each starting when the previous one ends;
+    ``link`` is how time and the copy streams are modelled. ``"exact"`` (default up to
+    ``FIFO_MAX_STAGES`` stages when the problem is not coarsened and ``relax`` is False): the simulator's
+    clock (:mod:`solvers.exact_time`). ``"fifo"`` (the default there otherwise): copies in issue order
+    as the simulator runs them, each starting when the previous one ends;
     a swap-out holds its device bytes through a chosen finish stage ``f`` and must end by then, a swap-in's
     stall is a variable bounded by its FIFO arrival time (big-M rows, one per earlier issue stage).
     ``"stage"`` (larger problems): a copy occupies every stage it overlaps alone, which needs one row per
@@ -191,13 +199,18 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
     from mip import xsum
 
     t0 = time.perf_counter()
-    link = link or ("fifo" if p.T <= FIFO_MAX_STAGES and not compact else "stage")
-    if link not in ("stage", "fifo"):
-        raise ValueError(f"link model {link!r}: 'stage' or 'fifo'")
-    fifo = link == "fifo"
+    fine = all(len(g) == 1 for g in p.groups)
+    if link is None:
+        small = p.T <= FIFO_MAX_STAGES and not compact
+        link = ("exact" if fine and not relax else "fifo") if small else "stage"
+    if link not in LINKS:
+        raise ValueError(f"link model {link!r}: one of {', '.join(LINKS)}")
+    if link == "exact" and not (fine and not compact):
+        raise ValueError("link='exact' needs an uncoarsened problem and compact=False")
+    fifo, exact = link == "fifo", link == "exact"
     m = new_model(solver, verbose, name)
     vt = mip.CONTINUOUS if relax else mip.BINARY
-    sm = StrModel(p, m)
+    sm = StrModel(p, m, link=link)
     S, R, X, P, Y = sm.S, sm.R, sm.X, sm.P, sm.Y
     C = p.candidates
     T = p.T
@@ -222,7 +235,16 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
             for t in stages:
                 if all(source_available(p, j, t) is not False for j in c.src):
                     R[t, k] = m.add_var(f"R_{t}_{k}", var_type=vt, ub=1)
-        if swap:
+        if swap and exact:
+            options = exact_swap_in_options(p, k)
+            for t in range(c.start, c.end):
+                if any(q > t for q, _ in options):
+                    P[t, t, k] = m.add_var(f"P_{t}_{k}", var_type=vt, ub=1)
+            for q, u in options:
+                if any(t < q for (t, _, kk) in P if kk == k):
+                    Y[q, u, k] = m.add_var(f"Y_{q}_{u}_{k}", var_type=vt, ub=1)
+                    sm.stall[q, u, k] = 0.0
+        elif swap:
             reads = (set(c.uses) | (p.source_stages(k) & rec_src[k])) if compact else None
             options = swap_in_options(p, k, max_stall_variants, window, reads)
             if options:
@@ -269,12 +291,15 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
         return S[t, k] + R[t, k] if (t, k) in R else S[t, k]
 
     # ---- objective: recompute + stalls (+ a tiny charge per transfer) -------------------------------
-    if fifo:       # stall seconds are variables (in microseconds), bounded below by FIFO arrival times
+    if exact:      # the step's end is a variable (solvers.exact_time); the objective is set there
+        stall_terms = 0.0
+    elif fifo:     # stall seconds are variables (in microseconds), bounded below by FIFO arrival times
         stall_terms = xsum(sm.sigma.values()) + xsum(COPY_CHARGE / TIME_UNIT * v for v in Y.values())
     else:
         stall_terms = xsum((sm.stall[key] + COPY_CHARGE) / TIME_UNIT * v for key, v in Y.items())
-    m.objective = (xsum(cost / TIME_UNIT * v for cost, v in replay_cost) + stall_terms
-                   + xsum(COPY_CHARGE / TIME_UNIT * v for v in P.values()))
+    copies = xsum(COPY_CHARGE / TIME_UNIT * v for v in (*P.values(), *(Y.values() if exact else ())))
+    if not exact:
+        m.objective = xsum(cost / TIME_UNIT * v for cost, v in replay_cost) + stall_terms + copies
 
     # ---- dependencies: an op runs only with its candidate inputs on the device ----------------------
     for k, c in enumerate(C):
@@ -326,7 +351,10 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
         for s_ in range(q, u):
             inflight.setdefault((s_, k), []).append(y)
     cum = [float(x) for x in p.cum]
-    if fifo:
+    clock = None
+    if exact:
+        clock = _exact_link(sm, present, copies)
+    elif fifo:
         # d2h, FIFO in issue order (after op t; same stage: candidate order): a copy ends by the end of
         # its finish stage f if, for every earlier issue stage a, the copies issued from a on up to it
         # fit between the end of op a and the end of stage f
@@ -380,23 +408,118 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
         mem[s].extend(mb[k] * y for y in ys)
     slack = p.budget - p.base_mem
     rhs = (slack - MEM_MARGIN) / BYTE_UNIT
+    ghost_op = clock.ghost_op if clock else {}
     for t in range(T):
-        if mem[t]:
+        if ghost_op.get(t):
+            m += xsum(mem[t]) + xsum(mb[k] * g for k, g in ghost_op[t]) <= float(rhs[t]), f"mem_{t}"
+        elif mem[t]:
             m += xsum(mem[t]) <= float(rhs[t]), f"mem_{t}"
         elif slack[t] < 0:
             raise BudgetInfeasibleError(f"stage {t} needs {int(p.base_mem[t])} bytes without any candidate",
                                         int(p.base_mem.max()))
 
     # ---- memory while a replay runs before op t: its other outputs and workspace are transient; only
-    #      rows where that can exceed what op t itself adds are needed --------------------------------
+    #      rows where that can exceed what op t itself adds are needed (exact: each check of the stage)
     op_extra = p.op_extra()
-    for (t, k), r in R.items():
-        extra = p.replay_extra(k)
-        if extra > op_extra[t]:
-            m += xsum(mem[t]) + (extra - op_extra[t]) / BYTE_UNIT * r <= float(rhs[t]), f"mem_replay_{t}_{k}"
+    if exact:
+        _exact_memory_rows(sm, clock, mb, inflight, rhs)
+    else:
+        for (t, k), r in R.items():
+            extra = p.replay_extra(k)
+            if extra > op_extra[t]:
+                m += xsum(mem[t]) + (extra - op_extra[t]) / BYTE_UNIT * r <= float(rhs[t]), f"mem_replay_{t}_{k}"
 
     sm.build_s = time.perf_counter() - t0
     return sm
+
+
+def exact_swap_in_options(p: Problem, k: int) -> list[tuple[int, int]]:
+    """``(issue q, first read u)`` of every swap-in of candidate ``k`` (``link="exact"``): the first op
+    reading it at or after ``q``, or an earlier stage where a replay may read it (then one must)."""
+    c = p.candidates[k]
+    src = sorted(p.source_stages(k))
+    out = []
+    for q in range(c.start + 1, c.end + 1):
+        first_op = min(u for u in c.uses if u >= q)     # c.end is a use
+        out.append((q, first_op))
+        out.extend((q, s) for s in src if q <= s < first_op)
+    return out
+
+
+def _exact_memory_rows(sm: StrModel, clock: Any, mb: list[float], inflight: dict[tuple[int, int], list[Any]],
+                       rhs: np.ndarray) -> None:
+    """``link="exact"``: the simulator's other memory checks of a stage. At its start (before the op's
+    outputs and workspace, where a copy freed behind a swap-out may still be held that the op's check no
+    longer sees), and at each replay: what is on the device then (the recomputes run before it
+    included, not those after), the ghosts at that instant, every output of the replayed stages and
+    their largest workspace. A replay that does not run has no row (its ghosts are then free, and the
+    rest is the op's row minus its outputs)."""
+    from mip import xsum
+
+    from .exact_time import replay_bytes
+
+    m, p = sm.m, sm.problem
+    pre_rhs = rhs + p.op_extra() / BYTE_UNIT
+    for t in range(p.T):
+        pre = [mb[k] * s_ for (tt, k), s_ in sm.S.items() if tt == t]
+        pre += [mb[k] * y for (s_, k), ys in inflight.items() if s_ == t for y in ys]
+        gs = clock.ghost_pre.get(t, [])
+        if gs:
+            m += xsum(pre) + xsum(mb[k] * g for k, g in gs) <= float(pre_rhs[t]), f"mem_pre_{t}"
+        done: list[Any] = []
+        for rp in clock.replays.get(t, ()):
+            m += (xsum(pre) + xsum(done) + xsum(mb[k] * g for k, g in rp.ghosts)
+                  + replay_bytes(p, rp.ks, t) / BYTE_UNIT * rp.v <= float(pre_rhs[t])), f"mem_replay_{t}_{rp.pid}"
+            done += [mb[k] * sm.R[t, k] for k in rp.ks]
+
+
+def _exact_link(sm: StrModel, present: Any, copies: Any) -> Any:
+    """``link="exact"``: the simulator's clock (:mod:`solvers.exact_time`), the rules it needs of the
+    copies, and the objective (the step's end, less the compute time)."""
+    from mip import xsum
+
+    from .exact_time import add_clock
+
+    m, p, C = sm.m, sm.problem, sm.problem.candidates
+    # the clock's big-M rows reach 1e4 us: a selector 1e-6 short of integral would give a release credit
+    # 10 ns of slack, against RELEASE_MARGIN's 0.1 ns
+    m.infeas_tol, m.integer_tol = EXACT_TOL, EXACT_TOL
+    # without preprocessing these small models solve faster (the exhaustive-search tests: 22 s against
+    # 34 s), and its reductions returned plans a byte over the tightest budgets more often
+    m.preprocess = 0
+    clock = add_clock(sm, present, TIME_UNIT)
+    readers: dict[int, list[int]] = {}       # candidate -> candidates whose replay reads it
+    for k, c in enumerate(C):
+        for j in c.src:
+            if j in p.index and p.index[j] != k:
+                readers.setdefault(p.index[j], []).append(k)
+    # Every replay and every copy on the clock is one the plan does: a regeneration is a return to the
+    # device, never a second copy, a replay serves a recompute, a swap-in lands what is read. A
+    # redundant one would otherwise be worth its time (a replay or a copy the op waits for lets other
+    # copies end), and the plan, which cannot express it, would not do it.
+    for (t, k), r in sm.R.items():
+        m += r + present(t - 1, k) <= 1, f"rec_returns_{t}_{k}"
+        m += r + sm.S[t, k] <= 1, f"rec_alone_{t}_{k}"
+    for (t, pid), x in sm.X.items():
+        ks = [k for k in range(len(C)) if p.producers(k)[0] == pid and (t, k) in sm.R]
+        m += x <= xsum(sm.R[t, k] for k in ks), f"replay_used_{t}_{pid}"
+    landing: dict[tuple[int, int], list[Any]] = {}
+    for (q, u, k), y in sm.Y.items():
+        landing.setdefault((u, k), []).append(y)
+        m += y <= sm.S[u, k], f"in_lands_{q}_{u}_{k}"      # the copy is what op u (or a replay) reads
+        m += y + present(u - 1, k) <= 1, f"in_returns_{q}_{u}_{k}"
+        # off the device while the copy is in flight (a swap-in of a resident tensor is refused)
+        for s_ in range(q, u):
+            m += present(s_, k) + y <= 1, f"in_absent_{q}_{u}_{k}_{s_}"
+        if u not in C[k].uses:               # first read by a replay: one must run there
+            m += y <= xsum(sm.R[u, kk] for kk in readers.get(k, ()) if (u, kk) in sm.R), f"in_read_{q}_{u}_{k}"
+    for (u, k), ys in landing.items():
+        if len(ys) > 1:
+            m += xsum(ys) <= 1, f"in_once_{u}_{k}"
+    for (t, _, k), v in sm.P.items():        # a host copy nobody reads back only costs link time
+        m += v <= xsum(y for (q, _, kk), y in sm.Y.items() if kk == k and q > t), f"out_used_{t}_{k}"
+    m.objective = clock.end - float(p.cum[-1]) / TIME_UNIT + copies
+    return clock
 
 
 # ---- solutions -----------------------------------------------------------------------------------
@@ -521,6 +644,8 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
         kw["max_seconds"] = max(float(time_limit), 0.01)
     with quiet_fd(not m.verbose):
         status = m.optimize(**kw)
+        if sm.link == "exact" and not relax:
+            status = _cut_plans_over_budget(sm, status, kw, t0)
     dt = time.perf_counter() - t0
     has = status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE)
     obj = float(m.objective_value) * TIME_UNIT if has and m.objective_value is not None else None
@@ -534,6 +659,47 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
         bound = min(bound, obj)              # the bound includes copy charges the objective no longer has
     gap = max(0.0, obj - bound) if obj is not None and bound is not None else None
     return SolveResult(status.name.lower(), obj, bound, gap, dt, sched, m.num_cols, m.num_rows, sm.build_s)
+
+
+TOLERANCE_CUTS = 50        # plans a few bytes over the budget an exact model may cut off, at most
+
+
+def _cut_plans_over_budget(sm: StrModel, status: Any, kw: dict[str, Any], t0: float) -> Any:
+    """Refuse the solutions whose plan is a few bytes over the budget, and solve again.
+
+    CBC keeps a row only to about 1e-7 of its largest coefficient (its row scaling sets the tolerance,
+    whatever tolerance it is given), so on a memory row that is a byte or so per 10 MB tensor: at a
+    budget a byte below some plan's peak, an exact model can return that plan. The simulator measures
+    every plan to the byte; a plan over by no more than that tolerance is cut off (a no-good cut on
+    its decisions) and the model is solved again, until a solution fits, none is left, time runs out or
+    ``TOLERANCE_CUTS`` were added. A plan further over, or wrong for another reason, is left for the
+    caller's own simulation to refuse.
+    """
+    import mip
+    from mip import xsum
+
+    from ._common import make_plan, schedule_to_actions, simulate
+
+    m, p = sm.m, sm.problem
+    slack = max((c.nbytes for c in p.candidates), default=0) * 1e-6 + 16
+    decisions = [*sm.S.values(), *sm.R.values(), *sm.X.values(), *sm.P.values(), *sm.Y.values()]
+    for i in range(TOLERANCE_CUTS):
+        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            break
+        res = simulate(p, make_plan(p, schedule_to_actions(p, extract_schedule(sm)), "milp"), strict=False)
+        over = res.peak_bytes - p.budget
+        if not res.violations or not 0 < over <= slack or \
+                any("exceeds the budget" not in v.reason for v in res.violations):
+            break
+        on = [v for v in decisions if (v.x or 0.0) > 0.5]
+        m += xsum(1 - v for v in on) + xsum(v for v in decisions if (v.x or 0.0) <= 0.5) >= 1, f"over_budget_{i}"
+        if "max_seconds" in kw:
+            left = kw["max_seconds"] - (time.perf_counter() - t0)
+            if left < MIN_SOLVE_S:
+                break
+            kw = {**kw, "max_seconds": left}
+        status = m.optimize(**kw)
+    return status
 
 
 # ---- a crash-proof solve that keeps its time limit -----------------------------------------------
