@@ -9,8 +9,8 @@ memory check. Plans at the tightest budgets rely on that.
 Here every instant the simulator computes is a variable in microseconds, equal to it, not just bounded:
 
     a[t]    start of stage t (a[0] = 0, a[t+1] = z[t] + op[t])
-    c       the clock after each replay before op t, in producer order: it first waits for swap-ins of
-            its sources landing at t
+    w       the instant each replay before op t (in producer order) checks memory: after the previous
+            replay and the swap-ins of its sources landing at t; the replay ends at w + its cost
     z[t]    op t starts: max(clock after the replays, arrival of each swap-in op t reads first at t)
     H_j     the H2D stream free after swap-in option j (FIFO in issue order; the copy begins at
             max(a[q], stream free, end of the tensor's swap-out)); the option's arrival
@@ -25,10 +25,10 @@ runs); an absent term neither bounds nor can be selected.
 Memory. A free (or the natural end) of a tensor whose swap-out is in flight releases its bytes when
 the copy ends. Every such release behind candidate k's swap-out happens at ``Eo[k]``, so stage s still
 holds one ghost copy per present -> absent transition since the swap-out unless ``Eo[k] <= a[s]``
-(the stage's first memory check) or ``<= z[s]`` (the op's). Binaries ``e`` say a release is credited
-at a check; they can be 1 only when the copy has ended by then. Ghosts count in the op row (``go``),
-in a pre-op row (``gp``: the stage's start, before the op's outputs and workspace, and in the replay
-rows, whose check instants lie between the two).
+(the stage's first memory check), ``<= w`` (a replay's) or ``<= z[s]`` (the op's). Binaries ``e`` say
+a release is credited at a check; they can be 1 only when the copy has ended by then. Ghosts count in
+the row of each check: the stage's start (before the op's outputs and workspace), each replay that
+runs, and the op.
 """
 from __future__ import annotations
 
