@@ -21,9 +21,10 @@ Solvers (``SOLVERS``):
   graph with the simulator's FIFO link timing, beats the model), and ``lower_bound_s`` (valid for
   every swap/recompute plan of the full graph: :func:`solvers.bound.lower_bound`, ``lower_bound_kind``
   says whether the compute time or the swap/recompute bound gives it) with ``gap_to_lower_bound``.
-- ``milp``: the STR MILP (:mod:`solvers.milp`), warm-started from ``approx``; ``time_limit`` seconds
-  (default 60); on timeout without a solution, or a solution the simulator rejects, the approx plan
-  is returned with ``plan.info["fallback"]`` saying why.
+- ``milp``: the STR MILP (:mod:`solvers.milp`), warm-started from the rounded STR LP schedule (``plan.info["warm_start"]``
+  says whether that start satisfies the MILP's rows; CBC drops one that does not); ``time_limit``
+  seconds (default 60); on timeout without a solution, or a solution the simulator rejects, the approx
+  plan is returned with ``plan.info["fallback"]`` saying why.
 - ``greedy``: the source-tracing repair alone, from keep-everything (no LP).
 - baselines (:mod:`solvers.baselines`): ``keep-all``, ``chen`` (sqrt(n) checkpointing), ``checkmate``
   (recompute-only MILP), ``swap-vdnn`` (swap conv/linear inputs, prefetch one layer ahead), ``swap-opt``
@@ -426,6 +427,8 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
                              compact=options.get("compact", relax.is_large(p)))
     info = {"status": res.status, "milp_vars": res.num_vars, "milp_constraints": res.num_constraints,
             "milp_s": round(time.perf_counter() - t0, 4), "compact": relax.is_large(p)}
+    if res.start_note:
+        info["warm_start"] = res.start_note
     if res.objective is not None:
         info["objective_s"] = p.compute_s + res.objective
     if res.bound is not None:
@@ -441,7 +444,8 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
         approx.solver = "milp"
         approx.info.update(info)
         why = (f"the MILP solver crashed or hung (status {res.status})" if res.status.startswith(("crashed", "error"))
-               else f"the MILP found no solution within {limit:g} s (status {res.status})")
+               else f"the MILP found no solution within {limit:g} s (status {res.status}"
+               + (f"; {res.start_note.split(' (')[0]}: see warm_start" if "breaks" in res.start_note else "") + ")")
         approx.info["fallback"] = f"{why}: this is the approx plan"
         return approx
     try:

@@ -390,6 +390,8 @@ def _restricted_milp(name: str, graph: Graph, budget: int, model: Any, time_limi
                                  solver=options.get("solver_backend", "cbc"), verbose=verbose, swap=swap,
                                  recompute=recompute, compact=relax.is_large(p))
         info: dict[str, Any] = {"status": res.status, "milp_vars": res.num_vars, "milp_constraints": res.num_constraints}
+        if res.start_note:
+            info["warm_start"] = res.start_note
         if res.objective is not None:
             info["objective_s"] = p.compute_s + res.objective
         if res.bound is not None:

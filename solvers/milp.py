@@ -88,6 +88,7 @@ class StrModel:
     sigma: dict[tuple[int, int, int], Any] = field(default_factory=dict)   # fifo: stall variables (us)
     build_s: float = 0.0
     link: str = "stage"
+    start_note: str = ""
 
     @property
     def num_vars(self) -> int:
@@ -608,6 +609,7 @@ class SolveResult:
     num_constraints: int
     build_s: float
     elapsed_s: float = 0.0     # wall seconds of the whole call: build + solve + reading the solution
+    start_note: str = ""       # whether the warm start satisfies the model (check_start)
 
 
 TIME_LIMIT_STATUS = "time limit"   # the deadline stopped the solve before the solver returned
@@ -636,6 +638,7 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
             time_limit = max(time_limit - max(OVERRUN_RESERVE_S, OVERRUN_SHARE * time_limit), 0.5 * time_limit)
     if start is not None and not relax:
         m.start = start_from_schedule(sm, start)
+        check_start(sm, start)
     if threads is not None:
         m.threads = threads
     t0 = time.perf_counter()
@@ -658,7 +661,35 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
     if obj is not None and bound is not None:
         bound = min(bound, obj)              # the bound includes copy charges the objective no longer has
     gap = max(0.0, obj - bound) if obj is not None and bound is not None else None
-    return SolveResult(status.name.lower(), obj, bound, gap, dt, sched, m.num_cols, m.num_rows, sm.build_s)
+    return SolveResult(status.name.lower(), obj, bound, gap, dt, sched, m.num_cols, m.num_rows, sm.build_s,
+                       start_note=sm.start_note)
+
+
+def check_start(sm: StrModel, start: Schedule) -> str:
+    """Say whether the warm start ``start`` satisfies the model's rows (cached on ``sm``).
+
+    CBC only uses a start it finds feasible, and a heuristic plan (queued FIFO on the full graph) often
+    breaks the coarse ``stage`` link rows; the note says which rows, so that a plan falling back for
+    want of a MILP solution says why. Models with continuous variables (``fifo``, ``exact``) cannot
+    be checked from the start's binaries alone: the note then says nothing.
+    """
+    if sm.start_note or sm.link != "stage":
+        return sm.start_note
+    values = {id(v): x for v, x in start_from_schedule(sm, start)}
+    broken: dict[str, int] = {}
+    for c in sm.m.constrs:
+        e = c.expr
+        lhs = e.const + sum(coef * values.get(id(v), 0.0) for v, coef in e.expr.items())
+        if (e.sense == "<" and lhs > 1e-6) or (e.sense == ">" and lhs < -1e-6) or (e.sense == "=" and abs(lhs) > 1e-6):
+            family = "_".join(w for w in c.name.split("_") if not w.isdigit())
+            broken[family] = broken.get(family, 0) + 1
+    if not broken:
+        sm.start_note = "the warm start satisfies the MILP"
+    else:
+        rows = ", ".join(f"{k} {n}" for k, n in sorted(broken.items(), key=lambda kv: -kv[1]))
+        sm.start_note = (f"the warm start breaks {sum(broken.values())} rows of the MILP ({rows}), so the "
+                         "solver searches without it")
+    return sm.start_note
 
 
 TOLERANCE_CUTS = 50        # plans a few bytes over the budget an exact model may cut off, at most
@@ -743,7 +774,7 @@ def solve_problem(p: Problem, *, time_limit: float | None = None, start: Schedul
     stop_at = (deadline + KILL_GRACE_S if deadline is not None
                else t0 + NO_LIMIT_WAIT_S + 0.05 * len(p.candidates) * p.T / 100)
     res: SolveResult | None = None
-    size = (0, 0, 0.0)
+    size: tuple[int, int, float, str] = (0, 0, 0.0, "")
     died = False
     try:
         while res is None:
@@ -767,7 +798,8 @@ def solve_problem(p: Problem, *, time_limit: float | None = None, start: Schedul
     elapsed = time.monotonic() - t0
     if res is None:
         status = "crashed" if died or deadline is None else TIME_LIMIT_STATUS
-        res = SolveResult(status, None, None, None, max(elapsed - size[2], 0.0), None, size[0], size[1], size[2])
+        res = SolveResult(status, None, None, None, max(elapsed - size[2], 0.0), None, size[0], size[1], size[2],
+                          start_note=size[3])
     res.elapsed_s = elapsed
     return res
 
@@ -776,7 +808,8 @@ def _solve_child(conn: Any, p: Problem, deadline: float | None, start: Schedule 
                  build_options: dict[str, Any]) -> None:
     try:
         sm = build_model(p, **build_options)
-        conn.send(("built", (sm.num_vars, sm.num_constraints, sm.build_s)))
+        note = check_start(sm, start) if start is not None and not build_options.get("relax") else ""
+        conn.send(("built", (sm.num_vars, sm.num_constraints, sm.build_s, note)))
         res = solve(sm, start=start, deadline=deadline)
         conn.send(("result", res))
     except BaseException as e:      # report, never hang the parent

@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hybridmem.graph import Graph
@@ -121,3 +122,23 @@ def test_an_unhurried_solve_reports_optimal_with_bound_and_zero_gap(graph24: Gra
     assert res.objective is not None and res.bound is not None and res.gap is not None
     assert res.bound <= res.objective and res.gap < 1e-6
     assert res.elapsed_s >= res.solve_s
+
+
+def test_a_warm_start_the_model_refuses_is_reported() -> None:
+    """A start that breaks the model's rows is named in the result (CBC silently drops it)."""
+    from hybridmem.solvers._common import Schedule, TensorSchedule
+
+    g = random_graph(16, seed=3)
+    p = build_problem(g, int(0.7 * g.peak_bytes()), "h100-80gb")
+    sm = milp.build_model(p, link="stage")
+    # keep-all: every candidate present throughout, which breaks the memory rows at this budget
+    keep = Schedule({c.tensor: TensorSchedule(c.tensor, c.start, np.ones(c.end - c.start + 1, dtype=bool))
+                     for c in p.candidates})
+    note = milp.check_start(sm, keep)
+    assert note.startswith("the warm start breaks") and "mem" in note, note
+    res = milp.solve_problem(p, time_limit=5, start=keep, link="stage")
+    assert res.start_note == note
+    ok = milp.solve(milp.build_model(p, link="stage"), time_limit=5)
+    assert ok.schedule is not None
+    sm2 = milp.build_model(p, link="stage")
+    assert milp.check_start(sm2, ok.schedule) == "the warm start satisfies the MILP"
