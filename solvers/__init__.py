@@ -363,7 +363,7 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
         info = dict(out.info)
         if str_plan is not None:
             for k in ("lp_bound_s", "lp_status", "lp_s", "lp_vars", "lp_constraints", "status", "milp_vars",
-                      "milp_constraints", "milp_s", "objective_s", "bound_s", "mip_gap", "compact"):
+                      "milp_constraints", "milp_s", "objective_s", "bound_s", "mip_gap", "compact", "warm_start"):
                 if k in str_plan.info:
                     info.setdefault(k, str_plan.info[k])
         out.info = info

@@ -170,9 +170,16 @@ def read_closure(p: Problem) -> list[set[int]]:
             if kj is not None and kj != k:
                 readers.setdefault(kj, []).append(k)
     out = [set(u for u in c.uses if u > c.start) for c in C]
-    for k in sorted(range(len(C)), key=lambda k: -C[k].start):   # later producers first
-        for r in readers.get(k, ()):
-            out[k] |= {t for t in out[r] if C[k].start < t <= C[k].end}
+    order = sorted(range(len(C)), key=lambda k: -C[k].start)     # later producers first: one pass, except
+    changed = True                                                # for bundles made in the same coarse stage
+    while changed:
+        changed = False
+        for k in order:
+            for r in readers.get(k, ()):
+                add = {t for t in out[r] if C[k].start < t <= C[k].end} - out[k]
+                if add:
+                    out[k] |= add
+                    changed = True
     return out
 
 

@@ -423,3 +423,17 @@ def test_approx_offers_the_recompute_only_lp_start(vgg16_tiny: Graph) -> None:
             assert mine.predicted_time_s <= res.time_s * (1 + 1e-9)
     off = plan(g, budget, solver="approx", time_limit=10, recompute_lp=False, **COARSE)
     assert "recompute-lp" not in off.info["phases_s"]
+
+
+def test_read_closure_follows_chains_of_bundles_made_in_one_coarse_stage() -> None:
+    """A replay of C reads B, whose replay reads A: A may be needed wherever C is recomputed, even when
+    all three were made in the same (coarse) stage, where no order of one pass sees it."""
+    from types import SimpleNamespace
+
+    def cand(tensor: int, uses: tuple[int, ...], src: tuple[int, ...]) -> SimpleNamespace:
+        return SimpleNamespace(tensor=tensor, start=0, end=10, uses=uses, src=src)
+
+    p = SimpleNamespace(candidates=[cand(100, (2,), ()), cand(101, (3,), (100,)), cand(102, (9,), (101,))],
+                        index={100: 0, 101: 1, 102: 2})
+    out = milp.read_closure(p)
+    assert out == [{2, 3, 9}, {3, 9}, {9}]
