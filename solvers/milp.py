@@ -159,16 +159,22 @@ def _latest_hidden(p: Problem, u: int, d: float) -> int:
     return max(q, 0)
 
 
-def read_closure(p: Problem) -> list[set[int]]:
-    """Stages where a recompute of each candidate can matter: its reads, and (recursively) the stages
-    where a candidate whose producer reads it may be recomputed."""
-    C = p.candidates
+def replay_readers(p: Problem) -> dict[int, list[int]]:
+    """Candidate -> the candidates whose replay reads it (it is an input of their producers)."""
     readers: dict[int, list[int]] = {}
-    for k, c in enumerate(C):
+    for k, c in enumerate(p.candidates):
         for j in c.src:
             kj = p.index.get(j)
             if kj is not None and kj != k:
                 readers.setdefault(kj, []).append(k)
+    return readers
+
+
+def read_closure(p: Problem) -> list[set[int]]:
+    """Stages where a recompute of each candidate can matter: its reads, and (recursively) the stages
+    where a candidate whose producer reads it may be recomputed."""
+    C = p.candidates
+    readers = replay_readers(p)
     out = [set(u for u in c.uses if u > c.start) for c in C]
     order = sorted(range(len(C)), key=lambda k: -C[k].start)     # later producers first: one pass, except
     changed = True                                                # for bundles made in the same coarse stage
@@ -496,11 +502,7 @@ def _exact_link(sm: StrModel, present: Any, copies: Any) -> Any:
     # 34 s), and its reductions returned plans a byte over the tightest budgets more often
     m.preprocess = 0
     clock = add_clock(sm, present, TIME_UNIT)
-    readers: dict[int, list[int]] = {}       # candidate -> candidates whose replay reads it
-    for k, c in enumerate(C):
-        for j in c.src:
-            if j in p.index and p.index[j] != k:
-                readers.setdefault(p.index[j], []).append(k)
+    readers = replay_readers(p)
     # Every replay and every copy on the clock is one the plan does: a regeneration is a return to the
     # device, never a second copy, a replay serves a recompute, a swap-in lands what is read. A
     # redundant one would otherwise be worth its time (a replay or a copy the op waits for lets other
@@ -508,9 +510,8 @@ def _exact_link(sm: StrModel, present: Any, copies: Any) -> Any:
     for (t, k), r in sm.R.items():
         m += r + present(t - 1, k) <= 1, f"rec_returns_{t}_{k}"
         m += r + sm.S[t, k] <= 1, f"rec_alone_{t}_{k}"
-    for (t, pid), x in sm.X.items():
-        ks = [k for k in range(len(C)) if p.producers(k)[0] == pid and (t, k) in sm.R]
-        m += x <= xsum(sm.R[t, k] for k in ks), f"replay_used_{t}_{pid}"
+    for rp in (rp for rps in clock.replays.values() for rp in rps if (rp.t, rp.pid) in sm.X):
+        m += rp.v <= xsum(sm.R[rp.t, k] for k in rp.ks), f"replay_used_{rp.t}_{rp.pid}"
     landing: dict[tuple[int, int], list[Any]] = {}
     for (q, u, k), y in sm.Y.items():
         landing.setdefault((u, k), []).append(y)
