@@ -41,7 +41,7 @@ import hybridmem
 from hybridmem.errors import BudgetInfeasibleError
 from hybridmem.plan import Plan
 from hybridmem.runtime import Stats
-from tests.test_runtime_common import Case, raw, snapshot
+from tests.test_runtime_common import Case, train
 
 torch.set_num_threads(1)
 
@@ -102,24 +102,8 @@ def _train(case: Case, plan: Plan | None, optimizer: str = "sgd") -> tuple[list,
     ``plan``. Managed: the stats of the whole run and of the followed steps (2 on: the peak is reset
     after step 1)."""
     model = copy.deepcopy(case.model)
-    opt = OPTIMIZERS[optimizer](model.parameters())
-    torch.manual_seed(0)
-    out: list[Any] = []
-
-    def steps(after_first: Any = None) -> None:
-        for i in range(STEPS):
-            opt.zero_grad(set_to_none=True)
-            loss = case.loss(model)
-            loss.backward()
-            out.append(snapshot(model, loss))
-            opt.step()
-            if i == 0 and after_first is not None:
-                after_first()
-        out.append(raw(torch.get_rng_state()))
-
     if plan is None:
-        steps()
-        return out, None
+        return train(case, model, STEPS, OPTIMIZERS[optimizer]), None
     with hybridmem.session(plan=plan, device="cpu") as s:
         whole: list[Stats] = []
 
@@ -127,7 +111,7 @@ def _train(case: Case, plan: Plan | None, optimizer: str = "sgd") -> tuple[list,
             whole.append(s.stats())
             s.reset_stats()
 
-        steps(first_done)
+        out = train(case, model, STEPS, OPTIMIZERS[optimizer], after_first=first_done)
     followed = s.stats()
     first = whole[0]
     whole_peak = max(first.peak_bytes, followed.peak_bytes)

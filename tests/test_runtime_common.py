@@ -39,20 +39,27 @@ def snapshot(model: torch.nn.Module, loss: torch.Tensor) -> tuple[bytes, list[by
     return raw(loss), grads, [raw(b) for b in model.buffers()]
 
 
-def train(case: Case, model: torch.nn.Module, steps: int = 3, optim: str = "sgd", seed: int = 0) -> list[Any]:
-    """``steps`` training steps (``optim``: "sgd" with momentum, "sgd-plain", "adam"); per step the
-    loss, every gradient and every buffer (bytes), and at the end the global RNG's state (a replay
-    must not consume it)."""
-    opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if optim == "adam"
-           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9 if optim == "sgd" else 0.0))
+def train(case: Case, model: torch.nn.Module, steps: int = 3,
+          optim: str | Callable[[Any], torch.optim.Optimizer] = "sgd", seed: int = 0,
+          after_first: Callable[[], None] | None = None) -> list[Any]:
+    """``steps`` training steps (``optim``: "sgd" with momentum, "sgd-plain", "adam", or a factory taking
+    the parameters); per step the loss, every gradient and every buffer (bytes), and at the end the
+    global RNG's state (a replay must not consume it). ``after_first`` runs after the first step."""
+    if callable(optim):
+        opt = optim(model.parameters())
+    else:
+        opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if optim == "adam"
+               else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9 if optim == "sgd" else 0.0))
     torch.manual_seed(seed)
     out: list[Any] = []
-    for _ in range(steps):
+    for i in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = case.loss(model)
         loss.backward()
         out.append(snapshot(model, loss))
         opt.step()
+        if i == 0 and after_first is not None:
+            after_first()
     out.append(raw(torch.get_rng_state()))
     return out
 
