@@ -501,6 +501,11 @@ def _exact_link(sm: StrModel, present: Any, copies: Any) -> Any:
     # without preprocessing these small models solve faster (the exhaustive-search tests: 22 s against
     # 34 s), and its reductions returned plans a byte over the tightest budgets more often
     m.preprocess = 0
+    # python-mip passes that to CBC only; with its presolve HiGHS (1.15) rejects its own solutions of the
+    # big-M rows ("untransformed violations") and calls feasible models infeasible
+    set_option = getattr(m.solver, "_set_string_option_value", None)
+    if m.solver_name.lower() == "highs" and set_option is not None:
+        set_option("presolve", "off")
     clock = add_clock(sm, present, TIME_UNIT)
     readers = replay_readers(p)
     # Every replay and every copy on the clock is one the plan does: a regeneration is a return to the
