@@ -161,7 +161,8 @@ def schedule_of(p, actions: list[Action]):
 @pytest.mark.parametrize("device,n_forward,seed", [("h100-80gb", 3, 12), ("v100-16gb", 4, 10)])
 def test_exact_model_times_and_sizes_every_plan_as_the_simulator(device: str, n_forward: int, seed: int) -> None:
     """Fix the MILP's decisions to an enumerated plan: at the plan's simulated peak it is feasible with the
-    simulated step time as its objective, one byte below it is infeasible."""
+    simulated step time as its objective; one byte below, the solve calls it infeasible (the model's
+    memory rows, or where CBC's tolerance lets a byte through, the solve's byte-exact check of plans)."""
     from hybridmem.solvers import milp
     from hybridmem.solvers._common import schedule_to_actions
 
