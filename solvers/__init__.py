@@ -21,10 +21,10 @@ Solvers (``SOLVERS``):
   graph with the simulator's FIFO link timing, beats the model), and ``lower_bound_s`` (valid for
   every swap/recompute plan of the full graph: :func:`solvers.bound.lower_bound`, ``lower_bound_kind``
   says whether the compute time or the swap/recompute bound gives it) with ``gap_to_lower_bound``.
-- ``milp``: the STR MILP (:mod:`solvers.milp`), warm-started from the rounded STR LP schedule (``plan.info["warm_start"]``
-  says whether that start satisfies the MILP's rows; CBC drops one that does not); ``time_limit``
-  seconds (default 60); on timeout without a solution, or a solution the simulator rejects, the approx
-  plan is returned with ``plan.info["fallback"]`` saying why.
+- ``milp``: the STR MILP (:mod:`solvers.milp`), warm-started from the rounded STR LP schedule
+  (``plan.info["warm_start"]`` says whether that start satisfies the MILP's rows; CBC drops one that
+  does not); ``time_limit`` seconds (default 60); on timeout without a solution, or a solution the
+  simulator rejects, the approx plan is returned with ``plan.info["fallback"]`` saying why.
 - ``greedy``: the source-tracing repair alone, from keep-everything (no LP).
 - baselines (:mod:`solvers.baselines`): ``keep-all``, ``chen`` (sqrt(n) checkpointing), ``checkmate``
   (recompute-only MILP), ``swap-vdnn`` (swap conv/linear inputs, prefetch one layer ahead), ``swap-opt``

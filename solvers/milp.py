@@ -650,8 +650,9 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
             # the parent at the deadline loses
             time_limit = max(time_limit - max(OVERRUN_RESERVE_S, OVERRUN_SHARE * time_limit), 0.5 * time_limit)
     if start is not None and not relax:
-        m.start = start_from_schedule(sm, start)
-        check_start(sm, start)
+        values = start_from_schedule(sm, start)
+        m.start = values
+        check_start(sm, start, values)
     if threads is not None:
         m.threads = threads
     t0 = time.perf_counter()
@@ -678,17 +679,18 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
                        start_note=sm.start_note)
 
 
-def check_start(sm: StrModel, start: Schedule) -> str:
+def check_start(sm: StrModel, start: Schedule, values: list[tuple[Any, float]] | None = None) -> str:
     """Say whether the warm start ``start`` satisfies the model's rows (cached on ``sm``).
 
     CBC only uses a start it finds feasible, and a heuristic plan (queued FIFO on the full graph) often
     breaks the coarse ``stage`` link rows; the note says which rows, so that a plan falling back for
     want of a MILP solution says why. Models with continuous variables (``fifo``, ``exact``) cannot
-    be checked from the start's binaries alone: the note then says nothing.
+    be checked from the start's binaries alone: the note then says nothing. ``values``: the start as
+    :func:`start_from_schedule` encodes it, if the caller has it already.
     """
     if sm.start_note or sm.link != "stage":
         return sm.start_note
-    values = {id(v): x for v, x in start_from_schedule(sm, start)}
+    values = {id(v): x for v, x in (values if values is not None else start_from_schedule(sm, start))}
     broken: dict[str, int] = {}
     for c in sm.m.constrs:
         e = c.expr
