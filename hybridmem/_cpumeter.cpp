@@ -1,6 +1,32 @@
-// hybridmem CPU allocator meter: a c10::Allocator that wraps the CPU allocator and counts bytes.
+// hybridmem native allocator device: a c10::Allocator that wraps the CPU allocator, counts its bytes,
+// caps them at a budget, and frees evictable storages (a registry) when an allocation would cross it.
+// With HM_WITH_CUDA the same registry is reached from the CUDA caching allocator through a c10
+// free-memory callback (FreeCudaMemoryCallbacksRegistry).
 //
 // Built and loaded by hybridmem/cpumeter.py (plain C ABI, ctypes; c10 headers only, no pybind11).
+//
+// The cap
+// - hm_set_budget(b): an allocation that would take current (+ external) bytes over b first asks the
+//   registry to free the difference, then, if it still does not fit, throws c10::OutOfMemoryError
+//   (torch.OutOfMemoryError in Python) naming the bytes requested, held, and what the registry could
+//   not free. Nothing is allocated past the budget: the bytes are reserved before the inner allocator
+//   runs. No Python and no GIL on this path.
+// - hm_add_external(d): bytes the device holds that were allocated before the wrapper was installed
+//   (parameters, inputs): counted in current/peak and against the budget like the rest.
+// - A thread may exempt its allocations from the cap (hm_cap_exempt): they are counted, never refused.
+//
+// The registry of evictable storages
+// - hm_reg_add(key, StorageImpl*, limit, priority): takes a strong reference (the StorageImpl stays
+//   alive, its Python object too). The storage is *droppable* while its use count is <= limit (the
+//   caller's own references plus ours: nothing else can read it, so freeing it frees real memory).
+// - reclaim(need): under the registry lock, droppable storages in priority order have their data
+//   taken out (the StorageImpl keeps a null DataPtr and 0 bytes, as after resize_(0)); the DataPtrs are
+//   destroyed after the lock is released, which frees the memory. Their keys queue for hm_reg_drain.
+//   The StorageImpl is never released here: its last reference may be a Python object, whose release
+//   needs the GIL.
+// - hm_reg_claim(key) (called with the GIL held, through ctypes.PyDLL): removes the entry and drops
+//   our reference; 1 = its data was still there, 0 = it had been dropped, -1 = unknown key. Python
+//   claims an entry before it reads it, so a storage is never dropped while Python uses it.
 //
 // Design
 // - MeterAllocator::allocate(n) calls the allocator that was current at install time ("inner") and
@@ -30,11 +56,24 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <mutex>
+#include <new>
+#include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
+
+#ifdef HM_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #define HM_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -44,11 +83,18 @@ struct Entry {
   c10::DataPtr inner;  // owns the memory; destroying it frees through the inner allocator
   int64_t bytes = 0;
   int64_t serial = 0;
+  bool inherited = false;  // allocated by the parent of a forked child: not counted in the child
 };
 
 struct State {
-  std::atomic<int64_t> current{0};
+  std::atomic<int64_t> current{0};     // live counted allocations + external bytes
   std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> window_peak{0};  // a second peak, reset independently (per-op scratch in capture)
+  std::atomic<int64_t> budget{-1};      // -1: no cap
+  std::atomic<int64_t> external{0};     // bytes from before install, counted in current
+  std::atomic<int64_t> refused{0};      // allocations refused (OutOfMemoryError thrown)
+  std::atomic<int64_t> reclaimed{0};    // bytes the registry freed at allocation time
+  std::atomic<int64_t> reclaims{0};     // storages the registry freed at allocation time
   std::atomic<int64_t> serial{0};      // number of counted allocations so far (monotonic)
   std::atomic<int64_t> orphan_frees{0};   // meter_delete on a pointer it did not allocate
   std::atomic<int64_t> stale_entries{0};  // allocations freed behind our back (see allocate)
@@ -68,6 +114,121 @@ State& state() {
   return *s;
 }
 
+void bump_peaks(State& s, int64_t now) {
+  int64_t peak = s.peak.load(std::memory_order_relaxed);
+  while (now > peak && !s.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+  int64_t w = s.window_peak.load(std::memory_order_relaxed);
+  while (now > w && !s.window_peak.compare_exchange_weak(w, now, std::memory_order_relaxed)) {
+  }
+}
+
+thread_local int cap_exempt = 0;  // > 0: this thread's allocations are never refused
+
+struct RegEntry {
+  c10::StorageImpl* impl = nullptr;  // we hold one strong reference
+  int64_t limit = 0;                 // droppable while use_count <= limit
+  double priority = 0.0;             // lower goes first
+  int64_t seq = 0;                   // registration order (older first on ties)
+  bool dropped = false;
+};
+
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, RegEntry> entries;
+  std::vector<int64_t> dropped;  // keys dropped since the last drain
+  int64_t seq = 0;
+};
+
+// Leaked on purpose, like state(); replaced (not freed) in a forked child.
+std::atomic<Registry*> the_registry{new Registry()};
+
+Registry& registry() {
+  return *the_registry.load(std::memory_order_acquire);
+}
+
+void meter_delete(void* ptr) noexcept;
+
+// Frees droppable registered storages of `device_type`, lowest priority first, until `need` bytes
+// were taken out or none is left; returns the bytes taken out. Only storages whose memory the
+// meter allocated count on the CPU (`metered_only`): freeing anything else would not lower the count.
+int64_t reclaim(int64_t need, c10::DeviceType device_type, bool metered_only) {
+  Registry& r = registry();
+  std::vector<c10::DataPtr> victims;
+  int64_t taken = 0;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    std::vector<std::pair<std::pair<double, int64_t>, int64_t>> order;
+    order.reserve(r.entries.size());
+    for (auto& [key, e] : r.entries) {
+      if (e.dropped || e.impl->device_type() != device_type) {
+        continue;
+      }
+      if (c10::raw::intrusive_ptr::use_count(e.impl) > static_cast<uint32_t>(e.limit)) {
+        continue;  // something else references it: freeing it would corrupt that tensor
+      }
+      const c10::DataPtr& dp = e.impl->_mutable_data_ptr_no_checks();
+      if (dp.get() == nullptr || e.impl->nbytes() == 0) {
+        continue;
+      }
+      if (metered_only && dp.get_deleter() != &meter_delete) {
+        continue;
+      }
+      order.push_back({{e.priority, e.seq}, key});
+    }
+    std::sort(order.begin(), order.end());
+    for (auto& item : order) {
+      if (taken >= need) {
+        break;
+      }
+      RegEntry& e = r.entries[item.second];
+      const int64_t n = static_cast<int64_t>(e.impl->nbytes());
+      const c10::Device dev = e.impl->_mutable_data_ptr_no_checks().device();
+      victims.push_back(std::move(e.impl->_mutable_data_ptr_no_checks()));
+      e.impl->set_data_ptr_noswap(c10::DataPtr(nullptr, dev));
+      e.impl->set_nbytes(0);
+      e.dropped = true;
+      r.dropped.push_back(item.second);
+      taken += n;
+    }
+  }
+  State& s = state();
+  s.reclaims.fetch_add(static_cast<int64_t>(victims.size()), std::memory_order_relaxed);
+  s.reclaimed.fetch_add(taken, std::memory_order_relaxed);
+  victims.clear();  // frees the memory, outside the registry lock (meter_delete takes the table lock)
+  return taken;
+}
+
+std::string mib(int64_t b) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.2f MiB", static_cast<double>(b) / 1048576.0);
+  return std::string(buf);
+}
+
+// Reserve `n` bytes against the budget (freeing registered storages if needed) or throw OOM.
+void reserve(State& s, int64_t n) {
+  for (int attempt = 0;; ++attempt) {
+    const int64_t now = s.current.fetch_add(n, std::memory_order_relaxed) + n;
+    const int64_t b = s.budget.load(std::memory_order_relaxed);
+    if (b < 0 || now <= b || cap_exempt > 0) {
+      bump_peaks(s, now);
+      return;
+    }
+    s.current.fetch_sub(n, std::memory_order_relaxed);
+    if (attempt < 2 && reclaim(now - b, c10::DeviceType::CPU, true) > 0) {
+      continue;
+    }
+    s.refused.fetch_add(1, std::memory_order_relaxed);
+    const int64_t held = s.current.load(std::memory_order_relaxed);
+    // "Tried to allocate X MiB" is the form torch's CUDA allocator uses: callers parse it.
+    C10_THROW_ERROR(OutOfMemoryError,
+                    "hybridmem: CPU allocator budget exceeded. Tried to allocate " + mib(n) + " (" +
+                        std::to_string(n) + " bytes) with " + mib(held) + " (" + std::to_string(held) +
+                        " bytes) held and nothing more the allocator could free; budget " + mib(b) +
+                        " (" + std::to_string(b) + " bytes)");
+  }
+}
+
 void meter_delete(void* ptr) noexcept {
   if (ptr == nullptr) {
     return;  // raw_deallocate(nullptr) (e.g. ideep frees null pointers): a no-op, like free()
@@ -75,14 +236,19 @@ void meter_delete(void* ptr) noexcept {
   State& s = state();
   c10::DataPtr inner;
   int64_t bytes = 0;
+  bool inherited = false;
   {
     std::lock_guard<std::mutex> lock(s.table_mutex);
     auto it = s.table.find(ptr);
     if (it != s.table.end()) {
       inner = std::move(it->second.inner);
       bytes = it->second.bytes;
+      inherited = it->second.inherited;
       s.table.erase(it);
     }
+  }
+  if (inherited) {
+    return;  // the parent's memory, freed in a forked child: never counted here (`inner` frees it)
   }
   if (bytes == 0) {
     // Not ours: memory raw_allocate'd through the wrapped allocator before install and handed to
@@ -104,13 +270,24 @@ struct MeterAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     State& s = state();
     c10::Allocator* inner = s.inner.load(std::memory_order_acquire);
-    c10::DataPtr dp = inner->allocate(n);
+    if (n == 0) {
+      return inner->allocate(n);
+    }
+    const int64_t bytes = static_cast<int64_t>(n);
+    reserve(s, bytes);  // throws past the budget: nothing is allocated then
+    c10::DataPtr dp;
+    try {
+      dp = inner->allocate(n);
+    } catch (...) {
+      s.current.fetch_sub(bytes, std::memory_order_relaxed);
+      throw;
+    }
     void* data = dp.get();
-    if (n == 0 || data == nullptr) {
+    if (data == nullptr) {
+      s.current.fetch_sub(bytes, std::memory_order_relaxed);
       return dp;
     }
     const c10::Device device = dp.device();
-    const int64_t bytes = static_cast<int64_t>(n);
     const int64_t serial = s.serial.fetch_add(1, std::memory_order_relaxed) + 1;
     int64_t stale = 0;
     {
@@ -120,7 +297,7 @@ struct MeterAllocator final : public c10::Allocator {
         // The address is live in the table, so the memory it described was freed behind our back:
         // raw_allocate'd here and raw_deallocate'd through another allocator after uninstall.
         // Forget it without freeing it again.
-        stale = it->second.bytes;
+        stale = it->second.inherited ? 0 : it->second.bytes;
         it->second.inner.release_context();
       }
       it->second = Entry{std::move(dp), bytes, serial};
@@ -128,11 +305,6 @@ struct MeterAllocator final : public c10::Allocator {
     if (stale != 0) {
       s.current.fetch_sub(stale, std::memory_order_relaxed);
       s.stale_entries.fetch_add(1, std::memory_order_relaxed);
-    }
-    const int64_t now = s.current.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-    int64_t peak = s.peak.load(std::memory_order_relaxed);
-    while (now > peak &&
-           !s.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
     }
     return c10::DataPtr(data, data, &meter_delete, device);
   }
@@ -226,12 +398,239 @@ HM_EXPORT int64_t hm_peak() {
   return state().peak.load(std::memory_order_relaxed);
 }
 
+// Budget of the CPU device in bytes; -1 removes the cap.
+HM_EXPORT void hm_set_budget(int64_t b) {
+  state().budget.store(b, std::memory_order_relaxed);
+}
+
+HM_EXPORT int64_t hm_budget() {
+  return state().budget.load(std::memory_order_relaxed);
+}
+
+// Adds `delta` (may be negative) to the external bytes, which count in current and peak.
+HM_EXPORT int64_t hm_add_external(int64_t delta) {
+  State& s = state();
+  // Never below zero: a forked child's device starts with none, whatever its copy of the Python side
+  // believes it added before the fork.
+  int64_t ext = s.external.load(std::memory_order_relaxed);
+  while (ext + delta < 0 && !s.external.compare_exchange_weak(ext, 0, std::memory_order_relaxed)) {
+  }
+  if (ext + delta < 0) {
+    delta = -ext;
+  } else {
+    s.external.fetch_add(delta, std::memory_order_relaxed);
+  }
+  const int64_t now = s.current.fetch_add(delta, std::memory_order_relaxed) + delta;
+  bump_peaks(s, now);
+  return now;
+}
+
+HM_EXPORT int64_t hm_external() {
+  return state().external.load(std::memory_order_relaxed);
+}
+
+// Exempt this thread's allocations from the cap while depth > 0 (nested calls stack).
+HM_EXPORT int hm_cap_exempt(int enter) {
+  cap_exempt += enter ? 1 : -1;
+  if (cap_exempt < 0) cap_exempt = 0;
+  return cap_exempt;
+}
+
+HM_EXPORT void hm_window_reset() {
+  State& s = state();
+  s.window_peak.store(s.current.load(std::memory_order_relaxed), std::memory_order_relaxed);
+}
+
+HM_EXPORT int64_t hm_window_peak() {
+  return state().window_peak.load(std::memory_order_relaxed);
+}
+
+HM_EXPORT int64_t hm_refused() {
+  return state().refused.load(std::memory_order_relaxed);
+}
+
+HM_EXPORT int64_t hm_reclaimed_bytes() {
+  return state().reclaimed.load(std::memory_order_relaxed);
+}
+
+HM_EXPORT int64_t hm_reclaims() {
+  return state().reclaims.load(std::memory_order_relaxed);
+}
+
+// ---- registry (the hm_reg_* functions that take or drop references run with the GIL held) ----
+
+// Registers a storage (`impl` = StorageImpl*, i.e. UntypedStorage._cdata) under `key`; takes a strong
+// reference. 1: added; 0: the key was registered already (nothing changed).
+HM_EXPORT int hm_reg_add(int64_t key, uintptr_t impl, int64_t limit, double priority) {
+  Registry& r = registry();
+  auto* p = reinterpret_cast<c10::StorageImpl*>(impl);
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto [it, fresh] = r.entries.try_emplace(key);
+  if (!fresh) {
+    return 0;
+  }
+  c10::raw::intrusive_ptr::incref(p);
+  it->second = RegEntry{p, limit, priority, ++r.seq, false};
+  return 1;
+}
+
+// Removes `key` and drops our reference: 1 = its data was there, 0 = it had been dropped, -1 = unknown.
+HM_EXPORT int hm_reg_claim(int64_t key) {
+  Registry& r = registry();
+  c10::StorageImpl* p = nullptr;
+  int res = -1;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.entries.find(key);
+    if (it == r.entries.end()) {
+      return -1;
+    }
+    p = it->second.impl;
+    res = it->second.dropped ? 0 : 1;
+    r.entries.erase(it);
+  }
+  c10::raw::intrusive_ptr::decref(p);  // may free the storage (and its Python object: GIL held)
+  return res;
+}
+
+// Copies up to `cap` keys dropped since the last drain into `out`; returns how many (the rest stay).
+HM_EXPORT int64_t hm_reg_drain(int64_t* out, int64_t cap) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const int64_t n = std::min<int64_t>(cap, static_cast<int64_t>(r.dropped.size()));
+  std::copy(r.dropped.begin(), r.dropped.begin() + n, out);
+  r.dropped.erase(r.dropped.begin(), r.dropped.begin() + n);
+  return n;
+}
+
+HM_EXPORT int64_t hm_reg_pending() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return static_cast<int64_t>(r.dropped.size());
+}
+
+HM_EXPORT int64_t hm_reg_count() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return static_cast<int64_t>(r.entries.size());
+}
+
+// Bytes the registry could free now on `device_type` (0 CPU, 1 CUDA): droppable, not yet dropped.
+HM_EXPORT int64_t hm_reg_droppable(int device_type) {
+  Registry& r = registry();
+  const auto dt = device_type == 1 ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+  std::lock_guard<std::mutex> lock(r.mutex);
+  int64_t total = 0;
+  for (auto& [key, e] : r.entries) {
+    if (!e.dropped && e.impl->device_type() == dt &&
+        c10::raw::intrusive_ptr::use_count(e.impl) <= static_cast<uint32_t>(e.limit)) {
+      total += static_cast<int64_t>(e.impl->nbytes());
+    }
+  }
+  return total;
+}
+
+// Frees up to `need` bytes of droppable CPU storages now (what an allocation past the budget does).
+HM_EXPORT int64_t hm_reclaim(int64_t need) {
+  return reclaim(need, c10::DeviceType::CPU, true);
+}
+
+// A forked child starts unmanaged: no cap, an empty registry (its references are the parent's
+// objects, copied; they are leaked, never touched), and a device holding nothing of the parent's.
+HM_EXPORT void hm_after_fork_child() {
+  State& s = state();
+  s.budget.store(-1, std::memory_order_relaxed);
+  // The parent's registry (and its lock, in whatever state another thread left it) is abandoned.
+  the_registry.store(new Registry(), std::memory_order_release);
+  // The child's device starts empty: what the parent held is marked inherited (freed uncounted). The
+  // child has one thread now, so the table is walked without its lock, which another parent thread may
+  // have held at the fork: a fresh mutex replaces it.
+  new (&s.table_mutex) std::mutex();
+  for (auto& [ptr, e] : s.table) {
+    e.inherited = true;
+  }
+  s.current.store(0, std::memory_order_relaxed);
+  s.external.store(0, std::memory_order_relaxed);
+  s.peak.store(0, std::memory_order_relaxed);
+  s.window_peak.store(0, std::memory_order_relaxed);
+}
+
 // peak := current. Not atomic with concurrent allocations (a racing allocation may raise the peak
 // just before the store and be lost); call it when no other thread allocates.
 HM_EXPORT void hm_reset_peak() {
   State& s = state();
   s.peak.store(s.current.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
+
+#ifdef HM_WITH_CUDA
+// ---- CUDA: the caching allocator asks registered callbacks to free memory on a cache miss, before
+// cudaMalloc. Ours frees registered CUDA storages while the device's allocated bytes are above the
+// CUDA budget minus a headroom. It runs inside the caching allocator's malloc, which holds the
+// allocator's (recursive) mutex: freeing blocks from here re-enters it on the same thread.
+namespace {
+std::atomic<int64_t> cuda_budget{-1};
+std::atomic<int64_t> cuda_headroom{0};
+std::atomic<int> cuda_device{0};
+std::atomic<int64_t> cuda_calls{0};
+std::atomic<int64_t> cuda_freed{0};
+}  // namespace
+
+namespace c10 {
+class HybridmemFreeMemoryCallback : public FreeMemoryCallback {
+ public:
+  bool Execute() override {
+    const int64_t b = cuda_budget.load(std::memory_order_relaxed);
+    if (b < 0) {
+      return false;
+    }
+    cuda_calls.fetch_add(1, std::memory_order_relaxed);
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_device.load());
+    const int64_t allocated =
+        stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+    const int64_t need = allocated - (b - cuda_headroom.load(std::memory_order_relaxed));
+    if (need <= 0) {
+      return false;
+    }
+    const int64_t freed = reclaim(need, c10::DeviceType::CUDA, false);
+    cuda_freed.fetch_add(freed, std::memory_order_relaxed);
+    return freed > 0;
+  }
+};
+REGISTER_FREE_MEMORY_CALLBACK(hybridmem_free_memory, HybridmemFreeMemoryCallback);
+}  // namespace c10
+
+HM_EXPORT int hm_cuda_hook() {
+  return 1;
+}
+
+// 1 when c10's FreeCudaMemoryCallbacksRegistry holds our callback (it does once this library loads).
+HM_EXPORT int hm_cuda_registered() {
+  return c10::FreeCudaMemoryCallbacksRegistry()->Has("hybridmem_free_memory") ? 1 : 0;
+}
+
+HM_EXPORT void hm_cuda_set_budget(int device, int64_t budget, int64_t headroom) {
+  cuda_device.store(device);
+  cuda_headroom.store(headroom);
+  cuda_budget.store(budget);
+}
+
+HM_EXPORT int64_t hm_cuda_calls() {
+  return cuda_calls.load(std::memory_order_relaxed);
+}
+
+HM_EXPORT int64_t hm_cuda_freed() {
+  return cuda_freed.load(std::memory_order_relaxed);
+}
+
+// Bytes freed by the registry in one call, as the caching allocator's callback would (tests).
+HM_EXPORT int64_t hm_cuda_reclaim(int64_t need) {
+  return reclaim(need, c10::DeviceType::CUDA, false);
+}
+#else
+HM_EXPORT int hm_cuda_hook() {
+  return 0;
+}
+#endif
 
 HM_EXPORT int64_t hm_serial() {
   return state().serial.load(std::memory_order_relaxed);

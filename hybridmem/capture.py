@@ -169,6 +169,7 @@ class _Recorder:
         self.meta_copies: dict[int, Tensor] = {}  # id(non-meta storage) -> its meta stand-in (meta capture)
         self.target_cuda = target_cuda and not torch.are_deterministic_algorithms_enabled()
         self.last_op = ""
+        self.native: Any = None     # the native allocator device (CPU capture): per-op scratch
         self.error = 0              # id() of the last exception seen leaving a module
         self.error_module = ""
 
@@ -274,6 +275,10 @@ class _Recorder:
             if i >= 0:
                 inputs[i] = None
                 in_bytes[i] = max(in_bytes.get(i, 0), min(self.tensors[i].nbytes, _tensor_bytes(t)))
+        native = self.native
+        if native is not None:
+            held = native.current_bytes
+            native.window_reset()
         if self.measure:
             if self.sync:
                 self.sync()
@@ -292,6 +297,8 @@ class _Recorder:
             if new:
                 outputs.append(i)
                 out_bytes += self.tensors[i].nbytes
+        # scratch: what the allocator held at its peak inside the op beyond what was live and the outputs
+        workspace = max(0, native.window_peak - held - out_bytes) if native is not None else 0
         written = []
         for w in written_tensors(func, args, kwargs):
             st = w.untyped_storage()
@@ -315,7 +322,7 @@ class _Recorder:
             inputs=list(inputs), outputs=outputs, rng=uses_rng(func, args, kwargs), side_effect=side_effect,
             deterministic=not (info.cuda_nondeterministic and self.target_cuda),
             # storages that existed before the op and that it wrote: a recompute of one replays this op too
-            writes=[j for j in dict.fromkeys(written) if j in inputs and j not in outputs]))
+            writes=[j for j in dict.fromkeys(written) if j in inputs and j not in outputs], workspace=workspace))
         self.measured.append(dt)
         return out
 
@@ -634,6 +641,7 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
     rec = _Recorder(fixed, measure, sync, to_meta=dev.type == "meta", target_cuda=dev.type in ("cuda", "meta"),
                     param_module=param_module)
+    scratch = "none (meta: shapes only)" if dev.type == "meta" else "not measured (CUDA)"
 
     with ExitStack() as stack:
         leaves = [t for t in _flat_tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
@@ -642,6 +650,8 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
         stack.callback(lambda: [h.remove() for h in handles])
         if dev.type == "meta":
             stack.enter_context(torch.device("meta"))  # factory calls inside forward land on meta too
+        if dev.type == "cpu":
+            rec.native, scratch = _scratch_meter(stack)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.saved, lambda x: x))
         stack.enter_context(_CaptureMode(rec))
         try:
@@ -668,6 +678,7 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
         "num_ops": len(rec.stages), "capture_s": 0.0,
     }
     meta["writes_recorded"] = True  # Stage.writes is filled (graph files written before it was are not)
+    meta["workspace"] = scratch  # where Stage.workspace (kernel scratch) comes from
     if measure:
         meta["measured_cost_s"] = list(rec.measured)
     if rec.mutations:
@@ -702,6 +713,22 @@ def _add_optimizer_state(tensors: list[TensorInfo], optimizer: torch.optim.Optim
         kept += s.nbytes
     return {"class": type(optimizer).__name__, "source": how, "state_bytes": kept, "other_bytes": host,
             "tensors": sum(1 for t in tensors if t.kind == "optimizer")}
+
+
+def _scratch_meter(stack: ExitStack) -> tuple[Any, str]:
+    """The native allocator device for a CPU capture (each op's scratch: ``Stage.workspace``), installed
+    for the capture and exempt from any budget, and where the workspace figures come from."""
+    from .cpumeter import load, unavailable_reason
+
+    native = load()
+    if native is None:
+        return None, f"not measured (the native allocator meter is not available: {unavailable_reason()})"
+    if not native.installed:
+        native.install()
+        stack.callback(native.uninstall)
+    native.cap_exempt(True)
+    stack.callback(native.cap_exempt, False)
+    return native, "measured: the CPU allocator's peak inside each op beyond its live tensors and outputs"
 
 
 def _context(e: Exception, rec: _Recorder, dev: torch.device, where: str = "") -> CaptureError:

@@ -1,4 +1,5 @@
-"""Native CPU allocator meter: exact live/peak bytes of the CPU allocator, with nothing per op in Python.
+"""The native allocator device: exact live/peak bytes of the CPU allocator, a hard cap, and eviction at
+allocation time, with nothing per op in Python.
 
     meter = cpumeter.load()          # None when unavailable: see unavailable_reason()
     if meter is not None:
@@ -6,6 +7,13 @@
         loss = model(x).sum(); loss.backward()
         meter.peak_bytes
         meter.uninstall()
+
+With a budget (:meth:`CpuAllocatorMeter.set_budget`) the wrapper is the managed CPU device: an allocation
+that would take its bytes over the budget first frees *registered* storages (saved activations the
+runtime can regenerate, :meth:`CpuAllocatorMeter.register`) whose only references are the runtime's, then
+raises ``torch.OutOfMemoryError``; no Python runs inside the allocator. Built against CUDA (where torch
+has CUDA and its headers are installed), the same registry answers the CUDA caching allocator's
+free-memory callback (:meth:`CpuAllocatorMeter.set_cuda_budget`).
 
 PyTorch keeps no allocator statistics on the CPU, so ``_cpumeter.cpp`` (next to this file) wraps
 the allocator that ``c10::GetCPUAllocator()`` returns and installs the wrapper with
@@ -47,7 +55,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CpuAllocatorMeter", "load", "unavailable_reason", "library_path"]
+__all__ = ["CpuAllocatorMeter", "load", "unavailable_reason", "library_path", "cuda_note"]
 
 _SOURCE = Path(__file__).with_name("_cpumeter.cpp")
 _LOCK = threading.Lock()
@@ -55,6 +63,7 @@ _TRIED = False
 _METER: CpuAllocatorMeter | None = None
 _REASON: str | None = None
 _LIB_PATH: Path | None = None
+_CUDA_NOTE: str | None = None  # why the library has no CUDA hook (None when it has one or was not built)
 
 
 class CpuAllocatorMeter:
@@ -66,7 +75,13 @@ class CpuAllocatorMeter:
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self._lib = lib
+        # The registry calls that take or drop a storage reference may release a Python object: they
+        # must keep the GIL (PyDLL); everything else releases it (CDLL) like any allocator call.
+        self._py = ctypes.PyDLL(str(path))
+        _declare(self._py)
         self.path = path  # the loaded shared library
+        self.cuda_hook = bool(lib.hm_cuda_hook())  # built against CUDA: the caching-allocator callback
+        self._drain_buf = (ctypes.c_int64 * 256)()
 
     def install(self) -> None:
         """Makes the meter the CPU allocator (idempotent). Raises RuntimeError if that did not take effect."""
@@ -120,6 +135,113 @@ class CpuAllocatorMeter:
         """Sets ``peak_bytes`` to ``current_bytes`` (call it while no other thread allocates)."""
         self._lib.hm_reset_peak()
 
+    # ---- the cap -----------------------------------------------------------------------------
+    def set_budget(self, budget: int | None) -> None:
+        """Caps ``current_bytes`` at ``budget`` (None: no cap). Past it an allocation frees registered
+        storages, then raises ``torch.OutOfMemoryError``."""
+        self._lib.hm_set_budget(-1 if budget is None else int(budget))
+
+    @property
+    def budget(self) -> int | None:
+        b = int(self._lib.hm_budget())
+        return None if b < 0 else b
+
+    def add_external(self, nbytes: int) -> None:
+        """Counts ``nbytes`` more (negative: fewer) held outside the wrapper: memory allocated before it
+        was installed (parameters, inputs) that the device holds all the same."""
+        self._lib.hm_add_external(int(nbytes))
+
+    @property
+    def external_bytes(self) -> int:
+        return int(self._lib.hm_external())
+
+    def cap_exempt(self, enter: bool) -> None:
+        """Exempts (``True``) or stops exempting this thread's allocations from the cap (nested)."""
+        self._lib.hm_cap_exempt(1 if enter else 0)
+
+    def window_reset(self) -> None:
+        """Starts a second peak window at the current level (see :attr:`window_peak`)."""
+        self._lib.hm_window_reset()
+
+    @property
+    def window_peak(self) -> int:
+        """Largest ``current_bytes`` since :meth:`window_reset` (per-op scratch during capture)."""
+        return int(self._lib.hm_window_peak())
+
+    @property
+    def refused(self) -> int:
+        """Allocations refused past the budget so far."""
+        return int(self._lib.hm_refused())
+
+    @property
+    def reclaimed_bytes(self) -> int:
+        """Bytes of registered storages freed at allocation time so far."""
+        return int(self._lib.hm_reclaimed_bytes())
+
+    # ---- registry of evictable storages ------------------------------------------------------
+    def register(self, key: int, storage: torch.UntypedStorage, limit: int, priority: float) -> bool:
+        """Lets the allocator free ``storage``'s data while its use count is <= ``limit`` (count the
+        caller's references plus one for the registry's). Lower ``priority`` goes first."""
+        return bool(self._py.hm_reg_add(key, storage._cdata, limit, priority))
+
+    def claim(self, key: int) -> int:
+        """Takes ``key`` out of the registry: 1 = its data is there, 0 = the allocator freed it,
+        -1 = unknown. Call it before reading a registered storage."""
+        return int(self._py.hm_reg_claim(key))
+
+    def drain(self) -> list[int]:
+        """Keys of registered storages the allocator freed since the last call."""
+        out: list[int] = []
+        buf = self._drain_buf
+        while True:
+            n = int(self._lib.hm_reg_drain(buf, len(buf)))
+            out.extend(buf[:n])
+            if n < len(buf):
+                return out
+
+    @property
+    def pending_drops(self) -> int:
+        """Number of freed keys :meth:`drain` would return."""
+        return int(self._lib.hm_reg_pending())
+
+    @property
+    def registered(self) -> int:
+        return int(self._lib.hm_reg_count())
+
+    def droppable_bytes(self, cuda: bool = False) -> int:
+        """Bytes the registry could free now (CPU or CUDA storages)."""
+        return int(self._lib.hm_reg_droppable(1 if cuda else 0))
+
+    def reclaim(self, need: int) -> int:
+        """Frees up to ``need`` bytes of droppable CPU storages now; returns the bytes freed."""
+        return int(self._lib.hm_reclaim(int(need)))
+
+    def set_cuda_budget(self, device: int, budget: int | None, headroom: int = 0) -> None:
+        """CUDA (needs :attr:`cuda_hook`): on a caching-allocator cache miss, free registered CUDA
+        storages while ``memory_allocated`` is above ``budget - headroom``."""
+        if not self.cuda_hook:
+            raise RuntimeError("hybridmem's native library was built without CUDA: " + (_CUDA_NOTE or ""))
+        self._lib.hm_cuda_set_budget(int(device), -1 if budget is None else int(budget), int(headroom))
+
+    @property
+    def cuda_registered(self) -> bool:
+        """True when c10's CUDA free-memory callback registry holds hybridmem's callback."""
+        return self.cuda_hook and bool(self._lib.hm_cuda_registered())
+
+    @property
+    def cuda_calls(self) -> int:
+        """How often the CUDA caching allocator called the callback (cache misses while a budget is set)."""
+        return int(self._lib.hm_cuda_calls()) if self.cuda_hook else 0
+
+    @property
+    def cuda_freed_bytes(self) -> int:
+        """Bytes the callback freed for the CUDA caching allocator so far."""
+        return int(self._lib.hm_cuda_freed()) if self.cuda_hook else 0
+
+    def cuda_reclaim(self, need: int) -> int:
+        """What the CUDA callback does, for ``need`` bytes (needs :attr:`cuda_hook`)."""
+        return int(self._lib.hm_cuda_reclaim(int(need)))
+
     def lookup(self, data_ptr: int) -> tuple[int, int] | None:
         """``(bytes, serial)`` of the live allocation made through the meter whose data pointer is
         ``data_ptr`` (use ``t.untyped_storage().data_ptr()``, the storage's base), else None."""
@@ -148,6 +270,21 @@ class CpuAllocatorMeter:
 def unavailable_reason() -> str | None:
     """Why :func:`load` returned None (one line), or None when it did not (or was not called yet)."""
     return _REASON
+
+
+def cuda_note() -> str | None:
+    """Why the native library was built without the CUDA caching-allocator hook, or None."""
+    return _CUDA_NOTE
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (DataLoader worker) inherits the parent's cap and registry: start it unmanaged.
+    if _METER is not None:
+        _METER._lib.hm_after_fork_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def library_path() -> Path | None:
@@ -181,16 +318,41 @@ def _compiler() -> list[str] | None:
     return None
 
 
+def _cuda_flags(torch_dir: Path) -> tuple[list[str], str | None]:
+    """Extra flags for the CUDA caching-allocator hook, or ([], why not)."""
+    if os.environ.get("HYBRIDMEM_CUDA_HOOK", "1").strip().lower() in ("0", "false", "no", "off"):
+        return [], "disabled by HYBRIDMEM_CUDA_HOOK=0"
+    if torch.version.cuda is None:
+        return [], "this torch build has no CUDA"
+    lib_dir = torch_dir / "lib"
+    if not (lib_dir / "libc10_cuda.so").is_file():
+        return [], f"libc10_cuda.so not found in {lib_dir}"
+    includes = [torch_dir / "include"]
+    # cuda_runtime_api.h: a CUDA toolkit, or the nvidia-cuda-runtime / -crt wheels next to torch
+    roots = [Path(os.environ[k]) for k in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(k)] + [Path("/usr/local/cuda")]
+    nvidia = torch_dir.parent / "nvidia"
+    roots += sorted(nvidia.glob("cu*")) + sorted(nvidia.glob("cuda_runtime")) + sorted(nvidia.glob("cuda_crt"))
+    found = [r / "include" for r in roots if (r / "include").is_dir()]
+    if not any((d / "cuda_runtime_api.h").is_file() for d in found):
+        return [], "CUDA headers (cuda_runtime_api.h) not found: set CUDA_HOME or pip install nvidia-cuda-runtime"
+    flags = ["-DHM_WITH_CUDA"]
+    for d in includes + found:
+        flags += ["-I", str(d)]
+    return flags + ["-lc10_cuda"], None
+
+
 def _flags() -> list[str]:
+    global _CUDA_NOTE
     torch_dir = Path(torch.__file__).resolve().parent
     lib_dir = torch_dir / "lib"
     abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    cuda, _CUDA_NOTE = _cuda_flags(torch_dir)
     # Placed after the source on the command line: with -lc10 before it the linker drops libc10
     # and dlopen fails with "undefined symbol: typeinfo for c10::Allocator". The rpath makes the
     # library resolve to the libc10 torch already loaded (same path, so the loader reuses it).
-    return ["-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden",
+    return ["-O2", "-shared", "-fPIC", "-std=c++20", "-fvisibility=hidden",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", str(torch_dir / "include"),
-            "-L", str(lib_dir), f"-Wl,-rpath,{lib_dir}", "-lc10"]
+            "-L", str(lib_dir), f"-Wl,-rpath,{lib_dir}", "-lc10", *cuda]
 
 
 def _cache_dirs() -> list[Path]:
@@ -282,7 +444,21 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("hm_raw_allocate", ctypes.c_size_t, [i64]), ("hm_raw_deallocate", i32, [ctypes.c_size_t]),
         ("hm_lookup", i32, [ctypes.c_size_t, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
         ("hm_serial_of", i64, [ctypes.c_size_t]),
+        ("hm_set_budget", None, [i64]), ("hm_budget", i64, []), ("hm_add_external", i64, [i64]),
+        ("hm_external", i64, []), ("hm_cap_exempt", i32, [i32]), ("hm_window_reset", None, []),
+        ("hm_window_peak", i64, []), ("hm_refused", i64, []), ("hm_reclaimed_bytes", i64, []),
+        ("hm_reclaims", i64, []), ("hm_reg_add", i32, [i64, ctypes.c_size_t, i64, ctypes.c_double]),
+        ("hm_reg_claim", i32, [i64]), ("hm_reg_drain", i64, [ctypes.POINTER(i64), i64]),
+        ("hm_reg_pending", i64, []), ("hm_reg_count", i64, []), ("hm_reg_droppable", i64, [i32]),
+        ("hm_reclaim", i64, [i64]), ("hm_after_fork_child", None, []), ("hm_cuda_hook", i32, []),
     ]:
         fn = getattr(lib, name)
         fn.restype = res
         fn.argtypes = args
+    if lib.hm_cuda_hook():
+        for name, res, args in [("hm_cuda_set_budget", None, [i32, i64, i64]), ("hm_cuda_calls", i64, []),
+                                ("hm_cuda_registered", i32, []),
+                                ("hm_cuda_freed", i64, []), ("hm_cuda_reclaim", i64, [i64])]:
+            fn = getattr(lib, name)
+            fn.restype = res
+            fn.argtypes = args

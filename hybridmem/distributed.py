@@ -149,12 +149,18 @@ class FsdpStorageSync:
         self.meter = meter
         self.active = bool(getattr(meter, "simulated", False))  # re-read sizes (simulated device only)
         self._storages: dict[int, _Resizable] = {}
+        # told the bytes of each all-gather's outputs: FSDP allocates them by resize_, which is no op, so
+        # the runtime cannot make room just before; it keeps that much free instead (runtime.device)
+        self.on_gather: Any = None
 
     def after_op(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Call after each op for which :func:`is_collective` holds."""
         if getattr(func, "_opname", "") == "split_with_sizes_copy" and func.namespace == "fsdp":
-            for t in kwargs.get("out") or ():
+            outs = kwargs.get("out") or ()
+            for t in outs:
                 self._remember(t.untyped_storage())
+            if self.on_gather is not None:
+                self.on_gather(sum(t.untyped_storage().nbytes() for t in outs))
         if self.active:
             self.refresh()
 

@@ -35,6 +35,13 @@ counted; ops run inside the mode's own hooks or inside ``on_pressure`` are not m
 disables a dispatch mode while its handler runs), so call :meth:`Meter.track` for device tensors
 allocated there.
 
+**CPU: the allocator as the device** (:meth:`Meter.use_native`). The runtime gives the meter the native
+allocator device (:mod:`hybridmem.cpumeter`) when it builds: ``current_bytes``/``peak_bytes`` are then
+what PyTorch's CPU allocator holds (kernel scratch included) plus the bytes of storages allocated before
+it was installed that the meter has seen (parameters, buffers, inputs: counted once each while they
+live), and the allocator itself enforces the budget at allocation time. The storage ledger above
+stays for attribution (which op made which storage), not for the budget.
+
 **Hard cap.** With ``budget`` and ``raise_on_exceed=True``, after every op the meter checks the
 budget: if ``current_bytes`` exceeds it, ``on_pressure(needed_bytes) -> freed_bytes`` is called (if
 set) and, if memory is still over budget, ``torch.OutOfMemoryError`` is raised, naming the bytes the
@@ -60,6 +67,9 @@ PressureHook = Callable[[int], int]
 __all__ = ["Meter", "MeterMode", "StorageRef", "profiler_peak"]
 
 _TRIED = re.compile(r"[Tt]ried to allocate\s+([0-9.]+\s*[KMGT]?i?B)")
+# hybridmem's native allocator device names the exact bytes requested and held at the refusal
+_RETRIES = 8  # an op refused this often after evictions freed memory each time is out of memory
+_REFUSED = re.compile(r"Tried to allocate [^(]*\((\d+) bytes\) with [^(]*\((\d+) bytes\) held")
 
 
 class StorageRef(weakref.ref):
@@ -98,16 +108,49 @@ class Meter:
         self._peak = 0
         self._relieving = False
         self._mode: MeterMode | None = None
+        self.native: Any = None                  # the native allocator device while attached
+        self._frozen: tuple[int, int] | None = None  # its (peak, current) when detached
+        self._floor = 0  # the peak before a detach: an inner session may reset the native peak meanwhile
+        self._external: dict[int, int] = {}      # id(storage) -> bytes it adds to the device as external
+        # the OOM to raise when nothing more can be freed: (bytes requested, what, bytes held or None)
+        self.on_exhausted: Callable[[int, str, int | None], BaseException] | None = None
+
+    def attach_native(self, native: Any) -> None:
+        """Read bytes from the native allocator device (:class:`hybridmem.cpumeter.CpuAllocatorMeter`),
+        counting the storages from before its install that this meter has seen (again, after a detach)."""
+        self.native = native
+        if self._frozen is not None:
+            self._floor = max(self._floor, self._frozen[0])
+        self._frozen = None
+        if self._external:
+            native.add_external(sum(self._external.values()))
+
+    def detach_native(self) -> None:
+        """Stop reading the native device; the bytes counted as external leave its count until attached."""
+        native, self.native = self.native, None
+        if native is None:
+            return
+        self._frozen = (native.peak_bytes, native.current_bytes)  # what stats() reports after disable()
+        if self._external:
+            native.add_external(-sum(self._external.values()))
 
     # ---- readings ------------------------------------------------------------------------------
     @property
     def current_bytes(self) -> int:
+        if self.native is not None:
+            return self.native.current_bytes
+        if self._frozen is not None:
+            return self._frozen[1]
         if self.simulated:
             return self._current
         return torch.cuda.memory_allocated(self.device)
 
     @property
     def peak_bytes(self) -> int:
+        if self.native is not None:
+            return max(self._floor, self.native.peak_bytes)
+        if self._frozen is not None:
+            return self._frozen[0]
         if self.simulated:
             return self._peak
         return torch.cuda.max_memory_allocated(self.device)
@@ -119,6 +162,11 @@ class Meter:
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current level."""
+        self._floor = 0
+        if self.native is not None:
+            self.native.reset_peak()
+        elif self._frozen is not None:
+            self._frozen = (self._frozen[1], self._frozen[1])
         if self.simulated:
             self._peak = self._current
         else:
@@ -135,6 +183,11 @@ class Meter:
             st = _storage(t)
             if st is not None and id(st) not in self._live:
                 self._add(st)
+            if self.native is not None:
+                # a DTensor's bytes are its local shard's: its own storage is a data-less stand-in
+                for inner in ((st,) if type(t) in (Tensor, torch.nn.Parameter) else plain_storages(t)):
+                    if inner is not None:
+                        self.count_external(inner)
         if self._current > self._peak:
             self._peak = self._current
         return self._current - before
@@ -151,6 +204,10 @@ class Meter:
             nb = st.nbytes()
             self._current += nb - entry.nbytes
             entry.nbytes = nb
+            ext = self._external.get(id(st))
+            if ext is not None and self.native is not None:  # resized through its old allocator
+                self._external[id(st)] = nb
+                self.native.add_external(nb - ext)
         if self._current > self._peak:
             self._peak = self._current
 
@@ -164,6 +221,22 @@ class Meter:
         self._current += nb
         return nb
 
+    def count_external(self, st: torch.UntypedStorage) -> None:
+        """With the native device: count a storage of the training state (module state, a saved input)
+        that was allocated before the device was installed, while it lives. Other storages an op merely
+        reads (a model that is only copied) are not counted, as ``enable(budget=None)`` does not."""
+        native = self.native
+        k = id(st)
+        if native is None or k in self._external:
+            return
+        nb = st.nbytes()
+        if not nb or not (ptr := _data_ptr(st)) or native.serial_of(ptr) >= 0:
+            return  # allocated through the device: counted already
+        if k not in self._live:
+            self._add(st)  # the weak reference whose callback un-counts it
+        self._external[k] = nb
+        native.add_external(nb)
+
     def _freed(self, ref: StorageRef) -> None:
         # Weak-reference callback: the storage is being deallocated. Check identity: the id may
         # already belong to a new storage registered after this one died.
@@ -171,6 +244,9 @@ class Meter:
         if live.get(ref.key) is ref:
             del live[ref.key]
             self._current -= ref.nbytes
+            ext = self._external.pop(ref.key, 0) if self._external else 0
+            if ext and self.native is not None:
+                self.native.add_external(-ext)
 
     # ---- budget --------------------------------------------------------------------------------
     def check(self, extra_bytes: int = 0, *, what: str = "") -> None:
@@ -220,21 +296,29 @@ class Meter:
         something. This is how a real device's allocation failure reaches the runtime's evictor;
         :class:`MeterMode` wraps every op with it, so code outside ops (a swap-in copy) may call it
         directly: ``meter.retry_oom(torch.empty, n, device="cuda")``."""
-        while True:
+        for attempt in range(_RETRIES):
             try:
                 return fn(*args, **kwargs)
             except torch.OutOfMemoryError as e:
-                if self.on_pressure is None or self._relieving:
+                if self.on_pressure is None or self._relieving or attempt == _RETRIES - 1:
                     raise
+                exact = _REFUSED.search(str(e))
                 m = _TRIED.search(str(e))
-                needed = parse_bytes(m.group(1).replace(" ", "")) if m else 1
+                needed = int(exact.group(1)) if exact else parse_bytes(m.group(1).replace(" ", "")) if m else 1
+                held = int(exact.group(2)) if exact else None
+                # What the op had allocated when it was refused is free again now, and the retry
+                # allocates it once more: ask for room for that too.
+                room = needed if held is None else needed + max(0, held - self.current_bytes)
                 self._relieving = True
                 try:
-                    freed = self.on_pressure(needed)
+                    freed = self.on_pressure(room)
                 finally:
                     self._relieving = False
                 if not freed:
+                    if self.on_exhausted is not None:
+                        raise self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", held) from e
                     raise
+        raise AssertionError("unreachable")
 
     def apply_cuda_cap(self) -> None:
         """Make the CUDA caching allocator itself refuse memory beyond the budget
@@ -397,6 +481,15 @@ def _register(m: Meter, live: dict, t: Tensor) -> int:
         if id(st) not in live:
             new += m._add(st)
     return new
+
+
+def _data_ptr(st: torch.UntypedStorage) -> int:
+    """The storage's address; 0 for the data-less stand-ins of wrapper subclasses (a DTensor's global
+    storage), whose bytes live in their local shards."""
+    try:
+        return st.data_ptr()
+    except RuntimeError:
+        return 0
 
 
 def _storage(t: Tensor) -> torch.UntypedStorage | None:

@@ -46,6 +46,7 @@ class Entry:
     root: Any = None                # weak reference to the tensor whose version counter `tensor` shares
     origin: str = ""                # op around which it was first saved (for error messages)
     view: Any = None                # geometry of `tensor` (a runtime View), to recognise saves of it
+    registered: bool = False        # in the allocator's registry: it may free the bytes at any allocation
 
     @property
     def resident(self) -> bool:

@@ -163,6 +163,9 @@ class CompressPolicy:
     def applicable(self, entry: Entry) -> bool:
         return self.choose(entry) is not None
 
+    # Evicting allocates the encoded copy before the original's bytes go: the runtime keeps room for it.
+    allocates_to_evict = True
+
     def savings(self, entry: Entry) -> int:
         choice = self.choose(entry)
         return 0 if choice is None else max(0, entry.nbytes - choice.size)

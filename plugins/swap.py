@@ -26,6 +26,7 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .base import Entry
@@ -150,6 +151,17 @@ class _Counters:
 # Transports: how bytes move for one device kind
 # --------------------------------------------------------------------------------------------------
 
+def host_empty_like(src: torch.Tensor) -> torch.Tensor:
+    """An uninitialised CPU tensor shaped like ``src`` in host memory that is not the device's: on the CPU
+    the device is PyTorch's CPU allocator (what a budget caps), so the host copy comes from numpy's
+    allocator instead, the way pinned host memory is a separate pool beside a GPU."""
+    if not src.is_contiguous():
+        return torch.empty_like(src, pin_memory=False)
+    nbytes = src.numel() * src.element_size()
+    flat = torch.from_numpy(np.empty(max(nbytes, 1), dtype=np.uint8))[:nbytes]
+    return flat.view(src.dtype).view(src.shape) if nbytes else torch.empty_like(src)
+
+
 class _SyncTransport:
     """CPU as the simulated device: copies are plain synchronous clones, timed on the host clock."""
 
@@ -158,7 +170,7 @@ class _SyncTransport:
 
     def store(self, src: torch.Tensor, geom: Geometry) -> HostCopy:
         t0 = time.perf_counter()
-        host = torch.empty_like(src, pin_memory=False)
+        host = host_empty_like(src)
         host.copy_(src)
         self.c.d2h_s += time.perf_counter() - t0
         return HostCopy(geom, host)

@@ -33,7 +33,7 @@ def _disabled():
 def test_monitor_only_measures_and_changes_nothing() -> None:
     case = _mlp_case()
     ref, _ = run(case)
-    got, st = run(case, budget=None)
+    got, st = run(case, budget=None, monitor="ops")  # per op: stages are counted
     assert got == ref
     assert st is not None and st.budget_bytes is None and st.device == "cpu"
     assert st.steps == 3 and st.stages_last_step > 0

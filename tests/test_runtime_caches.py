@@ -41,13 +41,13 @@ def test_record_refs_in_argument_order_and_stable():
 
 
 class _Live:
-    """Stands in for a weak reference to a storage: returns it while 'alive'."""
+    """Stands in for a weak reference to a storage: returns one (64 bytes) while 'alive'."""
 
     def __init__(self, alive: bool):
         self.alive = alive
 
     def __call__(self):
-        return object() if self.alive else None
+        return torch.UntypedStorage(64) if self.alive else None
 
 
 def _node(record: OpRecord, cost: float, alive: bool) -> Node:

@@ -23,6 +23,7 @@ from ..plan import Plan
 from ..report import TensorLog
 from ..units import parse_bytes
 from .estimate import OutputEstimator
+from .device import native_device
 from .fixed import FixedMarker
 from .follow import PlanFollower
 from .lineage import OpCost, Recorder, Replayer
@@ -112,7 +113,8 @@ class Runtime:
         if manages and "recompute" in self.policies:
             self.recorder = Recorder(self.produced.get, torch.are_deterministic_algorithms_enabled,
                                      OpCost(cost_model_for(self.device, cfg)), self.fsdp_sync.resizable)
-            self.replayer = Replayer(self.residency.fetch, self.residency.adopt_replayed, lambda: self.steps.steps)
+            self.replayer = Replayer(self.residency.fetch, self.residency.adopt_replayed, lambda: self.steps.steps,
+                                     self.store.claim)
         self.steps = StepTracker(self._step_started, self._step_ended)
         self.fixed = FixedMarker(self.produced, self.meter, self.steps.module_called)
         self.prefetcher: Prefetcher | None = None
@@ -145,6 +147,8 @@ class Runtime:
             from ..cpumeter import load
             self.allocator = AllocatorMonitor(load(), self.stats)  # _monitor_kind checked it loads
             self.stats.note(MONITOR_NOTE)
+        # The budget caps what the allocator holds, enforced at allocation time (runtime.device).
+        self.native = native_device(self, manages)
         # Nothing is ever evicted without a budget or a plan: saved tensors need no entries, only counting.
         self._pack = self.store.pack if manages else self.store.pack_counting
 
@@ -184,6 +188,8 @@ class Runtime:
         if self.allocator is not None:
             self.allocator.install(reset_peak)
             return
+        if self.native is not None:
+            self.native.install()
         if reset_peak:
             self.meter.reset_peak()
         if self.light:
@@ -224,7 +230,9 @@ class Runtime:
         self._hooks = None
         self.mode = None
         self.residency.mode = NoMode()  # entries still alive regenerate unmetered from now on
-        if self.device.type == "cuda" and self.cfg.extra.get("cuda_cap", False):
+        if self.native is not None:
+            self.native.uninstall()
+        elif self.device.type == "cuda" and self.cfg.extra.get("cuda_cap", False):
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -237,6 +245,7 @@ class Runtime:
             self.follower.step_started()
 
     def _step_ended(self, stages: int) -> None:
+        self.store.drain()
         self.stats.step_done(stages)
         self.fsdp_sync.refresh()
         if self.recorder is not None:
@@ -250,6 +259,7 @@ class Runtime:
 
     # ---- stats ---------------------------------------------------------------------------------
     def snapshot(self) -> Stats:
+        self.store.drain()
         src: Any = self.allocator if self.allocator is not None else self.meter
         return self.stats.snapshot(device=str(self.device), budget=self.budget, peak=src.peak_bytes,
                                    current=src.current_bytes)

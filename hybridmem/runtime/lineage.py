@@ -495,12 +495,14 @@ class Replayer:
     ``fetch(entry)`` makes an entry evicted by another policy resident and returns its storage as a
     flat tensor; ``adopt(entry, tensor)`` hands a tensor recomputed for an entry evicted by recompute
     back to that entry (it becomes resident again, DTR-style: it will likely be read soon).
-    ``epoch()`` changes at each step so validity checks are redone once per step.
+    ``epoch()`` changes at each step so validity checks are redone once per step. ``claim(entry)`` takes
+    an entry back from the allocator's registry before its storage is read (see ``SavedStore.claim``).
     """
 
     def __init__(self, fetch: Callable[["Entry"], Tensor], adopt: Callable[["Entry", Tensor], None],
-                 epoch: Callable[[], int]):
+                 epoch: Callable[[], int], claim: Callable[["Entry"], bool] | None = None):
         self.fetch, self.adopt, self.epoch = fetch, adopt, epoch
+        self.claim: Callable[["Entry"], bool] = claim or (lambda e: e.tensor is not None)
 
     # -- validity and cost ---------------------------------------------------------------------
     def why_not(self, node: Node, version: int) -> str:
@@ -509,6 +511,7 @@ class Replayer:
         epoch = self.epoch()
         stack = [(node, version)]
         seen: set[tuple[int, int]] = set()
+        walked: list[tuple[Node, int]] = []
         while stack:
             n, v = stack.pop()
             key = (id(n), v)
@@ -517,17 +520,23 @@ class Replayer:
             seen.add(key)
             memo = n.ok_memo
             if memo is not None and memo[0] == epoch and memo[1] == v:
-                if memo[2]:
-                    return memo[2]
-                continue
-            reason = _own_reason(n, v)
-            n.ok_memo = (epoch, v, reason)
+                reason = memo[2]
+                if not reason:
+                    continue  # its whole chain was found replayable this step
+            else:
+                reason = _own_reason(n, v)
+            if reason and n is not node and _held_by_entry(n, v):
+                continue  # an input not replayable, but its content stays with its entry: the chain starts there
             if reason:
-                return reason
+                n.ok_memo = (epoch, v, reason)
+                return reason  # the nodes walked to here are not memoised: their chains are not all OK
+            walked.append((n, v))
             for rec, _ in n.ops[:v]:
                 for r in rec.refs():
                     if isinstance(r, NodeRef) and r.node is not n:
                         stack.append((r.node, r.version))
+        for n, v in walked:  # every chain below them is replayable: remember it for this step
+            n.ok_memo = (epoch, v, "")
         return ""
 
     def cost(self, node: Node, version: int, memo: dict[tuple[int, int], float]) -> float:
@@ -560,7 +569,8 @@ class Replayer:
         """Whether ``n`` at ``v`` exists without replaying it: live, or held by a non-recompute policy."""
         if v != len(n.ops) or n.stale:
             return False
-        if n.live() is not None:
+        st = n.live()
+        if st is not None and (st.nbytes() or not n.nbytes):  # 0 bytes: freed by the allocator
             return True
         e = n.entry
         return e is not None and (e.tensor is not None or e.policy not in (None, "recompute"))
@@ -641,10 +651,12 @@ class Replayer:
         """The content of ``n`` at ``v`` without replaying it: its live storage, or its entry's copy."""
         if v != len(n.ops) or n.stale:
             return None
-        st = n.live()
-        if st is not None:
-            return flat(st, n.dtype, n.device)
         e = n.entry
+        if e is not None and e.registered:
+            self.claim(e)  # the allocator may free a registered storage at any allocation: take it back first
+        st = n.live()
+        if st is not None and (st.nbytes() or not n.nbytes):
+            return flat(st, n.dtype, n.device)
         if e is None:
             return None
         if e.tensor is not None:
@@ -698,6 +710,15 @@ class Replayer:
         if isinstance(a, GenState):
             return a.make()
         return a
+
+
+def _held_by_entry(n: Node, v: int) -> bool:
+    """Whether ``n``'s content at ``v`` is kept by its saved-tensor entry for as long as the entry lives: it
+    is the current content and the entry is resident or evicted by a policy that keeps a copy (swap,
+    compress). Recompute cannot evict it (it is not replayable), so a replay can always fetch it."""
+    e = n.entry
+    return (e is not None and not n.stale and v == len(n.ops)
+            and (e.tensor is not None or e.policy not in (None, "recompute")))
 
 
 def _own_reason(n: Node, v: int) -> str:

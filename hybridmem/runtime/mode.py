@@ -346,7 +346,7 @@ class RuntimeMode(MeterMode):
             return
         headroom = self.budget - self.meter.current_bytes
         est = self.estimator.estimate(stage, func, args, kwargs, headroom, self.budget)
-        if est > headroom:
+        if est + self.residency.reserve > headroom:
             self.residency.make_room(est, f"op {f.name}")
 
     def _overrun(self, f: OpFacts) -> None:

@@ -13,8 +13,9 @@ hybridmem. What Python still does is per saved tensor and per module call, not p
 - the first unpack of a backward pass queues the engine callback that ends the step.
 
 Semantics (``Stats``): ``peak_bytes``/``current_bytes`` are the bytes PyTorch's CPU allocator handed out
-since ``enable()`` and still held (every thread: the allocator is process-wide), plus the module state
-from before it. Unlike the op-level monitor (``monitor="ops"``), this includes scratch memory kernels
+and still holds (every thread: the allocator is process-wide), plus the module state from before
+``enable()``, counted by the native device as external bytes: the same units a budget caps
+(:mod:`.device`). Unlike the op-level monitor (``monitor="ops"``), this includes scratch memory kernels
 allocate inside an op and not tensors made before ``enable()`` that no module owns; stages and
 ``min_budget_bytes`` are not measured (both need every op).
 """
@@ -64,6 +65,7 @@ class AllocatorMonitor:
             self._floor = max(self._floor, self._frozen[0])
         self._frozen = None
         self.step_serial = self.native.serial
+        self.native.add_external(self.fixed_bytes)  # module state seen before (a session inside ours)
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
@@ -80,6 +82,7 @@ class AllocatorMonitor:
         self._handle.remove()
         self._handle = None
         self._frozen = (self.peak_bytes, self.current_bytes)
+        self.native.add_external(-self.fixed_bytes)
         self.native.uninstall()
 
     # ---- measurements ------------------------------------------------------------------------
@@ -87,13 +90,13 @@ class AllocatorMonitor:
     def peak_bytes(self) -> int:
         if self._frozen is not None:
             return self._frozen[0]
-        return max(self._floor, self.native.peak_bytes + self.fixed_bytes)
+        return max(self._floor, self.native.peak_bytes)
 
     @property
     def current_bytes(self) -> int:
         if self._frozen is not None:
             return self._frozen[1]
-        return self.native.current_bytes + self.fixed_bytes
+        return self.native.current_bytes
 
     def reset_peak(self) -> None:
         self._floor = 0
@@ -117,8 +120,11 @@ class AllocatorMonitor:
         seen = self._seen
         if ptr not in seen:
             seen.add(ptr)  # one look per storage and step
-            if t.is_cpu and self._serial_of(ptr) >= self.step_serial and not is_parameter_view(t):
+            serial = self._serial_of(ptr)
+            if t.is_cpu and serial >= self.step_serial and not is_parameter_view(t):
                 self.stats.saved(st.nbytes())
+            elif serial < 0 and t.is_cpu:
+                self._count_fixed(st)  # made before enable() (the first batch): the allocator never saw it
         if t.grad_fn is not None:
             t = t.detach()  # no reference cycle through the node that saves it
         return Kept(t, t._version)
@@ -143,16 +149,24 @@ class AllocatorMonitor:
                 if t is None or not t.is_cpu:
                     continue
                 for st in plain_storages(t):  # a DTensor's bytes are in its local shard
-                    k = id(st)
-                    if k in self._fixed or self._serial_of(st.data_ptr()) >= 0:
-                        continue  # counted already, or allocated through the meter (it counts it)
-                    nbytes = st.nbytes()
-                    self._fixed[k] = weakref.ref(st, lambda _, k=k, n=nbytes: self._fixed_gone(k, n))
-                    self.fixed_bytes += nbytes
+                    if self._serial_of(st.data_ptr()) < 0:  # else allocated through the meter: counted
+                        self._count_fixed(st)
+
+    def _count_fixed(self, st: torch.UntypedStorage) -> None:
+        """Count a storage from before ``enable()`` while it lives (once)."""
+        k = id(st)
+        if k in self._fixed:
+            return
+        nbytes = st.nbytes()
+        self._fixed[k] = weakref.ref(st, lambda _, k=k, n=nbytes: self._fixed_gone(k, n))
+        self.fixed_bytes += nbytes
+        self.native.add_external(nbytes)
 
     def _fixed_gone(self, k: int, nbytes: int) -> None:
         if self._fixed.pop(k, None) is not None:
             self.fixed_bytes -= nbytes
+            if self._hooks is not None:  # installed: the bytes are in the native count
+                self.native.add_external(-nbytes)
 
     # ---- steps -------------------------------------------------------------------------------
     def _step_started(self) -> None:

@@ -58,6 +58,10 @@ class Residency:
         # Hysteresis: free this much beyond what an op needs (1/64 of the budget), so that a run of
         # allocations near the cap pays one scoring pass instead of one per op.
         self.slack = 0 if budget is None else budget // 64
+        # A policy whose eviction allocates first (compress encodes into a new buffer) cannot run at the
+        # cap: keep this much free when making room, so that it can (not enforced when nothing can go).
+        allocating = any(getattr(p, "allocates_to_evict", False) for p in policies.values())
+        self.reserve = budget // 32 if budget is not None and allocating else 0
         self.mode: Contexts = NoMode()
         self._order = list(policies.values())
         self._touched: dict[int, None] = {}   # uids of entries ever evicted (policies may keep state)
@@ -66,22 +70,39 @@ class Residency:
         store.ensure = self.ensure
         store.discard = self.discard
         store.changed = self.forget_offers
+        store.dropped = self.dropped
 
     # ---- eviction ------------------------------------------------------------------------------
     def evict(self, e: Entry, policy: Policy) -> int:
-        """Evict ``e`` by ``policy``; returns the device bytes that went away."""
+        """Evict ``e`` by ``policy``; returns the device bytes that went away (0 if the policy could not
+        allocate what it needs, e.g. a compressed copy, within the budget: ``e`` then stays)."""
+        if e.registered and not self.store.claim(e):
+            return 0  # the allocator freed it meanwhile: evicted by recompute already
         before = self.meter.current_bytes
         self.store.before_evict(e)
+        try:
+            with self.mode.quiet():
+                handle = policy.evict(e)
+        except torch.OutOfMemoryError:
+            self.store.resident[e.uid] = e  # still resident: another victim must do
+            return 0
+        self._record_eviction(e, policy, handle)
+        return before - self.meter.current_bytes
+
+    def dropped(self, e: Entry) -> None:
+        """The allocator freed ``e``'s bytes at an allocation (a registered recompute candidate)."""
+        policy = self.policies["recompute"]
+        self.store.before_evict(e)
+        self._record_eviction(e, policy, policy.evict(e))
+
+    def _record_eviction(self, e: Entry, policy: Policy, handle: Any) -> None:
         self._touched[e.uid] = None
         self._offer_cache.pop(e.uid, None)
-        with self.mode.quiet():
-            handle = policy.evict(e)
         self._track_kept(policy, handle)
         self.store.after_evict(e, policy.name, handle)
         self.stats.evicted(policy.name, e.nbytes)
         if self.stats.tensor_log is not None:
             self.stats.tensor_log.evicted(e, policy.name)
-        return before - self.meter.current_bytes
 
     def _track_kept(self, policy: Policy, handle: Any) -> None:
         # A policy's handle may keep device memory (a compressed copy); on the simulated device the
@@ -121,6 +142,7 @@ class Residency:
         this much more if it comes with the same victims' order (spares the next ops a scoring pass)."""
         need_min, need = need, need + slack
         freed = 0
+        self.store.drain()  # entries the allocator freed are no candidates
         while freed < need:
             pairs, costs, saves, last, best = self._score_inputs()
             self._raise_floor(self.meter.current_bytes - best + extra)
@@ -135,7 +157,7 @@ class Residency:
                     continue
                 done.add(e.uid)
                 freed += self.evict(e, p)
-                progress = True
+                progress = progress or e.tensor is None
                 if freed >= need:
                     break
             if not progress:
@@ -145,8 +167,15 @@ class Residency:
         return freed
 
     def relieve_oom(self, need: int) -> int:
-        """The CUDA allocator failed to allocate ``need`` bytes (``Meter.on_pressure``)."""
-        return self.relieve(max(need, 1), need)
+        """An allocation inside an op failed (``Meter.on_pressure``): ``need`` more bytes must fit. Under a
+        budget, evict what takes the live bytes plus ``need`` to it; else (the device itself is full) free
+        ``need``. Returns the bytes freed (1 when they fit already: the op may be retried as it is)."""
+        if self.budget is None:
+            return self.relieve(max(need, 1), need)
+        over = self.meter.current_bytes + need - self.budget
+        if over <= 0:
+            return 1
+        return self.relieve(over + self.reserve, need, self.slack)
 
     def _score_inputs(self) -> tuple[list[tuple[Entry, Policy]], np.ndarray, np.ndarray, np.ndarray, int]:
         """Candidates' (entry, policy) pairs, costs, savings and last accesses, plus the sum over
@@ -199,17 +228,20 @@ class Residency:
         budget = self.budget
         if budget is None:
             return
-        over = self.meter.current_bytes + extra - budget
+        over = self.meter.current_bytes + extra + self.reserve - budget
         if over <= 0:
             return
         self.relieve(over, extra, self.slack)
         if self.meter.current_bytes + extra > budget:
             raise self.out_of_memory(extra, what)
 
-    def out_of_memory(self, extra: int, what: str) -> torch.OutOfMemoryError:
+    def out_of_memory(self, extra: int, what: str, held: int | None = None) -> torch.OutOfMemoryError:
+        """The OOM to raise: ``extra`` bytes did not fit with what is live (``held``: the bytes the allocator
+        held when it refused them, inside the op, before the op's own allocations were unwound)."""
         budget = self.budget or 0
-        live = self.meter.current_bytes
-        floor = max(self.stats.min_budget_bytes, live + extra - self._evictable_bytes())
+        live = self.meter.current_bytes if held is None else max(held, self.meter.current_bytes)
+        # this budget just failed, whatever the bound says: the smallest that could work is above it
+        floor = max(self.stats.min_budget_bytes, live + extra - self._evictable_bytes(), budget + 1)
         self.stats.min_budget_bytes = floor
         held, pinned, shared = self._resident_summary()
         return torch.OutOfMemoryError(

@@ -10,6 +10,12 @@ Without a budget or a plan nothing is ever evicted, so the runtime installs :met
 instead: it only counts each activation storage once per step for ``Stats.saved_bytes`` and keeps
 the tensor (a *kept* handle): no entry, no view, no handle with a finalizer per save.
 
+With the native allocator device (:mod:`hybridmem.cpumeter`), an entry that recompute can rebuild is
+*registered* with the allocator when it is made: from then on the allocator may free its bytes at any
+allocation that would cross the budget, as long as only the runtime references the storage. Before the
+runtime reads a registered entry it *claims* it back (:meth:`SavedStore.claim`); an entry whose bytes
+were freed is then recorded as evicted by recompute and regenerated like any other.
+
 ``unpack`` makes the entry resident (regenerating it if a policy evicted it), checks the version
 counter (saved-tensor hooks switch off PyTorch's own check, so a saved tensor modified in place
 would otherwise give silently wrong gradients) and rebuilds the view.
@@ -92,6 +98,15 @@ class SavedStore:
         self.on_read: Callable[[Entry], None] = _nothing   # an unpack (prefetch learns read order)
         self.last_op = ""  # set by the mode: named in error messages
         self.epoch = 0     # steps started (pack_counting counts a storage once per step)
+        # The native allocator device's registry (None: no allocation-time eviction). ``registrable``
+        # says whether a new entry may be freed by the allocator, and with which priority (None: no);
+        # ``dropped`` records an entry whose bytes the allocator freed (set by Residency).
+        self.native: Any = None
+        self.registrable: Callable[[Entry], float | None] = _never
+        self.dropped: Callable[[Entry], None] = _nothing
+        self.registered: dict[int, Entry] = {}
+        # the native device counts a saved storage from before it was installed (the first batch)
+        self.count_external: Callable[[torch.UntypedStorage], None] | None = None
 
     # ---- hooks -------------------------------------------------------------------------------
     def pack(self, t: Tensor) -> Any:
@@ -103,6 +118,8 @@ class SavedStore:
             return self._keep(t)
         slot = self.produced.get(st)
         if slot is None:
+            if self.count_external is not None:
+                self.count_external(st)
             return self._keep(t)
         e = slot.entry
         if e is None:
@@ -149,6 +166,8 @@ class SavedStore:
             return h
         e = h.entry
         self.on_read(e)
+        if e.registered:
+            self.claim(e)
         if e.tensor is None:
             self.ensure(e)
         if h.counter is None:
@@ -199,10 +218,52 @@ class SavedStore:
         self.resident[e.uid] = e
         self.stats.saved(nbytes)
         self.on_saved(e)
+        if self.native is not None:
+            priority = self.registrable(e)
+            if priority is not None:
+                self.register(e, priority)
         return e
+
+    # ---- the allocator's registry ------------------------------------------------------------
+    def register(self, e: Entry, priority: float) -> None:
+        """Let the allocator free ``e``'s bytes while only the runtime references its storage."""
+        t = e.tensor
+        assert t is not None
+        limit = _SOLE + (t._base is not None) + 1  # our tensor (and its base), the Python object, the registry
+        if self.native.register(e.uid, t.untyped_storage(), limit, priority):
+            e.registered = True
+            self.registered[e.uid] = e
+
+    def claim(self, e: Entry) -> bool:
+        """Take ``e`` back from the allocator's registry before reading it. False when the allocator had
+        freed its bytes: ``e`` is then evicted (by recompute) and must be regenerated."""
+        if not e.registered:
+            return e.tensor is not None
+        e.registered = False
+        self.registered.pop(e.uid, None)
+        if self.native.claim(e.uid) == 0:
+            self.dropped(e)
+            return False
+        return True
+
+    def drain(self) -> None:
+        """Record the entries whose bytes the allocator freed since the last call."""
+        if self.registered and self.native.pending_drops:
+            for key in self.native.drain():
+                e = self.registered.get(key)
+                if e is not None:
+                    self.claim(e)
+
+    def unregister_all(self) -> None:
+        """Claim every registered entry (the runtime is being uninstalled)."""
+        self.drain()
+        for e in list(self.registered.values()):
+            self.claim(e)
 
     def release(self, e: Entry) -> None:
         """The last handle died: forget the entry and drop whatever it held."""
+        if e.registered:
+            self.claim(e)
         self.resident.pop(e.uid, None)
         if e.tensor is not None:
             slot = self.produced.get(e.tensor.untyped_storage())
@@ -217,7 +278,8 @@ class SavedStore:
     def sole_owner(self, e: Entry) -> bool:
         """Whether only this entry references its storage (evicting anything else frees nothing)."""
         t = e.tensor
-        return t is not None and _use_count(t.untyped_storage()._cdata) <= _SOLE + (t._base is not None)
+        return t is not None and (_use_count(t.untyped_storage()._cdata)
+                                  <= _SOLE + (t._base is not None) + e.registered)
 
     def before_evict(self, e: Entry) -> None:
         """Record the version counter the packs saw; the entry stops being a candidate."""
@@ -267,4 +329,8 @@ def _no_regeneration(e: Entry) -> None:
 
 
 def _nothing(e: Entry) -> None:
+    return None
+
+
+def _never(e: Entry) -> float | None:
     return None

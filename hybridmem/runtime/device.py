@@ -1,0 +1,109 @@
+"""The budget caps what the allocator holds: the native allocator device, wired into a runtime.
+
+On the CPU, with a budget or a plan, the runtime installs hybridmem's wrapper around PyTorch's CPU
+allocator (:mod:`hybridmem.cpumeter`) as the managed device:
+
+- its bytes are every allocation of the process made through the allocator (kernel scratch and oneDNN
+  buffers included) plus the training state from before it was installed: the parameters, buffers and
+  gradients of the modules the step calls, and the saved inputs (the first batch). ``enable(budget=None)``
+  counts the same, so its peak is in the units the budget caps;
+- the allocator enforces the budget at allocation time: an allocation that would cross it first frees
+  registered saved activations (those recompute can rebuild, whose storage only the runtime references),
+  then raises ``torch.OutOfMemoryError``; the runtime catches it around the op, evicts with every policy
+  and retries, and raises an OOM naming the smallest budget that could work when nothing more can go.
+
+The runtime still evicts at op boundaries (its scorer, a plan's stages) from an estimate of each op's
+new bytes; the allocator catches what no estimate saw. On CUDA, where the native library was built
+against CUDA, the same registry answers the caching allocator's free-memory callback (a cache miss
+before ``cudaMalloc``) and ``torch.cuda.set_per_process_memory_fraction`` is the backstop; elsewhere the
+CUDA budget is enforced at op boundaries and by that backstop only, which ``stats().notes`` says.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hybridmem.plugins.base import Entry
+
+if TYPE_CHECKING:
+    from .core import Runtime
+
+NOTE_CPU = "budget: the CPU allocator's bytes (native device: kernel scratch counted, enforced at allocation time)"
+
+
+class NativeDevice:
+    """Installs the native allocator device for one runtime (see the module docstring)."""
+
+    def __init__(self, native: Any, rt: "Runtime"):
+        self.native = native
+        self.rt = rt
+        self.cuda = rt.device.type == "cuda"
+
+    def install(self) -> None:
+        rt, native = self.rt, self.native
+        if self.cuda:
+            native.set_cuda_budget(rt.device.index or 0, rt.budget, rt.residency.slack)
+            total = torch.cuda.get_device_properties(rt.device).total_memory
+            # The backstop: the caching allocator itself refuses memory past the budget (reserved bytes).
+            torch.cuda.set_per_process_memory_fraction(min(1.0, (rt.budget or total) / total), rt.device)
+        else:
+            native.install()
+            rt.meter.attach_native(native)
+            rt.store.count_external = rt.meter.count_external
+            native.set_budget(rt.budget)
+        rt.meter.on_pressure = rt.residency.relieve_oom
+        rt.meter.on_exhausted = rt.residency.out_of_memory
+        rt.store.native = native
+        rt.fsdp_sync.on_gather = self._gathered
+
+    def _gathered(self, nbytes: int) -> None:
+        # FSDP's next unshard allocates this much again by resize_ (no op, no chance to make room then),
+        # and its all-gather buffer as much: keep twice it free at op boundaries
+        res = self.rt.residency
+        res.reserve = max(res.reserve, 2 * nbytes)
+
+    def uninstall(self) -> None:
+        rt, native = self.rt, self.native
+        rt.store.unregister_all()
+        rt.store.native = None
+        rt.fsdp_sync.on_gather = None
+        if self.cuda:
+            native.set_cuda_budget(rt.device.index or 0, None)
+            torch.cuda.set_per_process_memory_fraction(1.0, rt.device)
+        else:
+            native.set_budget(None)
+            rt.store.count_external = None
+            rt.meter.detach_native()
+            native.uninstall()
+
+
+def native_device(rt: "Runtime", manages: bool) -> NativeDevice | None:
+    """The native device for ``rt`` when it manages a budget and the library builds here, else None (and a
+    note in the stats saying what the budget then counts)."""
+    if not manages or rt.budget is None:
+        return None
+    from ..cpumeter import cuda_note, load, unavailable_reason
+
+    native = load()
+    if native is None:
+        rt.stats.note(f"budget: storages counted at op boundaries, kernel scratch not seen (the native "
+                      f"allocator device is not available: {unavailable_reason()})")
+        return None
+    if rt.device.type == "cuda" and not native.cuda_hook:
+        rt.stats.note(f"budget: enforced at op boundaries only (no CUDA caching-allocator hook: {cuda_note()})")
+        return None
+    if rt.device.type == "cpu":
+        rt.stats.note(NOTE_CPU)
+    if "recompute" in rt.policies:
+        rt.store.registrable = _registrable(rt.policies["recompute"])
+    return NativeDevice(native, rt)
+
+
+def _registrable(policy: Any) -> Any:
+    """Which new entries the allocator may free (recompute can rebuild them), cheapest per byte first."""
+    def priority(e: Entry) -> float | None:
+        if not policy.applicable(e):
+            return None
+        return policy.cost(e) / max(e.nbytes, 1)
+    return priority
