@@ -724,7 +724,8 @@ def add_options(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, help="processes for the simulated sweep (default 1)")
     ap.add_argument("--no-measured", action="store_true", help="skip the measured CPU part")
     ap.add_argument("--no-simulated", action="store_true", help="skip the simulated part")
-    ap.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="output folder")
+    ap.add_argument("-o", "--output", type=Path, default=Path("bench-results"),
+                    help="folder for results.json, results.md and the plots (default: bench-results)")
     return ap
 
 
