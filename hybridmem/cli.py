@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -358,7 +359,8 @@ def run_summary(st: Any) -> str:
         share = st.peak_bytes / st.budget_bytes if st.budget_bytes else float("inf")
         head = (f"peak {fmt_bytes(st.peak_bytes)} of a {fmt_bytes(st.budget_bytes)} budget ({share:.0%}, "
                 f"{'within' if st.peak_bytes <= st.budget_bytes else 'OVER'})")
-    lines = [f"hybridmem run on {st.device}: {head}, {st.steps} step(s)"
+    rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE") or 1) > 1 else ""  # torchrun
+    lines = [f"hybridmem run{rank} on {st.device}: {head}, {st.steps} step(s)"
              + (f", {st.step_seconds * 1e3:.1f} ms per step" if st.step_seconds else ""),
              f"  saved activations per step  {fmt_bytes(st.saved_bytes)}"]
     for name, p in st.policies.items():

@@ -199,3 +199,16 @@ def test_profiler_start_stop_lines_are_dropped(capfd) -> None:
         from hybridmem.bench.measure import alloc_peak  # type: ignore[no-redef]
     assert alloc_peak(lambda: torch.ones(1 << 12).sum()) >= 4 << 12
     assert "USDT" not in capfd.readouterr().err
+
+
+def test_run_summary_flags_a_peak_over_budget_and_names_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridmem.cli import run_summary
+    from hybridmem.runtime.stats import Stats
+
+    st = Stats(device="cpu", budget_bytes=100 << 20, peak_bytes=120 << 20, current_bytes=0, policies={},
+               plan="diverged", plan_note="stage 7: expected mm, saw addmm")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    lines = run_summary(st).splitlines()
+    assert lines[0] == "hybridmem run (rank 1) on cpu: peak 120.00 MiB of a 100.00 MiB budget (120%, OVER), 0 step(s)"
+    assert "  evicted nothing" in lines and lines[-1] == "  plan: diverged (stage 7: expected mm, saw addmm)"
