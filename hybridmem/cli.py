@@ -233,6 +233,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                              "not take them yet); plan one shape at a time without --shapes to use them")
         from .buckets import cli_plan
         args.capture_device = capture_device(args)
+        _check_zoo_shapes(args.model, args.size, args.shapes)
         return cli_plan(args)
     from .costs import apply_costs, get_cost_model
     from .simulate import simulate
@@ -252,6 +253,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         _print_table(summary)
     return 0
+
+
+def _check_zoo_shapes(model: str | None, size: str, shapes: Sequence[str]) -> None:
+    """Build a zoo model at every ``--shapes`` entry on meta (no memory, a fraction of a second each), so a
+    shape the model cannot take is refused before the first bucket is written into the plan book."""
+    if not model or ":" in model:
+        return  # a user's factory builds real tensors: it is called once per bucket, when planned
+    from .buckets import _dim_names, parse_dims, zoo_factory
+
+    make = zoo_factory(model, size, device="meta")
+    for shape in shapes:
+        try:
+            make(parse_dims(shape, _dim_names(model)))
+        except ValueError as e:
+            raise ValueError(f"--shapes {shape}: {e}; nothing was planned or written") from None
 
 
 def _plan_options(args: argparse.Namespace) -> dict[str, Any]:

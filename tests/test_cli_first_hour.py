@@ -212,3 +212,11 @@ def test_run_summary_flags_a_peak_over_budget_and_names_the_rank(monkeypatch: py
     lines = run_summary(st).splitlines()
     assert lines[0] == "hybridmem run (rank 1) on cpu: peak 120.00 MiB of a 100.00 MiB budget (120%, OVER), 0 step(s)"
     assert "  evicted nothing" in lines and lines[-1] == "  plan: diverged (stage 7: expected mm, saw addmm)"
+
+
+def test_a_shape_the_zoo_model_cannot_take_is_refused_before_any_plan_is_written(tmp_path: Path, capsys) -> None:
+    book = tmp_path / "plans"
+    assert main(["plan", "--model", "transformer", "--size", "small", "--budget", "70%", "--shapes", "8x32", "8x128",
+                 "-o", str(book)]) == 2
+    assert "--shapes 8x128: transformer: seq 128 exceeds max_positions 64; nothing was planned" in capsys.readouterr().err
+    assert not book.exists()
