@@ -731,7 +731,9 @@ def add_options(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def parser() -> argparse.ArgumentParser:
     """Options of ``python -m bench.runner`` (the same as ``hybridmem bench``'s)."""
-    return add_options(argparse.ArgumentParser(prog="python -m bench.runner", description=__doc__.splitlines()[0]))
+    return add_options(argparse.ArgumentParser(prog="python -m bench.runner", description=__doc__.splitlines()[0],
+                                               epilog=methods_help(),
+                                               formatter_class=argparse.RawDescriptionHelpFormatter))
 
 if __name__ == "__main__":
     sys.exit(main(parser().parse_args()))
