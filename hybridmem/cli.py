@@ -205,7 +205,9 @@ def cmd_capture(args: argparse.Namespace) -> int:
     if args.output:
         g.save(args.output)
     if args.json:
-        print(json.dumps({"stages": g.num_stages, "forward_stages": g.num_forward, "tensors": len(g.tensors),
+        print(json.dumps({"capture_device": g.meta["device"], "cost_model": g.meta["cost_model"],
+                          "compute_s": g.compute_time(),
+                          "stages": g.num_stages, "forward_stages": g.num_forward, "tensors": len(g.tensors),
                           "peak_bytes": g.peak_bytes(), "saved_bytes": g.saved_bytes(),
                           "fixed_bytes": g.fixed_bytes(), "structure_hash": g.structure_hash(),
                           "optimizer_state_bytes": (g.meta.get("optimizer") or {}).get("state_bytes", 0),

@@ -86,6 +86,13 @@ def test_capture_says_which_cost_model_set_the_op_times(user_dir: Path, capsys) 
     assert sys.modules["mymodels"].SEEN == ["meta"]
     out = capsys.readouterr().out
     assert out.startswith("captured Net on meta:") and "op times: the h100-80gb cost model" in out
+    summaries = {}
+    for device in ("h100-80gb", "v100-16gb"):
+        assert main(["capture", "--model", "mymodels:factory", "--device", device, "--json"]) == 0
+        summaries[device] = json.loads(capsys.readouterr().out)
+        assert (summaries[device]["capture_device"], summaries[device]["cost_model"]) == ("meta", device)
+    assert f"compute {summaries['h100-80gb']['compute_s'] * 1e3:.2f} ms" in out
+    assert summaries["v100-16gb"]["compute_s"] > summaries["h100-80gb"]["compute_s"]  # the older chip is slower
 
 
 @pytest.mark.parametrize("factory,message", [
