@@ -74,7 +74,7 @@ def load_model(spec: str, *, size: str = "small", batch: int | None = None, devi
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"{spec!r}: {module_name} has no callable {attr!r}")
-    model, inputs, loss_fn, targets, optimizer = _unpack(spec, factory())
+    model, inputs, loss_fn, targets, optimizer = unpack_factory(spec, factory())
     if optimizer is not None:
         import torch
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -89,7 +89,7 @@ FACTORY_CONTRACT = ("FACTORY() must return (model, inputs), (model, inputs, loss
 _KEYS = ("model", "inputs", "loss_fn", "targets", "optimizer")
 
 
-def _unpack(spec: str, out: Any) -> tuple[Any, Any, Any, Any, Any]:
+def unpack_factory(spec: str, out: Any) -> tuple[Any, Any, Any, Any, Any]:
     """``(model, inputs, loss_fn, targets, optimizer)`` from what ``FACTORY()`` returned."""
     if isinstance(out, dict):
         unknown = sorted(set(out) - set(_KEYS))

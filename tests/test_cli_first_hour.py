@@ -40,6 +40,11 @@ def factory():
     return dict(model=Net(), inputs=x, targets=y, loss_fn=nn.CrossEntropyLoss())
 
 
+def by_shape(batch, seq):  # for --shapes BATCHxSEQ: seq is the image side here
+    x, y = torch.randn(batch, 3, seq, seq), torch.randint(0, 10, (batch,))
+    return dict(model=Net(), inputs=x, targets=y, loss_fn=nn.CrossEntropyLoss())
+
+
 def one_argument_loss():
     model, x = Net(), torch.randn(4, 3, 8, 8)
     return model, x, nn.CrossEntropyLoss()
@@ -227,3 +232,11 @@ def test_a_shape_the_zoo_model_cannot_take_is_refused_before_any_plan_is_written
                  "-o", str(book)]) == 2
     assert "--shapes 8x128: transformer: seq 128 exceeds max_positions 64; nothing was planned" in capsys.readouterr().err
     assert not book.exists()
+
+
+def test_shapes_take_the_same_factory_contract(user_dir: Path, capsys) -> None:
+    assert main(["plan", "--model", "mymodels:by_shape", "--budget", "100%", "--shapes", "4x8", "4x16",
+                 "-o", "plans", "--json"]) == 0
+    buckets = json.loads(capsys.readouterr().out)["buckets"]
+    assert [b["shape_key"].split(",")[0] for b in buckets] == ["4x3x8x8:float32", "4x3x16x16:float32"]
+    assert sys.modules["mymodels"].SEEN == ["meta", "meta"]
