@@ -35,7 +35,11 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import os
+import re
 import statistics
+import sys
+import tempfile
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -44,18 +48,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-METHODS: tuple[str, ...] = ("unmanaged", "hybridmem-monitor", "hybridmem-online", "hybridmem-plan",
-                            "ckpt-sqrt", "ckpt-block", "save-on-cpu")
-LABELS: dict[str, str] = {
-    "unmanaged": "unmanaged (plain PyTorch)",
-    "hybridmem-monitor": "hybridmem monitor-only (budget=None)",
-    "hybridmem-monitor-ops": "hybridmem monitor-only, every op metered (monitor='ops')",
-    "hybridmem-online": "hybridmem online",
-    "hybridmem-plan": "hybridmem with plan",
-    "ckpt-sqrt": "torch checkpoint_sequential sqrt(n)",
-    "ckpt-block": "torch checkpoint per block",
-    "save-on-cpu": "torch save_on_cpu",
-}
+from .methods import LABELS, METHODS  # noqa: E402  (torch-free, for `hybridmem bench --help`)
+
 BUDGET_SAVED_SHARE = 0.4   # the budget: monitor-only peak minus this share of the saved-activation bytes
 
 
@@ -354,11 +348,37 @@ def peak_probe() -> tuple[str, PeakFn]:
 
 def alloc_peak(step: Callable[[], None]) -> int:
     """The CPU allocator's own peak during ``step`` above what was live before (torch.profiler events)."""
-    try:
-        from hybridmem.meter import profiler_peak
-    except ImportError:
-        return _profiler_peak(step)
-    return int(profiler_peak(step))
+    with without_profiler_lines():
+        try:
+            from hybridmem.meter import profiler_peak
+        except ImportError:
+            return _profiler_peak(step)
+        return int(profiler_peak(step))
+
+
+_PROFILER_LINE = re.compile(r"^USDT:.*\] profiler_(start|stop)\s*$")
+
+
+@contextmanager
+def without_profiler_lines() -> Iterator[None]:
+    """Drop the ``USDT: ... profiler_start/stop`` lines the profiler's C++ side writes to file descriptor 2
+    at every start and stop (no setting turns them off); everything else written there is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _PROFILER_LINE.match(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def _profiler_peak(step: Callable[[], None]) -> int:
@@ -460,7 +480,7 @@ def run_methods(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Te
             try:
                 loss, dt = one_step(s.variant, loss_fn, seed=1000 + r)
             except Exception as e:
-                s.result.status, s.result.reason = "error", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                s.result.status, s.result.reason = "error", f"{type(e).__name__}: {str(e).splitlines()[0]}"
                 continue
             s.result.losses.append(loss)
             if r >= warmup:

@@ -1,9 +1,9 @@
-"""A tiny progress bar for long benchmark work (plan sweeps, measured runs).
+"""Progress bars for long benchmark work (plan sweeps, measured runs), drawn by tqdm.
 
-It draws on stderr and only when a person is watching: both stdout and stderr must be terminals, so
+A bar appears only when a person is watching: both stdout and stderr must be terminals, so
 ``hybridmem bench > log.txt``, CI logs and pytest capture stay clean. ``HYBRIDMEM_PROGRESS=1`` forces it
 on, ``=0`` off, ``=log`` writes one plain line per :meth:`Progress.note` instead (for background runs
-whose stderr goes to a file). No dependency (tqdm is not one of ours)::
+whose stderr goes to a file)::
 
     with Progress(total=len(jobs), label="plans") as bar:
         for job in jobs:
@@ -16,23 +16,25 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import IO, Iterable, Iterator, TypeVar
+from typing import IO
 
-T = TypeVar("T")
+from tqdm import tqdm
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _mode() -> str:
+    """``HYBRIDMEM_PROGRESS`` as one of ``on``, ``off``, ``log`` or ``auto`` (unset or unrecognised)."""
+    env = os.environ.get("HYBRIDMEM_PROGRESS", "").strip().lower()
+    return "log" if env == "log" else "on" if env in _ON else "off" if env in _OFF else "auto"
 
 
 def progress_enabled(stream: IO[str] | None = None) -> bool:
     """Whether bars are drawn: the environment override, else both output streams are terminals."""
-    env = os.environ.get("HYBRIDMEM_PROGRESS", "").strip().lower()
-    if env == "log":
-        return False
-    if env in ("0", "false", "no", "off"):
-        return False
-    if env in ("1", "true", "yes", "on"):
-        return True
-    stream = stream or sys.stderr
-    return _isatty(sys.stdout) and _isatty(stream)
+    mode = _mode()
+    if mode != "auto":
+        return mode == "on"
+    return _isatty(sys.stdout) and _isatty(stream or sys.stderr)
 
 
 def _isatty(s: object) -> bool:
@@ -42,28 +44,22 @@ def _isatty(s: object) -> bool:
         return False
 
 
-@dataclass
 class Progress:
-    """One bar: ``[#####.....] 5/10 label  note  12s, ~12s left``. Redraws at most 10 times a second."""
+    """One bar (``plans resnet50 h100-80gb: 40%|####      | 4/10 [00:12<00:18] capuchin``), or one log
+    line per :meth:`note` under ``HYBRIDMEM_PROGRESS=log``, or nothing."""
 
-    total: int
-    label: str = ""
-    stream: IO[str] | None = None
-    width: int = 24
-    enabled: bool | None = None
-    done: int = 0
-    _note: str = ""
-    _start: float = field(default_factory=time.perf_counter)
-    _last_draw: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.stream = self.stream or sys.stderr
-        self._log = self.enabled is None and os.environ.get("HYBRIDMEM_PROGRESS", "").strip().lower() == "log"
-        if self.enabled is None:
-            self.enabled = progress_enabled(self.stream)
+    def __init__(self, total: int, label: str = "", stream: IO[str] | None = None,
+                 enabled: bool | None = None) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.stream = stream or sys.stderr
+        self._log = enabled is None and _mode() == "log"
+        self._start = time.perf_counter()
+        draw = progress_enabled(self.stream) if enabled is None else enabled
+        # mininterval: redraw at most 10 times a second; dynamic_ncols: follow the terminal's width
+        self._bar = tqdm(total=total, desc=label, file=self.stream, mininterval=0.1, dynamic_ncols=True,
+                         leave=True) if draw else None
 
     def __enter__(self) -> "Progress":
-        self._draw(force=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -71,59 +67,19 @@ class Progress:
 
     def note(self, text: str) -> None:
         """Say what is being worked on now (shown after the count)."""
-        self._note = text
         if self._log:
             elapsed = time.perf_counter() - self._start
-            self.stream.write(f"[{self.done}/{self.total} {self.label}] {text}  {_secs(elapsed)}\n")  # type: ignore[union-attr]
-            self.stream.flush()  # type: ignore[union-attr]
-        self._draw(force=True)
+            self.stream.write(f"[{self.done}/{self.total} {self.label}] {text}  {elapsed:.0f}s\n")
+            self.stream.flush()
+        if self._bar is not None:
+            self._bar.set_postfix_str(text[:40])
 
     def update(self, n: int = 1) -> None:
-        self.done = min(self.total, self.done + n) if self.total else self.done + n
-        self._draw()
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
 
     def close(self) -> None:
-        if self.enabled:
-            self._draw(force=True)
-            self.stream.write("\n")  # type: ignore[union-attr]
-            self.stream.flush()  # type: ignore[union-attr]
-            self.enabled = False  # closing twice draws nothing
-
-    def _draw(self, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if not force and now - self._last_draw < 0.1 and self.done < self.total:
-            return
-        self._last_draw = now
-        elapsed = now - self._start
-        frac = self.done / self.total if self.total else 0.0
-        filled = int(round(frac * self.width))
-        eta = f", ~{_secs(elapsed / frac - elapsed)} left" if 0 < frac < 1 else ""
-        line = (f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {self.label}"
-                f"  {self._note[:40]}  {_secs(elapsed)}{eta}")
-        cols = _columns()
-        self.stream.write("\r" + line[: cols - 1].ljust(cols - 1))  # type: ignore[union-attr]
-        self.stream.flush()  # type: ignore[union-attr]
-
-
-def track(items: Iterable[T], label: str = "", total: int | None = None) -> Iterator[T]:
-    """Iterate ``items`` with a bar (``total`` defaults to ``len(items)``)."""
-    seq = list(items) if total is None and not hasattr(items, "__len__") else items
-    n = total if total is not None else len(seq)  # type: ignore[arg-type]
-    with Progress(n, label) as bar:
-        for item in seq:
-            yield item
-            bar.update()
-
-
-def _secs(s: float) -> str:
-    s = max(0.0, s)
-    return f"{s:.0f}s" if s < 120 else f"{s / 60:.1f}min"
-
-
-def _columns() -> int:
-    try:
-        return max(40, os.get_terminal_size(sys.stderr.fileno()).columns)
-    except (OSError, ValueError, AttributeError):
-        return 100
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None  # closing twice draws nothing

@@ -140,8 +140,7 @@ def measured_markdown(run: dict[str, Any]) -> str:
     for r in run.get("results", []):
         name = MEASURED_LABELS.get(r["method"], r["method"])
         if r.get("status") != "ok":
-            why = (r.get("reason") or "").split(":")[0][:40]
-            rows.append([name, f"{r.get('status', '?')} ({why})", *["—"] * (8 + alloc)])
+            rows.append([name, f"{r.get('status', '?')} (see the notes)", *["—"] * (8 + alloc)])
             continue
         ev = r.get("evicted_bytes") or {}
         evs = " / ".join(fmt_bytes(ev.get(k, 0)) if ev.get(k) else "0" for k in ("swap", "recompute", "compress")) if ev else "—"
@@ -232,7 +231,7 @@ def simulated_markdown(run: dict[str, Any]) -> str:
             bound += " LP" if src.startswith("LP") else " s" if src.startswith("swap") else " c"
         rows.append([fmt_bytes(b), fmt_pct(b / peak, sign=False) if peak else "—", bound, *cells])
     body = table(["budget", "of peak", "bound", *methods], rows)
-    gap_rows = []
+    gap_rows, footnotes = [], Footnotes()
     for m in methods:
         rs = [r for r in run.get("results", []) if r["method"] == m]
         ok = [r for r in rs if r.get("status") == "ok"]
@@ -240,10 +239,29 @@ def simulated_markdown(run: dict[str, Any]) -> str:
         solve = [r["solve_s"] for r in rs if _isnum(r.get("solve_s"))]
         notes = sorted({r.get("note", "") for r in rs if r.get("note")})
         gap_rows.append([m, f"{len(ok)}/{len(rs)}", fmt_pct(_median(gaps)), fmt_pct(max(gaps) if gaps else None),
-                         fmt_time(_median(solve)), fmt_time(max(solve) if solve else None), "; ".join(notes)[:80]])
+                         fmt_time(_median(solve)), fmt_time(max(solve) if solve else None), footnotes.mark(notes)])
     gaps = table(["method", "feasible", "gap to bound (median)", "gap (max)", "solve (median)", "solve (max)", "notes"],
                  gap_rows, "lrrrrrl")
-    return f"{head}\n\n{body}\n\n{gaps}\n"
+    return f"{head}\n\n{body}\n\n{gaps}\n{footnotes.render()}"
+
+
+class Footnotes:
+    """Long notes as numbered footnotes under a table, so no cell is cut mid-sentence."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def mark(self, notes: Iterable[str]) -> str:
+        """The cell for ``notes``: their footnote numbers, e.g. ``[1] [3]`` (a note met before keeps its number)."""
+        marks = []
+        for n in notes:
+            if n not in self.notes:
+                self.notes.append(n)
+            marks.append(f"[{self.notes.index(n) + 1}]")
+        return " ".join(marks)
+
+    def render(self) -> str:
+        return "".join(f"\n[{i}] {n}" for i, n in enumerate(self.notes, 1)) + ("\n" if self.notes else "")
 
 
 def solver_rows(results: dict[str, Any]) -> list[dict[str, Any]]:

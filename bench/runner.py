@@ -59,10 +59,7 @@ from typing import Any, Callable, Sequence
 from .progress import Progress
 from .report import SCHEMA, render_markdown, write_report
 
-SIM_METHODS: tuple[str, ...] = ("hybridmem-milp", "hybridmem-approx", "chen", "checkmate", "swap-vdnn",
-                                "swap-opt", "capuchin", "dtr")
-# bench method name -> solver name given to hybridmem.solvers.plan
-SOLVER_OF = {"hybridmem-milp": "milp", "hybridmem-approx": "approx"}
+from .methods import SIM_METHODS, SOLVER_OF, methods_help  # noqa: F401  (re-exported)
 DEVICES_ALL = ("v100-16gb", "a100-80gb", "h100-80gb", "h200")
 FULL_DEVICES = ("h100-80gb", "v100-16gb")
 MEASURED_SIZE = "small"
@@ -342,24 +339,24 @@ def _one_plan(g: Any, device: str, method: str, budget: int, keep_all_s: float, 
     try:
         p, r["solve_s"] = _plan_with_time(g, budget, device, solver, time_limit)
     except BudgetInfeasibleError as e:
-        r.update(status="infeasible", solve_s=time.perf_counter() - t0, reason=str(e)[:300],
+        r.update(status="infeasible", solve_s=time.perf_counter() - t0, reason=str(e),
                  minimum_bytes=e.minimum_bytes)
         return r
     except UnknownNameError as e:
-        r.update(status="unavailable", reason=str(e)[:300])
+        r.update(status="unavailable", reason=str(e))
         return r
     except Exception as e:  # one solver failing must not stop the sweep; the table shows it
-        r.update(status="error", solve_s=time.perf_counter() - t0, reason=f"{type(e).__name__}: {e}"[:300])
+        r.update(status="error", solve_s=time.perf_counter() - t0, reason=f"{type(e).__name__}: {e}")
         return r
     # The solver's own facts (status, bounds, coarsening, fallback): scalars only, they are small.
     info = {k: v for k, v in (p.info or {}).items() if isinstance(v, (int, float, str, bool)) or v is None}
     r["info"] = info
     if info.get("fallback"):
-        r["note"] = f"fell back: {info['fallback']}"[:120]
+        r["note"] = f"fell back: {info['fallback']}"
     try:
         res = simulate(g, p, device=device, budget=budget)
     except InfeasiblePlanError as e:
-        r.update(status="invalid", reason=f"simulator rejected the plan: {e}"[:300])
+        r.update(status="invalid", reason=f"simulator rejected the plan: {e}")
         return r
     r.update(status="ok", time_s=res.time_s, overhead=res.time_s / keep_all_s - 1 if keep_all_s else None,
              stall_s=res.stall_s, recompute_s=res.recompute_s, peak_bytes=int(res.peak_bytes),
@@ -546,7 +543,7 @@ def _cpu_plan(graph: Any, run: Any, time_limit: float) -> Any:
             annotate(p, g)
         return p
     except Exception as e:
-        why = f"no CPU plan: {type(e).__name__}: {e}"[:300]
+        why = f"no CPU plan: {type(e).__name__}: {e}"
         run.notes.append(why)
         return why  # the method is then reported as skipped, with this reason
 
@@ -727,13 +724,16 @@ def add_options(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, help="processes for the simulated sweep (default 1)")
     ap.add_argument("--no-measured", action="store_true", help="skip the measured CPU part")
     ap.add_argument("--no-simulated", action="store_true", help="skip the simulated part")
-    ap.add_argument("-o", "--output", type=Path, default=Path("bench-results"), help="output folder")
+    ap.add_argument("-o", "--output", type=Path, default=Path("bench-results"),
+                    help="folder for results.json, results.md and the plots (default: bench-results)")
     return ap
 
 
 def parser() -> argparse.ArgumentParser:
     """Options of ``python -m bench.runner`` (the same as ``hybridmem bench``'s)."""
-    return add_options(argparse.ArgumentParser(prog="python -m bench.runner", description=__doc__.splitlines()[0]))
+    return add_options(argparse.ArgumentParser(prog="python -m bench.runner", description=__doc__.splitlines()[0],
+                                               epilog=methods_help(),
+                                               formatter_class=argparse.RawDescriptionHelpFormatter))
 
 if __name__ == "__main__":
     sys.exit(main(parser().parse_args()))

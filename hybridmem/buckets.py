@@ -581,16 +581,18 @@ def spec_factory(spec: str, size: str = "tiny", *, device: str = "cpu") -> Facto
         return zoo_factory(spec, size, device=device)
     import importlib
 
+    from .factory import bind_loss, unpack_factory
+
     module_name, _, attr = spec.partition(":")
     fn = getattr(importlib.import_module(module_name), attr, None)
     if not callable(fn):
         raise ValueError(f"{spec!r}: {module_name} has no callable {attr!r}")
 
     def make(dims: dict[str, int]) -> tuple[Any, ...]:
-        out = fn(**dims)
-        if not (isinstance(out, tuple) and len(out) in (2, 3, 4)):
-            raise ValueError(f"{spec}(**{dims}) must return (model, inputs[, loss_fn[, optimizer]])")
-        return (*out, None) if len(out) == 2 else out
+        # the same contract as without --shapes (tuples, or a dict with targets for a two-argument loss)
+        model, inputs, loss_fn, targets, optimizer = unpack_factory(f"{spec}(**{dims})", fn(**dims))
+        loss = bind_loss(spec, loss_fn, targets)
+        return (model, inputs, loss) if optimizer is None else (model, inputs, loss, optimizer)
 
     return make
 

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .factory import bench_module
+from .factory import bench_module, cwd_importable
 from .units import fmt_bytes
 
-DEVICE_HELP = "device cost model (v100-16gb, a100-80gb, h100-80gb, h200, cpu)"
+DEFAULT_DEVICE = "h100-80gb"
+DEVICE_HELP = (f"device cost model: v100-16gb, a100-80gb, h100-80gb, h200, or cpu (this machine) "
+               f"(default: {DEFAULT_DEVICE})")
 
 # One line per solver for `hybridmem plan --list-solvers` (the names come from hybridmem.solvers.SOLVERS,
 # so a solver added there is listed even before it gets a line here).
@@ -70,7 +73,8 @@ def _add_model_args(p: argparse.ArgumentParser, *, graph: bool = True) -> None:
     p.add_argument("--size", default="small", help="zoo size: tiny, small, bench, paper (default: small)")
     p.add_argument("--batch", type=int, help="override the zoo size's batch")
     p.add_argument("--capture-device", default=None,
-                   help="where to run the capture step: cpu or meta (default: meta for --size paper, else cpu)")
+                   help="where to run the capture step: meta (shapes only: no memory, no real step) or cpu "
+                        "(a real step) (default: cpu for --device cpu, else meta)")
     p.add_argument("--granularity", default="op", help="stage granularity: op or module (default: op)")
     p.add_argument("--optimizer", metavar="NAME[:K=V,...]",
                    help="the training step's optimizer, whose state the graph holds for the whole step: none, sgd, "
@@ -86,13 +90,15 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("capture", help="record one training step into a graph file")
     _add_model_args(p, graph=False)
+    p.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP + "; sets the graph's op times")
     p.add_argument("-o", "--output", type=Path, help="write the graph here (.yaml or .json)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
 
     p = sub.add_parser("plan", help="solve an eviction plan for a budget")
     _add_model_args(p)
-    p.add_argument("--budget", required=True, help="bytes, e.g. 6GiB, or a percentage of the keep-all peak, e.g. 60%%")
-    p.add_argument("--device", default="h100-80gb", help=DEVICE_HELP)
+    p.add_argument("--budget", required=True, help="bytes, e.g. 6GiB, or a percentage of the step's keep-all peak "
+                                                   "(evict nothing), e.g. 60%%")
+    p.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
     p.add_argument("--solver", default="approx", help="approx (default), milp, greedy, or a baseline: keep-all, chen, "
                                                       "checkmate, swap-vdnn, swap-opt, capuchin, dtr (--list-solvers)")
     p.add_argument("--list-solvers", action=_ListSolvers, help="list the solvers with what each does, and exit")
@@ -114,12 +120,14 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="replay a plan on a graph under a device cost model")
     _add_model_args(p)
     p.add_argument("--plan", type=Path, help="plan file (default: keep everything)")
-    p.add_argument("--device", default="h100-80gb", help=DEVICE_HELP)
-    p.add_argument("--budget", default=None, help="check the plan against this budget")
+    p.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
+    p.add_argument("--budget", default=None, help="check the plan against this budget: bytes, or a percentage of the "
+                                                  "keep-all peak (default: the plan's budget)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
 
     p = sub.add_parser("run", help="run a training script with hybridmem enabled (same as HYBRIDMEM_* variables)")
-    p.add_argument("--budget", help="memory budget (e.g. 8GiB; on CUDA also 60%%)")
+    p.add_argument("--budget", help="memory budget: what the allocator may hold, e.g. 8GiB (on CUDA also 60%% of "
+                                    "device memory); without it: measure only")
     p.add_argument("--policies", help="comma-separated policies (default: swap,recompute,compress)")
     p.add_argument("--plan", help="plan file to follow")
     p.add_argument("--config", help="YAML config file")
@@ -127,15 +135,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="without a budget: how to measure (default auto: the allocator's counters where "
                         "possible, nothing per op; ops: every op, in the units a budget caps)")
     p.add_argument("--report", help="save the run's report here at exit (a .json run file for `hybridmem report`)")
+    p.add_argument("--quiet", action="store_true", help="no summary at exit")
     p.add_argument("script", help="the Python script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
-    p = sub.add_parser("bench", help="benchmark hybridmem against the alternatives")
-    bench_module("runner").add_options(p)
+    runner = bench_module("runner")
+    p = sub.add_parser("bench", help="benchmark hybridmem against the alternatives",
+                       description="Benchmark hybridmem against the alternatives.", epilog=runner.methods_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    runner.add_options(p)
 
     p = sub.add_parser("report", help="a run's decision report, or tables and plots from a bench results file")
-    p.add_argument("results", type=Path, help="a run file (hybridmem.report.save_run) or the RUN.json written "
-                                              "by `hybridmem bench`")
+    p.add_argument("results", type=Path, help="a run file (`hybridmem run --report FILE`) or the results.json "
+                                              "written by `hybridmem bench`")
     p.add_argument("--json", action="store_true", help="run files: print the report as JSON")
     p.add_argument("-o", "--output", type=Path, help="output folder (default: beside the results)")
     return ap
@@ -161,9 +173,7 @@ def _graph_from_args(args: argparse.Namespace) -> Any:
 
     if opt_text is not None:
         parse_optimizer(opt_text)  # a bad spec fails before the model is built
-    device = args.capture_device or ("meta" if args.size == "paper" else "cpu")
-    if device not in ("cpu", "meta"):
-        raise ValueError(f"--capture-device {device!r}: accepted: cpu, meta")
+    device = capture_device(args)
     spec = load_model(args.model, size=args.size, batch=args.batch, device=device)
     optimizer = spec.optimizer if opt_text is None else make_optimizer(opt_text, spec.model)
     g = capture(spec.model, spec.inputs, spec.loss_fn, device=device, granularity=args.granularity,
@@ -172,18 +182,39 @@ def _graph_from_args(args: argparse.Namespace) -> Any:
     return g
 
 
+def capture_device(args: argparse.Namespace) -> str:
+    """Where the capture step runs: ``--capture-device``, else ``cpu`` when planning for this CPU and
+    ``meta`` for a device model (a meta step allocates nothing and runs no kernel: shapes are all a device
+    model needs, and a real CPU step of a big model costs seconds and gigabytes)."""
+    device = args.capture_device or ("cpu" if _canonical_device(args.device) == "cpu" else "meta")
+    if device not in ("cpu", "meta"):
+        raise ValueError(f"--capture-device {device!r}: accepted: cpu, meta")
+    return device
+
+
+def _canonical_device(name: str) -> str:
+    from .costs import get_cost_model
+    return get_cost_model(name).name
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
-    g = _graph_from_args(args)
+    from .costs import apply_costs
+
+    _canonical_device(args.device)  # an unknown name fails before the capture, with the known ones
+    g = apply_costs(_graph_from_args(args), args.device)
     if args.output:
         g.save(args.output)
     if args.json:
-        print(json.dumps({"stages": g.num_stages, "forward_stages": g.num_forward, "tensors": len(g.tensors),
+        print(json.dumps({"capture_device": g.meta["device"], "cost_model": g.meta["cost_model"],
+                          "compute_s": g.compute_time(),
+                          "stages": g.num_stages, "forward_stages": g.num_forward, "tensors": len(g.tensors),
                           "peak_bytes": g.peak_bytes(), "saved_bytes": g.saved_bytes(),
                           "fixed_bytes": g.fixed_bytes(), "structure_hash": g.structure_hash(),
                           "optimizer_state_bytes": (g.meta.get("optimizer") or {}).get("state_bytes", 0),
                           "output": str(args.output) if args.output else None}))
     else:
-        print(f"captured {g.meta.get('model', '')}: {g.summary()}")
+        print(f"captured {g.meta.get('model', '')} on {g.meta['device']}: {g.summary()} "
+              f"(op times: the {g.meta['cost_model']} cost model, --device)")
         if args.output:
             print(f"wrote {args.output}")
     return 0
@@ -203,6 +234,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"{', '.join(given)} cannot be combined with --shapes (the plan book planner does "
                              "not take them yet); plan one shape at a time without --shapes to use them")
         from .buckets import cli_plan
+        args.capture_device = capture_device(args)
+        _check_zoo_shapes(args.model, args.size, args.shapes)
         return cli_plan(args)
     from .costs import apply_costs, get_cost_model
     from .simulate import simulate
@@ -222,6 +255,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         _print_table(summary)
     return 0
+
+
+def _check_zoo_shapes(model: str | None, size: str, shapes: Sequence[str]) -> None:
+    """Build a zoo model at every ``--shapes`` entry on meta (no memory, a fraction of a second each), so a
+    shape the model cannot take is refused before the first bucket is written into the plan book."""
+    if not model or ":" in model:
+        return  # a user's factory builds real tensors: it is called once per bucket, when planned
+    from .buckets import _dim_names, parse_dims, zoo_factory
+
+    make = zoo_factory(model, size, device="meta")
+    for shape in shapes:
+        try:
+            make(parse_dims(shape, _dim_names(model)))
+        except ValueError as e:
+            raise ValueError(f"--shapes {shape}: {e}; nothing was planned or written") from None
 
 
 def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -260,9 +308,9 @@ def _plan_summary(g: Any, p: Any, res: Any, base: Any) -> dict[str, Any]:
 def _print_table(summary: dict[str, Any]) -> None:
     rows = []
     for k, v in summary.items():
-        if k.endswith("_bytes") and isinstance(v, (int, float)):
+        if (k.endswith("_bytes") or k.startswith("bytes_")) and isinstance(v, (int, float)):
             v = fmt_bytes(v)
-        elif k in ("overhead", "gap") and isinstance(v, float):
+        elif (k in ("overhead", "gap") or k.startswith("gap_")) and isinstance(v, float):
             v = f"{v * 100:.2f} %"
         elif k.endswith("_s") and isinstance(v, float):
             v = f"{v * 1e3:.3f} ms"
@@ -290,10 +338,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res.to_dict(), default=str))
     else:
-        _print_table({"device": args.device, "time_s": res.time_s, "compute_s": res.compute_s,
-                      "stall_s": res.stall_s, "overhead": res.overhead, "peak_bytes": res.peak_bytes,
-                      "host_peak_bytes": res.host_peak_bytes, "budget_bytes": budget})
+        _print_table(simulate_summary(res))
     return 0
+
+
+def simulate_summary(res: Any) -> dict[str, Any]:
+    """The scalar numbers of a simulation, the same keys and values ``simulate --json`` prints."""
+    return {k: v for k, v in res.to_dict().items() if v is None or isinstance(v, (int, float, str))}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -302,7 +353,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = {"HYBRIDMEM_BUDGET": args.budget, "HYBRIDMEM_POLICIES": args.policies,
                 "HYBRIDMEM_PLAN": args.plan, "HYBRIDMEM_CONFIG": args.config, "HYBRIDMEM_REPORT": args.report,
                 "HYBRIDMEM_MONITOR": args.monitor}
-    return run_script([args.script, *args.args], {k: v for k, v in settings.items() if v is not None})
+    code = run_script([args.script, *args.args], {k: v for k, v in settings.items() if v is not None})
+    if not args.quiet:
+        _print_run_summary()
+    return code
+
+
+def _print_run_summary() -> None:
+    from . import runtime
+
+    if runtime.enabled():
+        print(run_summary(runtime.stats()), file=sys.stderr)
+    else:
+        print("hybridmem run: no summary: the script disabled hybridmem before it ended", file=sys.stderr)
+
+
+def run_summary(st: Any) -> str:
+    """One screen about a run (``hybridmem run`` prints it at exit): peak against the budget, bytes each
+    policy evicted, the time regeneration and stalls cost, and whether a plan was followed."""
+    if st.budget_bytes is None:
+        head = f"peak {fmt_bytes(st.peak_bytes)} (measure only: no budget)"
+    else:
+        share = st.peak_bytes / st.budget_bytes if st.budget_bytes else float("inf")
+        head = (f"peak {fmt_bytes(st.peak_bytes)} of a {fmt_bytes(st.budget_bytes)} budget ({share:.0%}, "
+                f"{'within' if st.peak_bytes <= st.budget_bytes else 'OVER'})")
+    rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE") or 1) > 1 else ""  # torchrun
+    lines = [f"hybridmem run{rank} on {st.device}: {head}, {st.steps} step(s)"
+             + (f", {st.step_seconds * 1e3:.1f} ms per step" if st.step_seconds else ""),
+             f"  saved activations per step  {fmt_bytes(st.saved_bytes)}"]
+    for name, p in st.policies.items():
+        lines.append(f"  {name:<10} evicted {fmt_bytes(p.evicted_bytes):>11} ({p.evicted} tensors), regenerated "
+                     f"{fmt_bytes(p.regenerated_bytes)} in {p.regen_seconds * 1e3:.1f} ms, "
+                     f"stalled {p.stall_seconds * 1e3:.1f} ms")
+    if not st.policies:
+        lines.append("  evicted nothing")
+    lines.append(f"  regeneration {st.regen_seconds * 1e3:.1f} ms, stalls {st.stall_seconds * 1e3:.1f} ms in all")
+    lines.append(f"  plan: {st.plan}" + (f" ({st.plan_note})" if st.plan_note else ""))
+    lines.extend(f"  note: {n}" for n in st.notes)
+    return "\n".join(lines)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -329,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .errors import HybridMemError
 
     try:
-        return COMMANDS[args.command](args) or 0
+        with cwd_importable():
+            return COMMANDS[args.command](args) or 0
     except (HybridMemError, ValueError, FileNotFoundError) as e:
         print(f"hybridmem {args.command}: error: {e}", file=sys.stderr)
         return 2

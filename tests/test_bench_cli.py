@@ -6,6 +6,7 @@ use small hand-made results files and tiny models.
 from __future__ import annotations
 
 import io
+import re
 import json
 import os
 import subprocess
@@ -80,6 +81,10 @@ def test_report_rerenders_the_quick_run(quick_run: tuple[subprocess.CompletedPro
 
 
 # ---- report on a small hand-made file --------------------------------------------------------------
+LONG_NOTE = ("fell back: the MILP found no solution within the time limit, so the approximation's plan is "
+             "reported instead and the bytes no policy could evict are listed in the plan's info")
+
+
 def _results() -> dict:
     gib = 2**30
     budgets = [2 * gib, 3 * gib, 4 * gib]
@@ -91,6 +96,7 @@ def _results() -> dict:
                                 "status": "ok" if ok else "infeasible", "time_s": 1 + base / (i + 1),
                                 "overhead": base / (i + 1), "gap_to_bound": base / (i + 2), "solve_s": 0.1 * (i + 1),
                                 "peak_bytes": b - 1000})
+    sim_results[0]["note"] = LONG_NOTE  # longer than a cell: must appear whole, as a footnote
     return {
         "schema": report.SCHEMA, "created": "2026-01-01T00:00:00", "command": "hybridmem bench", "quick": False,
         "wall_s": 12.0, "env": {"hybridmem": "0.1.0", "torch": torch.__version__, "cpu": "test", "cores": 2},
@@ -126,8 +132,10 @@ def test_report_renders_tables_and_plots(tmp_path: Path, capsys: pytest.CaptureF
     printed = capsys.readouterr()
     md = (tmp_path / "run.md").read_text()
     for text in ("Measured on this CPU", "Simulated on device models", "hybridmem-approx", "inf.", "Solver time",
-                 "+2.0 %", "skipped (not a chain)", "swap/recompute bound of the full graph"):
+                 "+2.0 %", "skipped (see the notes)", "- torch checkpoint_sequential, sqrt(n): skipped: not a chain",
+                 "swap/recompute bound of the full graph", f"[1] {LONG_NOTE}\n"):
         assert text in md, text
+    assert re.search(r"^\| hybridmem-approx .*\| \[1\] +\|$", md, re.M), "the cell names the footnote"
     assert "Measured on this CPU" in printed.out
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     if HAVE_MPL:
@@ -228,8 +236,20 @@ def test_progress_is_quiet_when_not_a_terminal(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("HYBRIDMEM_PROGRESS", "1")
     buf = io.StringIO()
     with progress.Progress(2, "plans", stream=buf) as bar:
+        bar.note("resnet50")
         bar.update(2)
-    assert "2/2 plans" in buf.getvalue()
+    last = buf.getvalue().split("\r")[-1]
+    assert last.startswith("plans: 100%") and "2/2" in last and "resnet50" in last
+
+
+def test_progress_log_mode_writes_one_line_per_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDMEM_PROGRESS", "log")
+    buf = io.StringIO()
+    with progress.Progress(2, "plans", stream=buf) as bar:
+        bar.note("a")
+        bar.update()
+        bar.note("b")
+    assert [line.split("]")[0] for line in buf.getvalue().splitlines()] == ["[0/2 plans", "[1/2 plans"]
 
 
 class _Block(nn.Module):
