@@ -34,6 +34,7 @@ from .residency import NoMode, Residency
 from .saved import SavedStore
 from .stats import Stats, StatsRecorder
 from .steps import Clock, StepTracker
+from .threads import OwnerThread, drop_hooks, leave_mode
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -114,7 +115,8 @@ class Runtime:
                                      OpCost(cost_model_for(self.device, cfg)), self.fsdp_sync.resizable)
             self.replayer = Replayer(self.residency.fetch, self.residency.adopt_replayed, lambda: self.steps.steps)
         self.steps = StepTracker(self._step_started, self._step_ended)
-        self.fixed = FixedMarker(self.produced, self.meter, self.steps.module_called)
+        self.owner = OwnerThread()
+        self.fixed = FixedMarker(self.produced, self.meter, self._module_called)
         self.prefetcher: Prefetcher | None = None
         # Prefetching pays where copies overlap compute (CUDA side streams); on the simulated CPU
         # device a prefetch is a synchronous regeneration done early, memory spent for nothing.
@@ -181,6 +183,7 @@ class Runtime:
 
     # ---- install / uninstall -----------------------------------------------------------------
     def install(self, reset_peak: bool = True) -> None:
+        self.owner.claim()
         if self.allocator is not None:
             self.allocator.install(reset_peak)
             return
@@ -203,6 +206,9 @@ class Runtime:
         self._hooks.__enter__()
 
     def uninstall(self) -> None:
+        if not self.owner.here():
+            self.release()
+            return
         if self.allocator is not None:
             self.allocator.uninstall()
             return
@@ -217,10 +223,28 @@ class Runtime:
             raise RuntimeError("hybridmem.disable() called inside another TorchDispatchMode entered after "
                                "enable(): leave it first")
         self._hooks.__exit__(None, None, None)
+        self.mode.__exit__(None, None, None)
+        self._detach()
+
+    def release(self) -> None:
+        """``uninstall`` from a thread other than the installing one: that thread exited (its stacks went
+        with it), this is a forked child of it, or another thread takes over. The global hooks go; what
+        this thread's stacks hold of the runtime is removed; what a still-running installing thread's
+        stacks hold passes everything through from now on."""
+        if self.allocator is not None:
+            self.allocator.release()
+            return
+        if self.light or self.mode is None:
+            return
+        self.mode.quiet_depth += 1
+        drop_hooks(self._pack)
+        leave_mode(self.mode)
+        self._detach()
+
+    def _detach(self) -> None:
         self.fixed.uninstall()
         if self.buckets is not None:
             self.buckets.uninstall()
-        self.mode.__exit__(None, None, None)
         self._hooks = None
         self.mode = None
         self.residency.mode = NoMode()  # entries still alive regenerate unmetered from now on
@@ -228,6 +252,13 @@ class Runtime:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
     # ---- steps ---------------------------------------------------------------------------------
+    def _module_called(self) -> None:
+        """Global module pre-hook (every thread): steps start on the installing thread only."""
+        if not self.owner.here():
+            self.owner.foreign_module_call()
+            return
+        self.steps.module_called()
+
     def _step_started(self) -> None:
         self.store.epoch += 1
         self.stats.step_started()
