@@ -60,3 +60,35 @@ def test_mapping_config_takes_plugins_like_yaml() -> None:
     assert cfg.extra == {"compress": {"lossy": ["bf16"]}}
     with pytest.raises(ValueError, match="both 'plugins' and 'extra'"):
         Config.resolve({"plugins": {}, "extra": {}}, env={})
+
+
+# ---- budgets and options: validated where they are read, naming the source and the accepted values ----
+@pytest.mark.parametrize("bad", [0, "0", "0GiB", 3.5, "3.5", 1e9, "1e400", "0%", "150%", -1])
+def test_budget_must_be_a_positive_whole_number_of_bytes(bad: object) -> None:
+    with pytest.raises(ValueError, match="budget.*positive int of bytes.*512MiB"):
+        Config.resolve(env={}, budget=bad)
+
+
+@pytest.mark.parametrize("bad", ["0", "0GiB", "3.5", "1e400", "0%", "150%", "-1"])
+def test_budget_from_the_environment_names_the_variable(bad: str) -> None:
+    with pytest.raises(ValueError, match=f"HYBRIDMEM_BUDGET={bad!r}.*positive int of bytes"):
+        Config.resolve(env={"HYBRIDMEM_BUDGET": bad})
+
+
+def test_budget_beyond_the_hosts_memory_is_refused() -> None:
+    import hybridmem
+
+    with pytest.raises(ValueError, match=r"budget.*more than the host's memory \(.*GiB, .* bytes\)"):
+        hybridmem.enable(budget="1e99GiB", device="cpu")
+    assert not hybridmem.enabled()
+
+
+def test_verbose_accepts_booleans_only(tmp_path) -> None:
+    assert Config.resolve(env={"HYBRIDMEM_VERBOSE": "yes"}).verbose is True
+    assert Config.resolve(env={"HYBRIDMEM_VERBOSE": "0"}).verbose is False
+    y = tmp_path / "c.yaml"
+    y.write_text("verbose: maybe\n")
+    with pytest.raises(ValueError, match=r"c.yaml.*verbose.*'maybe'.*true, false"):
+        Config.resolve(config=y, env={})
+    with pytest.raises(ValueError, match=r"HYBRIDMEM_VERBOSE.*'maybe'.*1, 0"):
+        Config.resolve(env={"HYBRIDMEM_VERBOSE": "maybe"})

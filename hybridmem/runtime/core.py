@@ -8,6 +8,7 @@ and :class:`~.mode.RuntimeMode`, which calls them around every op.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from ..distributed import FsdpStorageSync
 from ..meter import Meter
 from ..plan import Plan
 from ..report import TensorLog
-from ..units import parse_bytes
+from ..units import BUDGET_FORMS, check_capacity, parse_budget
 from .estimate import OutputEstimator
 from .fixed import FixedMarker
 from .follow import PlanFollower
@@ -56,13 +57,27 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_budget(value: Any, device: torch.device) -> int | None:
-    """Budget in bytes; on CUDA a percentage is of the device's total memory."""
+    """Budget in bytes, at most the device's memory (on the simulated CPU device, the host's); on CUDA
+    a percentage is of the device's total memory."""
     if value is None:
         return None
-    total = None
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    return parse_bytes(value, what="budget", total=total)
+        capacity, of = torch.cuda.get_device_properties(device).total_memory, str(device)
+        return check_capacity(int(parse_budget(value, total=capacity)), capacity, of, value)
+    n = parse_budget(value)
+    if isinstance(n, str):
+        raise ValueError(f"invalid budget {value!r}: a percentage is of CUDA device memory; on the CPU "
+                         f"expected {', '.join(BUDGET_FORMS[:2])}")
+    capacity = host_memory()
+    return n if capacity is None else check_capacity(n, capacity, "host", value)
+
+
+def host_memory() -> int | None:
+    """Physical memory of this machine in bytes (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def cost_model_for(device: torch.device, cfg: Config) -> Any:
