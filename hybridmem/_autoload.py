@@ -56,6 +56,9 @@ def _enable_from_env() -> None:
     except (ValueError, HybridMemError, FileNotFoundError) as e:
         print(f"hybridmem: cannot enable from the environment: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Exception as e:  # anything else: still one line, never a traceback out of `import torch`
+        print(f"hybridmem: cannot enable from the environment: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     if os.environ.get("WORLD_SIZE") or os.environ.get("LOCAL_RANK"):  # torchrun and similar launchers
         from .distributed import prepare_clean_exit
         prepare_clean_exit()  # the process group's threads joined before the interpreter finalizes

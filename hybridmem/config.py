@@ -44,6 +44,13 @@ class Config:
     # builds, else ops; CUDA: ops).
     monitor: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)  # plugin-specific settings (YAML 'plugins:' section)
+    # setting -> where its value came from ("environment", "arguments", a file name, "config"): errors
+    # found later (a policy's options, when the runtime builds it) name it
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def source(self, key: str) -> str:
+        """Where setting ``key`` came from, for error messages (see :func:`_source`)."""
+        return _source(self.sources.get(key, "config"), key, getattr(self, key))
 
     def budget_bytes(self, device_total: int | None = None) -> int | None:
         if self.budget is None:
@@ -135,7 +142,7 @@ def _source(where: str, key: str, value: Any) -> str:
         return f"{var}={value!r}"
     if where == "arguments":
         return f"argument {key}={value!r}"
-    return f"{where}: '{'plugins' if key == 'extra' else key}'"
+    return f"{where}: '{'plugins' if key == 'extra' else key}'"  # a file name, or "config" (a mapping)
 
 
 def _apply(cfg: Config, values: Mapping[str, Any], *, where: str) -> Config:
@@ -143,7 +150,7 @@ def _apply(cfg: Config, values: Mapping[str, Any], *, where: str) -> Config:
         if "extra" in values:
             raise ValueError(f"both 'plugins' and 'extra' in {where}: they are one setting, give it once")
         values = {("extra" if k == "plugins" else k): v for k, v in values.items()}
-    known = {f.name for f in fields(Config)}
+    known = {f.name for f in fields(Config)} - {"sources"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown} in {where}; accepted: {sorted(known)}")
@@ -157,4 +164,4 @@ def _apply(cfg: Config, values: Mapping[str, Any], *, where: str) -> Config:
     if "policies" in out and not out["policies"] and out.get("budget", cfg.budget) is not None:
         raise ValueError(f"{_source(where, 'policies', values['policies'])}: policies is empty: name at "
                          "least one of swap, recompute, compress")
-    return replace(cfg, **out)
+    return replace(cfg, **out, sources={**cfg.sources, **dict.fromkeys(out, where)})

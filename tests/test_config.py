@@ -92,3 +92,33 @@ def test_verbose_accepts_booleans_only(tmp_path) -> None:
         Config.resolve(config=y, env={})
     with pytest.raises(ValueError, match=r"HYBRIDMEM_VERBOSE.*'maybe'.*1, 0"):
         Config.resolve(env={"HYBRIDMEM_VERBOSE": "maybe"})
+
+
+def test_unknown_policy_option_names_the_policy_the_source_and_the_accepted_ones(tmp_path) -> None:
+    import hybridmem
+
+    y = tmp_path / "c.yaml"
+    y.write_text("budget: 1GiB\nplugins: {swap: {teleport: 3}}\n")
+    with pytest.raises(ValueError, match=r"c.yaml: 'plugins': policy 'swap': unknown option\(s\) \['teleport'\]; "
+                                         r"accepted: .*max_cached_bytes"):
+        hybridmem.enable(config=y, device="cpu")
+    with pytest.raises(ValueError, match=r"config: 'plugins': recompute takes no options"):
+        hybridmem.enable(config={"budget": "1GiB", "plugins": {"recompute": {"fast": True}}}, device="cpu")
+    with pytest.raises(ValueError, match=r"config: 'plugins': unknown key 'swapp'; accepted: the policies"):
+        hybridmem.enable(config={"budget": "1GiB", "plugins": {"swapp": {}}}, device="cpu")
+    assert not hybridmem.enabled()
+
+
+def test_bad_config_through_the_environment_is_one_line_and_status_2(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    y = tmp_path / "c.yaml"
+    y.write_text("budget: 1GiB\nplugins: {swap: {teleport: 3}}\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HYBRIDMEM_")}, "HYBRIDMEM_CONFIG": str(y)}
+    res = subprocess.run([sys.executable, "-c", "import torch; print('trained')"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    assert "unknown option(s) ['teleport']" in res.stderr and "c.yaml" in res.stderr

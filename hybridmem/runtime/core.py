@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from hybridmem.plugins.base import Policy, get_policy
+from hybridmem.plugins.base import Policy, get_policy, known_policy_names
 
 from ..buckets import BucketSwitch, PlanBook, is_book
 from ..config import Config
 from ..distributed import FsdpStorageSync
+from ..errors import UnknownNameError
 from ..meter import Meter
 from ..plan import Plan
 from ..report import TensorLog
@@ -90,6 +91,23 @@ def cost_model_for(device: torch.device, cfg: Config) -> Any:
         gpu = torch.cuda.get_device_name(device).lower()
         name = next((n for n in ("h200", "h100", "a100", "v100") if n in gpu), "h100")
     return get_cost_model(name or "cpu")
+
+
+RUNTIME_EXTRA = ("cost_model", "cuda_cap", "light")  # keys of the 'plugins' section that are not policies
+
+
+def check_extra(cfg: Config) -> None:
+    """The 'plugins' section: per-policy option mappings (checked by the policy) and the runtime's keys."""
+    if not cfg.extra:
+        return
+    policies = known_policy_names()
+    for key, value in cfg.extra.items():
+        if key not in RUNTIME_EXTRA and key not in policies:
+            raise ValueError(f"{cfg.source('extra')}: unknown key {key!r}; accepted: the policies {policies} "
+                             f"(each a mapping of its options) and {list(RUNTIME_EXTRA)}")
+        if key in policies and value is not None and not isinstance(value, dict):
+            raise ValueError(f"{cfg.source('extra')}: {key}: expected a mapping of the policy's options, "
+                             f"got {value!r}")
 
 
 def resolve_plan(plan: Any) -> Plan | None:
@@ -188,12 +206,18 @@ class Runtime:
 
     @staticmethod
     def _make_policies(cfg: Config) -> dict[str, Policy]:
+        check_extra(cfg)
         out: dict[str, Policy] = {}
         for name in cfg.policies:
             options = dict(cfg.extra.get(name) or {})
             if name == "compress" and cfg.lossy and "lossy" not in options:
                 options["lossy"] = cfg.lossy
-            out[name] = get_policy(name, **options)
+            try:
+                out[name] = get_policy(name, **options)
+            except UnknownNameError:
+                raise
+            except ValueError as e:
+                raise ValueError(f"{cfg.source('extra')}: {e}") from None
         return out
 
     # ---- install / uninstall -----------------------------------------------------------------
