@@ -17,11 +17,12 @@ without the budget the user asked for. ``HYBRIDMEM_VERBOSE=1`` prints ``hybridme
 """
 from __future__ import annotations
 
-import importlib.abc
 import importlib.machinery
 import os
 import sys
-from typing import Any, Mapping, Sequence
+TYPE_CHECKING = False  # typing costs every process start milliseconds: annotations only
+if TYPE_CHECKING:
+    from typing import Any, Mapping, Sequence
 
 TRIGGERS = ("HYBRIDMEM_BUDGET", "HYBRIDMEM_PLAN", "HYBRIDMEM_CONFIG")
 
@@ -125,8 +126,9 @@ def _save_report(path: str) -> None:
         print(f"hybridmem: wrote {path} (render it with: hybridmem report {path})", file=sys.stderr)
 
 
-class _TorchImportHook(importlib.abc.MetaPathFinder):
-    """Finds ``torch`` through the other finders and enables hybridmem once its module has run."""
+class _TorchImportHook:
+    """Finds ``torch`` through the other finders and enables hybridmem once its module has run (a meta
+    path finder by duck typing: importlib.abc would cost the start of every process milliseconds)."""
 
     installed = False
 
@@ -153,7 +155,7 @@ class _TorchImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-class _EnablingLoader(importlib.abc.Loader):
+class _EnablingLoader:
     """Wraps torch's loader: run torch's ``__init__``, then enable hybridmem."""
 
     def __init__(self, inner: Any):
