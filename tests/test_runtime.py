@@ -12,7 +12,7 @@ from torch import nn
 import hybridmem
 from hybridmem.errors import PlanFormatError, StalePlanError, UnknownNameError
 from hybridmem.plan import Action, Plan
-from tests.test_runtime_common import Case, budget_for, run
+from tests.test_runtime_common import Case, budget_for, run, snapshot
 
 torch.set_num_threads(1)
 
@@ -219,6 +219,37 @@ def test_stale_plan_is_refused_after_the_first_step() -> None:
     plan.info["runtime"]["signature"] = "0123456789abcdef"
     with pytest.raises(StalePlanError, match="different step"):
         run(case, plan=plan, policies=("recompute",))
+
+
+def _steps_through_a_stale_plan(case: Case, steps: int = 3) -> tuple[list, list[str]]:
+    """Train ``steps`` steps; a StalePlanError out of backward() is caught (its text kept) and training
+    goes on, as its text says it may."""
+    model = copy.deepcopy(case.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    torch.manual_seed(0)
+    out, errors = [], []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = case.loss(model)
+        try:
+            loss.backward()
+        except StalePlanError as e:
+            errors.append(str(e))
+        out.append(snapshot(model, loss))
+        opt.step()
+    return out, errors
+
+
+def test_plan_for_another_batch_size_is_refused_and_the_step_is_complete() -> None:
+    plan = _recompute_plan(_mlp_case(batch=512))
+    case = _mlp_case(batch=256)
+    ref, _ = _steps_through_a_stale_plan(case)
+    with hybridmem.session(plan=plan, budget="64MiB", policies=("recompute",), device="cpu") as s:
+        got, errors = _steps_through_a_stale_plan(case)
+    assert got == ref  # the step that raised has all its gradients, and the later steps are unchanged
+    assert len(errors) == 1 and "input shapes" in errors[0] and "raised from backward()" in errors[0]
+    assert "gradients are complete" in errors[0] and "online scorer" in errors[0]
+    assert s.stats().plan == "refused" and "bytes" in s.stats().plan_note and s.stats().steps == 3
 
 
 def test_plan_left_where_the_program_diverges() -> None:
