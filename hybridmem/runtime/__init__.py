@@ -20,8 +20,10 @@ for the lossless policies. ``budget=None`` only measures: on the CPU, by default
 allocator meter with no dispatch mode (:mod:`.monitor`; ``monitor="ops"`` meters every op). Hooks and
 the mode are thread-local: enable on the thread that trains (the allocator meter is process-wide); a
 module trained on another thread warns once. A runtime whose thread exited is released by the next
-call here, and a forked child (DataLoader workers, multiprocessing) starts unmanaged. Only the innermost ``saved_tensors_hooks`` pair runs, so tensors saved
-inside ``torch.utils.checkpoint`` or ``save_on_cpu`` regions are left to them.
+call here, and a forked child (DataLoader workers, multiprocessing) starts unmanaged. Only the innermost
+``saved_tensors_hooks`` pair runs, so tensors saved inside ``torch.utils.checkpoint`` or ``save_on_cpu``
+regions are left to them; under a budget ``torch.utils.checkpoint`` regions run plainly and their
+tensors are managed (:mod:`.ckpt`).
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from ..meter import Meter
 from ..plan import Plan
 from ..report import TensorLog
 from ..units import BUDGET_FORMS, check_capacity, parse_budget
+from . import ckpt
 from .estimate import OutputEstimator
 from .fixed import FixedMarker
 from .follow import PlanFollower
@@ -110,6 +111,16 @@ def check_extra(cfg: Config) -> None:
                              f"got {value!r}")
 
 
+def regions_runtime() -> "Runtime | None":
+    """The runtime that takes ``torch.utils.checkpoint`` regions over on the calling thread, if any."""
+    from . import _current
+
+    rt = _current
+    if rt is not None and rt.takes_regions and rt.mode is not None and rt.owner.here():
+        return rt
+    return None
+
+
 def resolve_plan(plan: Any) -> Plan | None:
     if plan is None or isinstance(plan, Plan):
         return plan
@@ -182,6 +193,8 @@ class Runtime:
             self.stats.note(MONITOR_NOTE)
         # Nothing is ever evicted without a budget or a plan: saved tensors need no entries, only counting.
         self._pack = self.store.pack if manages else self.store.pack_counting
+        # torch.utils.checkpoint regions run plainly under the online scorer's budget (runtime.ckpt)
+        self.takes_regions = self.budget is not None and plan is None and book is None and not self.light
 
     def _monitor_kind(self, cfg: Config, manages: bool) -> str:
         """``"allocator"`` or ``"ops"`` (see ``Config.monitor``); errors for what cannot be honoured."""
@@ -243,6 +256,9 @@ class Runtime:
         self.fixed.install()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self.store.unpack)
         self._hooks.__enter__()
+        if self.takes_regions and not ckpt.install(regions_runtime):
+            self.stats.note("torch.utils.checkpoint regions are left to checkpoint (this torch lacks the "
+                            "entry points hybridmem takes them over by)")
 
     def uninstall(self) -> None:
         if not self.owner.here():
