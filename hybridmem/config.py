@@ -44,13 +44,13 @@ class Config:
     # builds, else ops; CUDA: ops).
     monitor: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)  # plugin-specific settings (YAML 'plugins:' section)
-    # setting -> where its value came from ("environment", "arguments", a file name, "config"): errors
-    # found later (a policy's options, when the runtime builds it) name it
+    # setting -> where its value came from, as given (see _source): errors found later, when the runtime
+    # uses the setting (a device, a policy's options), name it
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def source(self, key: str) -> str:
-        """Where setting ``key`` came from, for error messages (see :func:`_source`)."""
-        return _source(self.sources.get(key, "config"), key, getattr(self, key))
+        """Where setting ``key`` came from, for error messages: ``HYBRIDMEM_X='...'``, ``FILE: 'key'``, ..."""
+        return self.sources.get(key) or _source("config", key, getattr(self, key))
 
     def budget_bytes(self, device_total: int | None = None) -> int | None:
         if self.budget is None:
@@ -164,4 +164,4 @@ def _apply(cfg: Config, values: Mapping[str, Any], *, where: str) -> Config:
     if "policies" in out and not out["policies"] and out.get("budget", cfg.budget) is not None:
         raise ValueError(f"{_source(where, 'policies', values['policies'])}: policies is empty: name at "
                          "least one of swap, recompute, compress")
-    return replace(cfg, **out, sources={**cfg.sources, **dict.fromkeys(out, where)})
+    return replace(cfg, **out, sources={**cfg.sources, **{k: _source(where, k, values[k]) for k in out}})

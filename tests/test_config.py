@@ -122,3 +122,19 @@ def test_bad_config_through_the_environment_is_one_line_and_status_2(tmp_path) -
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
     assert "unknown option(s) ['teleport']" in res.stderr and "c.yaml" in res.stderr
+
+
+@pytest.mark.parametrize("var,value,kwargs,match", [
+    ("HYBRIDMEM_DEVICE", "tpu", {}, r"HYBRIDMEM_DEVICE='tpu': invalid device 'tpu': expected 'cpu', 'cuda'"),
+    ("HYBRIDMEM_POLICIES", "swap,teleport", {"device": "cpu"},
+     r"HYBRIDMEM_POLICIES='swap,teleport': unknown policy 'teleport'; known"),
+    ("HYBRIDMEM_LOSSY", "zzz", {"device": "cpu", "policies": ("compress",)},
+     r"HYBRIDMEM_LOSSY='zzz': unknown codec 'zzz'; known"),
+])
+def test_settings_checked_by_the_runtime_name_their_variable(monkeypatch, var, value, kwargs, match) -> None:
+    import hybridmem
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=match):
+        hybridmem.enable(budget="1GiB", **kwargs)
+    assert not hybridmem.enabled()

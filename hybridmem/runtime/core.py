@@ -9,8 +9,9 @@ and :class:`~.mode.RuntimeMode`, which calls them around every op.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -111,6 +112,21 @@ def check_extra(cfg: Config) -> None:
                              f"got {value!r}")
 
 
+def prefixed(e: ValueError, where: str) -> ValueError:
+    """``e`` (same type, so UnknownNameError stays one) with its message led by where the setting came from."""
+    e.args = (f"{where}: {e.args[0] if e.args else e}", *e.args[1:])
+    return e
+
+
+@contextmanager
+def named(cfg: Config, key: str) -> Iterator[None]:
+    """Errors about setting ``key`` name where it came from (variable, file, argument)."""
+    try:
+        yield
+    except ValueError as e:
+        raise prefixed(e, cfg.source(key)) from None
+
+
 def regions_runtime() -> "Runtime | None":
     """The runtime that takes ``torch.utils.checkpoint`` regions over on the calling thread, if any."""
     from . import _current
@@ -136,8 +152,10 @@ class Runtime:
 
     def __init__(self, cfg: Config, plan: Plan | None = None):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
-        self.budget = resolve_budget(cfg.budget, self.device)
+        with named(cfg, "device"):
+            self.device = resolve_device(cfg.device)
+        with named(cfg, "budget"):
+            self.budget = resolve_budget(cfg.budget, self.device)
         if self.budget is None and plan is not None and plan.budget_bytes:
             self.budget = plan.budget_bytes  # the online scorer keeps the plan's budget where it is left
         self.plan = plan
@@ -227,10 +245,11 @@ class Runtime:
                 options["lossy"] = cfg.lossy
             try:
                 out[name] = get_policy(name, **options)
-            except UnknownNameError:
-                raise
+            except UnknownNameError as e:  # a policy's name, or a codec's (compress)
+                raise prefixed(e, cfg.source("policies" if e.what == "policy" else "lossy" if cfg.lossy
+                                             else "extra")) from None
             except ValueError as e:
-                raise ValueError(f"{cfg.source('extra')}: {e}") from None
+                raise prefixed(e, cfg.source("extra")) from None
         return out
 
     # ---- install / uninstall -----------------------------------------------------------------
