@@ -50,6 +50,13 @@ RANDOM_OPS: dict[str, Callable[[Tensor], Tensor]] = {
     "rrelu": lambda x: nn.functional.rrelu(x, training=True),
     "gumbel_softmax": lambda x: nn.functional.gumbel_softmax(x, tau=0.5),
     "generator": lambda x: x + torch.randn(32, 64, generator=_GEN),
+    "rand_generator_double": lambda x: x + torch.rand(32, 64, generator=_GEN, dtype=torch.float64).float(),
+    "binomial": lambda x: x + torch.binomial(torch.full((32, 64), 5.0), torch.full((32, 64), 0.3)),
+    "gamma_rsample": lambda x: x * torch.distributions.Gamma(torch.full((32, 64), 2.0), 1.0).rsample(),
+    "dirichlet": lambda x: x * torch.distributions.Dirichlet(torch.ones(32, 64)).sample(),
+    "trunc_normal_": lambda x: x + nn.init.trunc_normal_(torch.empty(32, 64)),
+    "kaiming_uniform_": lambda x: x + nn.init.kaiming_uniform_(torch.empty(32, 64)),
+    "native_dropout": lambda x: torch.native_dropout(x, 0.3, True)[0],
 }
 _GEN = torch.Generator().manual_seed(7)
 
@@ -86,6 +93,20 @@ def test_random_op_under_a_budget_with_nothing_to_evict(name: str) -> None:
     ref = _steps(copy.deepcopy(_MODEL), RANDOM_OPS[name])
     model = copy.deepcopy(_MODEL)
     hybridmem.enable(budget="1GiB", device="cpu")
+    got = _steps(model, RANDOM_OPS[name])
+    assert got == ref, f"{name}: the runtime changed the random stream"
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_OPS))
+def test_random_op_under_a_budget_at_its_peak(name: str) -> None:
+    # At the peak every op is close to the budget, so the size of each (the random ones included) is
+    # estimated before it runs.
+    ref = _steps(copy.deepcopy(_MODEL), RANDOM_OPS[name])
+    with hybridmem.session(budget=None, monitor="ops", device="cpu") as s:
+        _steps(copy.deepcopy(_MODEL), RANDOM_OPS[name])
+    estimate._META.clear()
+    model = copy.deepcopy(_MODEL)
+    hybridmem.enable(budget=s.stats().peak_bytes, device="cpu")
     got = _steps(model, RANDOM_OPS[name])
     assert got == ref, f"{name}: the runtime changed the random stream"
 
