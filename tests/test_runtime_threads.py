@@ -60,8 +60,9 @@ def _child(queue: "multiprocessing.Queue[tuple[bool, bool]]") -> None:
     queue.put((before, hybridmem.stats().steps == 1))
 
 
-def test_forked_process_starts_unmanaged_and_may_enable_its_own() -> None:
-    hybridmem.enable(budget="1GiB", device="cpu")
+@pytest.mark.parametrize("budget", ["1GiB", None])  # None: the allocator monitor (process-wide native meter)
+def test_forked_process_starts_unmanaged_and_may_enable_its_own(budget: str | None) -> None:
+    hybridmem.enable(budget=budget, device="cpu")
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(q,))
