@@ -90,10 +90,16 @@ def _in_thread(fn) -> None:
 
 
 def test_runtime_of_a_thread_that_exited_is_released() -> None:
-    _in_thread(lambda: hybridmem.enable(budget="1GiB", device="cpu"))
-    assert not hybridmem.enabled()
-    hybridmem.disable()
     case = _mlp()
+
+    def train_one_step() -> None:
+        hybridmem.enable(budget="1GiB", device="cpu")
+        case.loss(copy.deepcopy(case.model)).backward()
+
+    _in_thread(train_one_step)
+    assert not hybridmem.enabled()
+    assert hybridmem.stats().steps == 1  # what the thread measured stays readable until disable()
+    hybridmem.disable()
     ref, _ = run(case)
     got, st = run(case, budget="1GiB", policies=("recompute",))
     assert got == ref and st is not None and st.steps == 3
