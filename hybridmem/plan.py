@@ -159,8 +159,9 @@ def _entries(d: dict[str, Any]) -> dict[str, int]:
 
 
 def _checksum(body: dict[str, Any]) -> str:
-    """SHA-256 of the canonical JSON of a plan mapping (what YAML and JSON both round-trip)."""
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str)
+    """SHA-256 of the compact JSON of a plan mapping: what YAML and JSON both round-trip (key order is kept
+    by both; keys are not sorted, since a mapping may mix int and str keys)."""
+    text = json.dumps(body, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
