@@ -13,7 +13,11 @@ The module imports nothing heavy until an attribute is used, so the start-up hoo
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import sys
+import types
+TYPE_CHECKING = False  # typing costs every process start milliseconds: annotations only
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 
@@ -35,16 +39,26 @@ _API = {
     "Meter": ("hybridmem.meter", "Meter"),
     "get_cost_model": ("hybridmem.costs", "get_cost_model"),
     "parse_bytes": ("hybridmem.units", "parse_bytes"),
+    "simulate": ("hybridmem.simulate", "simulate"),
 }
 
-__all__ = sorted([*_API, "plan", "simulate"]) + ["__version__"]
+__all__ = sorted([*_API, "plan"]) + ["__version__"]
 
 
-# ``plan`` and ``simulate`` are both public functions and submodules (hybridmem/plan.py, simulate.py).
-# Importing a submodule sets the package attribute to the module, which would shadow the function, so
-# these two are bound eagerly, after their modules are imported, and stay functions from then on.
-from . import plan as _plan_module, simulate as _simulate_module  # noqa: E402  (order matters, see above)
-from .simulate import simulate  # noqa: E402
+class _Package(types.ModuleType):
+    """``plan`` and ``simulate`` are both public functions and submodules (hybridmem/plan.py, simulate.py).
+    Importing a submodule sets the package attribute to the module, which would shadow the function:
+    this package keeps the functions instead. Neither is imported before it is used (the start-up hook
+    imports this package, and the plan module pulls in numpy)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FUNCTIONS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_FUNCTIONS = ("plan", "simulate")
+sys.modules[__name__].__class__ = _Package
 
 
 def plan(*args: Any, **kwargs: Any) -> Any:

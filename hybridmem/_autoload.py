@@ -17,11 +17,12 @@ without the budget the user asked for. ``HYBRIDMEM_VERBOSE=1`` prints ``hybridme
 """
 from __future__ import annotations
 
-import importlib.abc
 import importlib.machinery
 import os
 import sys
-from typing import Any, Mapping, Sequence
+TYPE_CHECKING = False  # typing costs every process start milliseconds: annotations only
+if TYPE_CHECKING:
+    from typing import Any, Mapping, Sequence
 
 TRIGGERS = ("HYBRIDMEM_BUDGET", "HYBRIDMEM_PLAN", "HYBRIDMEM_CONFIG")
 
@@ -55,6 +56,9 @@ def _enable_from_env() -> None:
         runtime.enable()  # everything comes from the environment (and HYBRIDMEM_CONFIG's YAML)
     except (ValueError, HybridMemError, FileNotFoundError) as e:
         print(f"hybridmem: cannot enable from the environment: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Exception as e:  # anything else: still one line, never a traceback out of `import torch`
+        print(f"hybridmem: cannot enable from the environment: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if os.environ.get("WORLD_SIZE") or os.environ.get("LOCAL_RANK"):  # torchrun and similar launchers
         from .distributed import prepare_clean_exit
@@ -122,8 +126,9 @@ def _save_report(path: str) -> None:
         print(f"hybridmem: wrote {path} (render it with: hybridmem report {path})", file=sys.stderr)
 
 
-class _TorchImportHook(importlib.abc.MetaPathFinder):
-    """Finds ``torch`` through the other finders and enables hybridmem once its module has run."""
+class _TorchImportHook:
+    """Finds ``torch`` through the other finders and enables hybridmem once its module has run (a meta
+    path finder by duck typing: importlib.abc would cost the start of every process milliseconds)."""
 
     installed = False
 
@@ -150,7 +155,7 @@ class _TorchImportHook(importlib.abc.MetaPathFinder):
         return spec
 
 
-class _EnablingLoader(importlib.abc.Loader):
+class _EnablingLoader:
     """Wraps torch's loader: run torch's ``__init__``, then enable hybridmem."""
 
     def __init__(self, inner: Any):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from .units import parse_bytes
+from .units import parse_budget, parse_bytes
 
 DEFAULT_POLICIES = ("swap", "recompute", "compress")
 
@@ -44,6 +44,13 @@ class Config:
     # builds, else ops; CUDA: ops).
     monitor: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)  # plugin-specific settings (YAML 'plugins:' section)
+    # setting -> where its value came from, as given (see _source): errors found later, when the runtime
+    # uses the setting (a device, a policy's options), name it
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def source(self, key: str) -> str:
+        """Where setting ``key`` came from, for error messages: ``HYBRIDMEM_X='...'``, ``FILE: 'key'``, ..."""
+        return self.sources.get(key) or _source("config", key, getattr(self, key))
 
     def budget_bytes(self, device_total: int | None = None) -> int | None:
         if self.budget is None:
@@ -91,35 +98,70 @@ def _as_names(value: Any, key: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _as_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in TRUE + FALSE:
+        return value.strip().lower() in TRUE
+    raise ValueError(f"{key} must be true or false, got {value!r}; accepted: true, false, "
+                     f"{', '.join(TRUE[:1] + FALSE[:1] + TRUE[2:] + FALSE[2:])}")
+
+
+def _as_budget(value: Any, key: str) -> Any:
+    if isinstance(value, str) and value.strip().lower() in ("none", "off", "monitor"):
+        return None
+    return parse_budget(value)  # percentages stay strings: they need the device
+
+
+def _as_monitor(value: Any, key: str) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in MONITORS:
+        raise ValueError(f"monitor must be one of {', '.join(MONITORS)}, got {value!r}")
+    return value.strip().lower()
+
+
+def _as_extra(value: Any, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"plugins/extra must be a mapping, got {type(value).__name__}")
+    return value
+
+
+# setting -> validator(value, key) returning the value to store; raises ValueError
+_CHECKS = {"policies": _as_names, "lossy": _as_names, "verbose": _as_bool, "budget": _as_budget,
+           "monitor": _as_monitor, "extra": _as_extra}
+
+
+def _source(where: str, key: str, value: Any) -> str:
+    """Where a setting came from, for error messages: the variable, the file and key, or the argument."""
+    if where == "environment":
+        var = next(v for v, f in ENV_VARS.items() if f == key)
+        return f"{var}={value!r}"
+    if where == "arguments":
+        return f"argument {key}={value!r}"
+    return f"{where}: '{'plugins' if key == 'extra' else key}'"  # a file name, or "config" (a mapping)
+
+
 def _apply(cfg: Config, values: Mapping[str, Any], *, where: str) -> Config:
     if "plugins" in values:  # the YAML/mapping spelling of ``extra`` (plugin-specific settings)
         if "extra" in values:
             raise ValueError(f"both 'plugins' and 'extra' in {where}: they are one setting, give it once")
         values = {("extra" if k == "plugins" else k): v for k, v in values.items()}
-    known = {f.name for f in fields(Config)}
+    known = {f.name for f in fields(Config)} - {"sources"}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown} in {where}; accepted: {sorted(known)}")
     out = dict(values)
-    if "policies" in out:
-        out["policies"] = _as_names(out["policies"], "policies")
-        if not out["policies"] and out.get("budget", cfg.budget) is not None:
-            raise ValueError("policies is empty: name at least one of swap, recompute, compress")
-    if "lossy" in out:
-        out["lossy"] = _as_names(out["lossy"], "lossy")
-    if "verbose" in out and isinstance(out["verbose"], str):
-        out["verbose"] = out["verbose"].strip().lower() in ("1", "true", "yes", "on")
-    if "budget" in out and out["budget"] is not None:
-        b = out["budget"]
-        if isinstance(b, str) and b.strip().lower() in ("none", "off", "monitor"):
-            out["budget"] = None
-        elif not (isinstance(b, str) and b.strip().endswith("%")):
-            out["budget"] = parse_bytes(b, what="budget")  # validate early, percentages need the device
-    if "monitor" in out:
-        m = out["monitor"]
-        if not isinstance(m, str) or m.strip().lower() not in MONITORS:
-            raise ValueError(f"monitor must be one of {', '.join(MONITORS)}, got {m!r}")
-        out["monitor"] = m.strip().lower()
-    if "extra" in out and not isinstance(out["extra"], dict):
-        raise ValueError(f"plugins/extra must be a mapping, got {type(out['extra']).__name__}")
-    return replace(cfg, **out)
+    for key, check in _CHECKS.items():
+        if key in out and out[key] is not None:
+            try:
+                out[key] = check(out[key], key)
+            except ValueError as e:
+                raise ValueError(f"{_source(where, key, values[key])}: {e}") from None
+    if "policies" in out and not out["policies"] and out.get("budget", cfg.budget) is not None:
+        raise ValueError(f"{_source(where, 'policies', values['policies'])}: policies is empty: name at "
+                         "least one of swap, recompute, compress")
+    return replace(cfg, **out, sources={**cfg.sources, **{k: _source(where, k, values[k]) for k in out}})

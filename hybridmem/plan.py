@@ -18,6 +18,8 @@ tensor's natural end is pointless and rejected by validation.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,9 +96,12 @@ class Plan:
 
     # ---- (de)serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The plan as saved: ``checksum`` (of everything else) and ``entries`` (its counts) come first,
+        so that a file cut short keeps them and is recognised."""
         d = asdict(self)
         d["actions"] = [_compact(a) for a in self.sorted_actions()]
-        return {"schema": PLAN_SCHEMA_VERSION, **d}
+        body = {"entries": _entries(d), **d}
+        return {"schema": PLAN_SCHEMA_VERSION, "checksum": _checksum(body), **body}
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str = "plan") -> "Plan":
@@ -106,6 +111,7 @@ class Plan:
         missing = [k for k in ("schema", "actions") if k not in d]
         if missing:
             raise PlanFormatError(f"{source}: missing key(s) {missing} (file truncated or not a hybridmem plan?)")
+        _check_integrity(d, source)
         if d["schema"] != PLAN_SCHEMA_VERSION:
             raise PlanFormatError(f"{source}: schema version {d['schema']!r} unsupported; this hybridmem reads "
                                   f"{PLAN_SCHEMA_VERSION}")
@@ -119,11 +125,12 @@ class Plan:
             if act.stage < 0 or act.tensor < 0 or not 0 < act.ratio <= 1:
                 raise PlanFormatError(f"{source}: actions[{i}]: stage and tensor must be >= 0 and ratio in (0, 1]")
             actions.append(act)
-        rest = {k: v for k, v in d.items() if k not in ("schema", "actions")}
+        rest = {k: v for k, v in d.items() if k not in ("schema", "actions", "checksum", "entries")}
         known = {"graph_hash", "device", "budget_bytes", "solver", "predicted_time_s", "predicted_peak_bytes", "info"}
         unknown = sorted(set(rest) - known)
         if unknown:
-            raise PlanFormatError(f"{source}: unknown key(s) {unknown}; accepted: {sorted(known | {'schema', 'actions'})}")
+            raise PlanFormatError(f"{source}: unknown key(s) {unknown}; accepted: "
+                                  f"{sorted(known | {'schema', 'actions', 'checksum', 'entries'})}")
         b = rest.get("budget_bytes")
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
             raise PlanFormatError(f"{source}: budget_bytes must be a non-negative integer or null, got {b!r}")
@@ -141,6 +148,41 @@ class Plan:
         for a in self.actions:
             out[a.kind] = out.get(a.kind, 0) + 1
         return out
+
+
+def _entries(d: dict[str, Any]) -> dict[str, int]:
+    """How many actions and annotated tensors (``info.runtime.tensors``) a plan mapping has."""
+    ann = d.get("info", {}).get("runtime") if isinstance(d.get("info"), dict) else None
+    tensors = ann.get("tensors") if isinstance(ann, dict) else None
+    return {"actions": len(d["actions"]) if isinstance(d.get("actions"), list) else 0,
+            "tensors": len(tensors) if isinstance(tensors, dict) else 0}
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    """SHA-256 of the compact JSON of a plan mapping: what YAML and JSON both round-trip (key order is kept
+    by both; keys are not sorted, since a mapping may mix int and str keys)."""
+    text = json.dumps(body, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_integrity(d: dict[str, Any], source: str) -> None:
+    """A saved plan's counts and checksum against its content (both optional: hand-made plans have none)."""
+    body = {k: v for k, v in d.items() if k not in ("schema", "checksum")}
+    said = d.get("entries")
+    if said is not None:
+        has = _entries(d)
+        if said != has:
+            raise PlanFormatError(
+                f"{source}: the file lists {said.get('actions') if isinstance(said, dict) else said} actions and "
+                f"{said.get('tensors') if isinstance(said, dict) else '?'} tensor entries, it has {has['actions']} "
+                f"and {has['tensors']}: it was truncated or edited after it was saved. It is not used: make "
+                "the plan again (hybridmem plan)")
+    want = d.get("checksum")
+    if want is not None and want != _checksum(body):
+        raise PlanFormatError(
+            f"{source}: checksum {want} does not match its content ({_checksum(body)}): the file was truncated "
+            "or edited after it was saved. It is not used: make the plan again (hybridmem plan), or, if you "
+            "edited it on purpose, delete its 'checksum' line")
 
 
 def _compact(a: Action) -> dict[str, Any]:

@@ -46,7 +46,51 @@ def parse_bytes(value: int | float | str, *, what: str = "size", total: int | No
     m = _SIZE.match(value)
     if not m or m.group(2).lower() not in _UNITS:
         raise _reject(value, what)
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(n):
+        raise _reject(value, what)
+    return int(n)
+
+
+BUDGET_FORMS = ("a positive int of bytes", "a string like '512MiB', '8GB', '8GiB', '1.5e9'",
+                "on CUDA a percentage of device memory in (0, 100] like '60%'", "'none' to only measure")
+
+
+def parse_budget(value: object, *, total: int | None = None) -> int | str:
+    """A runtime budget: a positive whole number of bytes (an int or a size string), or on CUDA a
+    percentage in (0, 100], returned as is without ``total`` (the device's memory) and in bytes with it.
+    Floats are refused: a budget is counted in whole bytes, and ``3.5`` is more likely a typo for
+    ``"3.5GiB"`` than a budget. Capacity is checked where the device is known (:func:`check_capacity`)."""
+    def reject(why: str) -> ValueError:
+        return ValueError(f"invalid budget {value!r} ({why}): expected {', '.join(BUDGET_FORMS)}")
+
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise reject(f"a {type(value).__name__}")
+    if isinstance(value, str) and (m := _PERCENT.match(value)):
+        if not 0 < float(m.group(1)) <= 100:
+            raise reject("a percentage must be in (0, 100]")
+        return value if total is None else max(1, parse_bytes(value, what="budget", total=total))
+    if isinstance(value, str) and (m := _SIZE.match(value)) and m.group(2).lower() in ("", "b") \
+            and not float(m.group(1)).is_integer():
+        raise reject("not a whole number of bytes")
+    try:
+        n = parse_bytes(value, what="budget")
+    except ValueError:
+        raise reject("not a size") from None
+    if n <= 0:
+        raise reject("not positive")
+    return n
+
+
+def check_capacity(budget: int, capacity: int, of: str, given: object) -> int:
+    """``budget`` (``given`` by the user) if ``capacity`` (the memory of ``of``) can hold it, else a
+    ValueError naming both."""
+    if budget > capacity:
+        shown = repr(given) if isinstance(given, str) else f"{budget} bytes" if budget < 2**64 else \
+            f"{float(budget):.4g} bytes"
+        raise ValueError(f"invalid budget {shown}: more than the {of}'s memory ({fmt_bytes(capacity)}, "
+                         f"{capacity} bytes); expected {', '.join(BUDGET_FORMS)}, at most that")
+    return budget
 
 
 def is_percentage(value: object) -> bool:

@@ -8,6 +8,7 @@ one file: a class with these methods, registered with :func:`register` or throug
 from __future__ import annotations
 
 import importlib
+import inspect
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
@@ -98,7 +99,8 @@ def known_policy_names() -> list[str]:
 
 
 def get_policy(name: str, **kwargs: Any) -> Policy:
-    """Instantiate the policy called ``name``; an unknown name lists the known ones."""
+    """Instantiate the policy called ``name``; an unknown name lists the known ones, an unknown option
+    (a ValueError) the accepted ones."""
     factory = _REGISTRY.get(name)
     if factory is None and name in _BUILTIN:
         module, cls = _BUILTIN[name]
@@ -108,7 +110,25 @@ def get_policy(name: str, **kwargs: Any) -> Policy:
         if not eps:
             raise UnknownNameError("policy", name, known_policy_names())
         factory = eps[0].load()
-    return factory(**kwargs)
+    _check_options(name, factory, kwargs)
+    try:
+        return factory(**kwargs)
+    except TypeError as e:  # a value of the wrong type, found by the policy itself
+        raise ValueError(f"policy {name!r}: bad options {kwargs}: {e}") from None
+
+
+def _check_options(name: str, factory: Callable[..., Policy], options: dict[str, Any]) -> None:
+    """Refuse keyword options ``factory`` does not take, listing those it does (where its signature says)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return  # it checks its own options
+    accepted = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"policy {name!r}: unknown option(s) {unknown}; accepted: {accepted or 'none'}")
 
 
 def _entry_points() -> list[Any]:

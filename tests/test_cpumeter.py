@@ -3,6 +3,7 @@ data pointer, install/uninstall, threads, bit-identical training steps, and the 
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -33,6 +34,9 @@ def native() -> cpumeter.CpuAllocatorMeter:
 @pytest.fixture(autouse=True)
 def _left_uninstalled() -> Iterator[None]:
     """Every test leaves the CPU allocator as it found it, also when it fails midway."""
+    # The meter counts the whole process: cyclic garbage left by earlier tests (runtimes, graphs) that the
+    # collector frees in the middle of a measurement would move its counts against the exact figures.
+    gc.collect()
     yield
     m = cpumeter.load()
     if m is not None:

@@ -45,3 +45,36 @@ def test_actions_on_params_are_refused():
 def test_malformed_plans(bad, match):
     with pytest.raises(PlanFormatError, match=match):
         Plan.from_dict(bad)
+
+
+def _annotated(g):
+    p = _plan(g)
+    p.info["runtime"] = {"signature": "0123456789abcdef", "stages": 5,
+                         "tensors": {"1": [0, 0, 100], "2": [1, 0, 100], "3": [2, 0, 100]}}
+    return p
+
+
+@pytest.mark.parametrize("suffix", ["yaml", "json"])
+def test_plan_file_truncated_at_a_line_boundary_is_refused(tmp_path, suffix):
+    path = _annotated(chain_graph(3)).save(tmp_path / f"p.{suffix}")
+    lines = path.read_text().splitlines(keepends=True)
+    cut = next(i for i, line in enumerate(lines) if '"2"' in line or "'2'" in line)
+    path.write_text("".join(lines[:cut] + lines[cut + 2:]) if suffix == "yaml" else
+                    "".join(lines[:cut]).rstrip().rstrip(",") + "\n}}}}\n")  # two tensor entries lost
+    with pytest.raises(PlanFormatError, match=r"3 tensor entries, it has 4 and 1.*truncated or edited.*plan again"):
+        Plan.load(path)
+    path.write_text(_annotated(chain_graph(3)).save(path).read_text().replace("100", "101"))  # edited
+    with pytest.raises(PlanFormatError, match=r"checksum .* does not match.*truncated or edited.*plan again"):
+        Plan.load(path)
+
+
+def test_plan_file_carries_its_entry_count_and_checksum(tmp_path):
+    p = _annotated(chain_graph(3))
+    d = p.to_dict()
+    assert d["entries"] == {"actions": 4, "tensors": 3} and len(d["checksum"]) == 16
+    assert list(d)[:3] == ["schema", "checksum", "entries"]  # first: a truncated file keeps them
+    assert Plan.load(p.save(tmp_path / "p.yaml")).info == p.info
+    del d["checksum"]  # a hand-made or edited plan: the entry count still guards it
+    d["actions"] = d["actions"][:3]
+    with pytest.raises(PlanFormatError, match="4 actions and 3 tensor entries, it has 3 and 3"):
+        Plan.from_dict(d)

@@ -12,7 +12,7 @@ from torch import nn
 import hybridmem
 from hybridmem.errors import PlanFormatError, StalePlanError, UnknownNameError
 from hybridmem.plan import Action, Plan
-from tests.test_runtime_common import Case, budget_for, run
+from tests.test_runtime_common import Case, budget_for, run, snapshot
 
 torch.set_num_threads(1)
 
@@ -151,31 +151,51 @@ def test_model_built_after_enable_keeps_parameters_fixed() -> None:
     assert before is not None and s.stats().saved_bytes == before.saved_bytes
 
 
-def test_checkpoint_regions_are_left_to_checkpoint() -> None:
-    from torch.utils.checkpoint import checkpoint
+class _Blocks(nn.Module):
+    """Residual blocks with dropout, each run through ``torch.utils.checkpoint`` (``reentrant``: its
+    ``use_reentrant``) or plainly (None)."""
 
-    class Ckpt(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Sequential(nn.Linear(32, 128), nn.Tanh())
-            self.b = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128), nn.Tanh())
-            self.c = nn.Linear(128, 4)
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Dropout(0.1),
+                                                  nn.Linear(256, 128), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(128, 4)
+        self.reentrant = reentrant
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.c(checkpoint(self.b, self.a(x), use_reentrant=False))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
 
-    # The checkpointed block's activations are checkpoint's business (its hooks are the innermost
-    # pair): hybridmem sees only the block's input and the rest of the model. The step's peak is in
-    # checkpoint's own recomputation, which no eviction of ours can lower: the budget is that peak.
-    case = Case("ckpt", Ckpt(), (torch.randn(512, 32),))
-    ref, _ = run(case)
-    mon, st = run(case, budget=None, policies=("recompute",))
-    assert mon == ref and st is not None
-    plain = Case("plain", nn.Sequential(case.model.a, case.model.b, case.model.c), case.args)
+        for b in self.blocks:
+            x = x + (b(x) if self.reentrant is None else checkpoint(b, x, use_reentrant=self.reentrant))
+        return self.head(x)
+
+
+def test_checkpoint_regions_are_left_to_checkpoint_without_a_budget() -> None:
+    x = torch.randn(256, 128, requires_grad=True)
+    ckpt, plain = Case("ckpt", _Blocks(False), (x,)), Case("plain", _Blocks(None), (x,))
+    ref, _ = run(ckpt)
+    mon, st = run(ckpt, budget=None, policies=("recompute",))
     _, st_plain = run(plain, steps=1, budget=None)
-    assert st_plain is not None and st.saved_tensors < st_plain.saved_tensors
-    got, st2 = run(case, budget=st.peak_bytes, policies=("recompute",))
-    assert got == ref and st2 is not None and st2.peak_bytes <= st.peak_bytes
+    assert mon == ref and st is not None and st_plain is not None
+    assert st.saved_tensors < st_plain.saved_tensors  # the regions' activations are checkpoint's
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_model_goes_as_low_as_without_checkpointing(reentrant: bool) -> None:
+    # A budget the plain model trains under: with the model's own checkpointing the runtime must too,
+    # bit-identically (the regions' dropout included), rather than run out at checkpoint's recompute.
+    x = torch.randn(256, 128, requires_grad=True)
+    plain = Case("plain", _Blocks(None), (x,))
+    _, mon = run(plain, budget=None, policies=("recompute",))
+    assert mon is not None
+    budget = mon.peak_bytes - int(0.6 * mon.saved_bytes)
+    _, st_plain = run(plain, budget=budget, policies=("recompute",))
+    ckpt = Case("ckpt", _Blocks(reentrant), (x,))
+    ref, _ = run(ckpt)
+    got, st = run(ckpt, budget=budget, policies=("recompute",))
+    assert got == ref and st is not None and st_plain is not None
+    assert st.peak_bytes <= budget and st.policies["recompute"].evicted > 0
 
 
 def test_disable_inside_later_hooks_is_refused() -> None:
@@ -219,6 +239,37 @@ def test_stale_plan_is_refused_after_the_first_step() -> None:
     plan.info["runtime"]["signature"] = "0123456789abcdef"
     with pytest.raises(StalePlanError, match="different step"):
         run(case, plan=plan, policies=("recompute",))
+
+
+def _steps_through_a_stale_plan(case: Case, steps: int = 3) -> tuple[list, list[str]]:
+    """Train ``steps`` steps; a StalePlanError out of backward() is caught (its text kept) and training
+    goes on, as its text says it may."""
+    model = copy.deepcopy(case.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    torch.manual_seed(0)
+    out, errors = [], []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = case.loss(model)
+        try:
+            loss.backward()
+        except StalePlanError as e:
+            errors.append(str(e))
+        out.append(snapshot(model, loss))
+        opt.step()
+    return out, errors
+
+
+def test_plan_for_another_batch_size_is_refused_and_the_step_is_complete() -> None:
+    plan = _recompute_plan(_mlp_case(batch=512))
+    case = _mlp_case(batch=256)
+    ref, _ = _steps_through_a_stale_plan(case)
+    with hybridmem.session(plan=plan, budget="64MiB", policies=("recompute",), device="cpu") as s:
+        got, errors = _steps_through_a_stale_plan(case)
+    assert got == ref  # the step that raised has all its gradients, and the later steps are unchanged
+    assert len(errors) == 1 and "input shapes" in errors[0] and "raised from backward()" in errors[0]
+    assert "gradients are complete" in errors[0] and "online scorer" in errors[0]
+    assert s.stats().plan == "refused" and "bytes" in s.stats().plan_note and s.stats().steps == 3
 
 
 def test_plan_left_where_the_program_diverges() -> None:

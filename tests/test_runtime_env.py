@@ -180,3 +180,20 @@ def test_report_path_per_rank_under_torchrun() -> None:
     assert report_path({}) is None
     assert report_path({"HYBRIDMEM_REPORT": "r/run.json"}) == "r/run.json"
     assert report_path({"HYBRIDMEM_REPORT": "run.json", "WORLD_SIZE": "2", "RANK": "1"}) == "run.rank1.json"
+
+
+def test_startup_hook_imports_only_the_standard_library_before_torch() -> None:
+    # With the variable set, a program that never imports torch loads nothing beyond the standard library
+    # (and hybridmem's own hook); the runtime is enabled once the program imports torch.
+    code = ("import sys; mods = [m for m in sys.modules if m.split('.')[0] not in sys.stdlib_module_names]; "
+            "print(sorted(m for m in mods if not m.startswith(('hybridmem', '_distutils_hack', '__editable__')) "
+            "and m != '__main__'))")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HYBRIDMEM_")}, "HYBRIDMEM_BUDGET": "1GiB"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert res.stdout.strip() == "[]", res.stdout + res.stderr
+    res = subprocess.run([sys.executable, "-c", "import sys; print('numpy' in sys.modules)"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.stdout.strip() == "False", res.stderr
+    res = subprocess.run([sys.executable, "-c", "import torch, hybridmem; print(hybridmem.enabled())"],
+                         capture_output=True, text=True, timeout=120, env={**env, "HYBRIDMEM_DEVICE": "cpu"})
+    assert res.stdout.strip() == "True", res.stderr

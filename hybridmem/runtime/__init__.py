@@ -18,11 +18,16 @@ would take the live bytes over the budget, saved activations are evicted (swappe
 dropped for recomputation, or compressed) and regenerated when backward reads them, bit-identical
 for the lossless policies. ``budget=None`` only measures: on the CPU, by default, through the native
 allocator meter with no dispatch mode (:mod:`.monitor`; ``monitor="ops"`` meters every op). Hooks and
-the mode are thread-local: enable on the thread that trains (the allocator meter is process-wide). Only the innermost ``saved_tensors_hooks`` pair runs, so tensors saved
-inside ``torch.utils.checkpoint`` or ``save_on_cpu`` regions are left to them.
+the mode are thread-local: enable on the thread that trains (the allocator meter is process-wide); a
+module trained on another thread warns once. A runtime whose thread exited is released by the next
+call here, and a forked child (DataLoader workers, multiprocessing) starts unmanaged. Only the innermost
+``saved_tensors_hooks`` pair runs, so tensors saved inside ``torch.utils.checkpoint`` or ``save_on_cpu``
+regions are left to them; under a budget ``torch.utils.checkpoint`` regions run plainly and their
+tensors are managed (:mod:`.ckpt`).
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -34,6 +39,30 @@ from .stats import PolicyStats, Stats
 __all__ = ["enable", "disable", "session", "stats", "reset_stats", "enabled", "Session", "Stats", "PolicyStats"]
 
 _current: Any = None  # the enabled Runtime, if any
+_orphan: Any = None   # the runtime last released because its thread exited (its stats stay readable)
+
+
+def _live() -> Any:
+    """The enabled runtime; one whose thread has exited is released first (its hooks died with it)."""
+    global _current, _orphan
+    rt = _current
+    if rt is not None and not rt.owner.here() and not rt.owner.alive():
+        _current, _orphan = None, rt
+        rt.release()
+        return None
+    return rt
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts unmanaged: its copy of the runtime would count the parent's bytes against
+    the parent's budget. The child may enable its own."""
+    global _current, _orphan
+    rt, _current, _orphan = _current, None, None
+    if rt is not None:
+        rt.release()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFAULT_POLICIES,
@@ -62,16 +91,17 @@ def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFA
                          policies=None if policies is DEFAULT_POLICIES else policies,
                          plan=None if plan is None or plan_obj is not None else str(plan))
     rt = Runtime(cfg, plan_obj if plan_obj is not None else resolve_plan(cfg.plan))
-    if _current is not None:
+    if _live() is not None:
         disable()
     rt.install()
     _current = rt
 
 
 def disable() -> None:
-    """Stop managing new saved tensors. Entries already evicted are still regenerated when read."""
-    global _current
-    rt, _current = _current, None
+    """Stop managing new saved tensors. Entries already evicted are still regenerated when read.
+    Called on another thread than the enabling one, that thread's hooks pass everything through."""
+    global _current, _orphan
+    rt, _current, _orphan = _live(), None, None
     if rt is not None:
         try:
             rt.uninstall()
@@ -81,20 +111,23 @@ def disable() -> None:
 
 
 def enabled() -> bool:
-    return _current is not None
+    return _live() is not None
 
 
 def stats() -> Stats:
-    """Measurements since ``enable()`` or the last ``reset_stats()`` (see :class:`Stats`)."""
-    if _current is None:
+    """Measurements since ``enable()`` or the last ``reset_stats()`` (see :class:`Stats`); after the
+    enabling thread exited, those it left."""
+    rt = _live() or _orphan
+    if rt is None:
         raise RuntimeError("hybridmem is not enabled: call hybridmem.enable() (or set HYBRIDMEM_BUDGET) first")
-    return _current.snapshot()
+    return rt.snapshot()
 
 
 def reset_stats() -> None:
     """Restart the peak at the current level and zero the counters."""
-    if _current is not None:
-        _current.reset_stats()
+    rt = _live()
+    if rt is not None:
+        rt.reset_stats()
 
 
 class Session:
@@ -117,7 +150,7 @@ def session(budget: int | str | None = None, policies: Sequence[str] | str = DEF
             monitor: str | None = None) -> Iterator[Session]:
     """``enable(...)`` for the duration of a ``with`` block; the runtime enabled before (if any) comes back."""
     global _current
-    outer = _current
+    outer = _live()
     if outer is not None:
         outer.uninstall()
         _current = None

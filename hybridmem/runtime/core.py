@@ -8,20 +8,24 @@ and :class:`~.mode.RuntimeMode`, which calls them around every op.
 """
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from hybridmem.plugins.base import Policy, get_policy
+from hybridmem.plugins.base import Policy, get_policy, known_policy_names
 
 from ..buckets import BucketSwitch, PlanBook, is_book
 from ..config import Config
 from ..distributed import FsdpStorageSync
+from ..errors import UnknownNameError
 from ..meter import Meter
 from ..plan import Plan
 from ..report import TensorLog
-from ..units import parse_bytes
+from ..units import BUDGET_FORMS, check_capacity, parse_budget
+from . import ckpt
 from .estimate import OutputEstimator
 from .device import native_device
 from .fixed import FixedMarker
@@ -35,6 +39,7 @@ from .residency import NoMode, Residency
 from .saved import SavedStore
 from .stats import Stats, StatsRecorder
 from .steps import Clock, StepTracker
+from .threads import OwnerThread, drop_hooks, leave_mode
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -56,13 +61,27 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_budget(value: Any, device: torch.device) -> int | None:
-    """Budget in bytes; on CUDA a percentage is of the device's total memory."""
+    """Budget in bytes, at most the device's memory (on the simulated CPU device, the host's); on CUDA
+    a percentage is of the device's total memory."""
     if value is None:
         return None
-    total = None
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    return parse_bytes(value, what="budget", total=total)
+        capacity, of = torch.cuda.get_device_properties(device).total_memory, str(device)
+        return check_capacity(int(parse_budget(value, total=capacity)), capacity, of, value)
+    n = parse_budget(value)
+    if isinstance(n, str):
+        raise ValueError(f"invalid budget {value!r}: a percentage is of CUDA device memory; on the CPU "
+                         f"expected {', '.join(BUDGET_FORMS[:2])}")
+    capacity = host_memory()
+    return n if capacity is None else check_capacity(n, capacity, "host", value)
+
+
+def host_memory() -> int | None:
+    """Physical memory of this machine in bytes (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def cost_model_for(device: torch.device, cfg: Config) -> Any:
@@ -75,6 +94,48 @@ def cost_model_for(device: torch.device, cfg: Config) -> Any:
         gpu = torch.cuda.get_device_name(device).lower()
         name = next((n for n in ("h200", "h100", "a100", "v100") if n in gpu), "h100")
     return get_cost_model(name or "cpu")
+
+
+RUNTIME_EXTRA = ("cost_model", "cuda_cap", "light")  # keys of the 'plugins' section that are not policies
+
+
+def check_extra(cfg: Config) -> None:
+    """The 'plugins' section: per-policy option mappings (checked by the policy) and the runtime's keys."""
+    if not cfg.extra:
+        return
+    policies = known_policy_names()
+    for key, value in cfg.extra.items():
+        if key not in RUNTIME_EXTRA and key not in policies:
+            raise ValueError(f"{cfg.source('extra')}: unknown key {key!r}; accepted: the policies {policies} "
+                             f"(each a mapping of its options) and {list(RUNTIME_EXTRA)}")
+        if key in policies and value is not None and not isinstance(value, dict):
+            raise ValueError(f"{cfg.source('extra')}: {key}: expected a mapping of the policy's options, "
+                             f"got {value!r}")
+
+
+def prefixed(e: ValueError, where: str) -> ValueError:
+    """``e`` (same type, so UnknownNameError stays one) with its message led by where the setting came from."""
+    e.args = (f"{where}: {e.args[0] if e.args else e}", *e.args[1:])
+    return e
+
+
+@contextmanager
+def named(cfg: Config, key: str) -> Iterator[None]:
+    """Errors about setting ``key`` name where it came from (variable, file, argument)."""
+    try:
+        yield
+    except ValueError as e:
+        raise prefixed(e, cfg.source(key)) from None
+
+
+def regions_runtime() -> "Runtime | None":
+    """The runtime that takes ``torch.utils.checkpoint`` regions over on the calling thread, if any."""
+    from . import _current
+
+    rt = _current
+    if rt is not None and rt.takes_regions and rt.mode is not None and rt.owner.here():
+        return rt
+    return None
 
 
 def resolve_plan(plan: Any) -> Plan | None:
@@ -92,8 +153,10 @@ class Runtime:
 
     def __init__(self, cfg: Config, plan: Plan | None = None):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
-        self.budget = resolve_budget(cfg.budget, self.device)
+        with named(cfg, "device"):
+            self.device = resolve_device(cfg.device)
+        with named(cfg, "budget"):
+            self.budget = resolve_budget(cfg.budget, self.device)
         if self.budget is None and plan is not None and plan.budget_bytes:
             self.budget = plan.budget_bytes  # the online scorer keeps the plan's budget where it is left
         self.plan = plan
@@ -116,7 +179,8 @@ class Runtime:
             self.replayer = Replayer(self.residency.fetch, self.residency.adopt_replayed, lambda: self.steps.steps,
                                      self.store.claim)
         self.steps = StepTracker(self._step_started, self._step_ended)
-        self.fixed = FixedMarker(self.produced, self.meter, self.steps.module_called)
+        self.owner = OwnerThread()
+        self.fixed = FixedMarker(self.produced, self.meter, self._module_called)
         self.prefetcher: Prefetcher | None = None
         # Prefetching pays where copies overlap compute (CUDA side streams); on the simulated CPU
         # device a prefetch is a synchronous regeneration done early, memory spent for nothing.
@@ -151,6 +215,8 @@ class Runtime:
         self.native = native_device(self, manages)
         # Nothing is ever evicted without a budget or a plan: saved tensors need no entries, only counting.
         self._pack = self.store.pack if manages else self.store.pack_counting
+        # torch.utils.checkpoint regions run plainly under the online scorer's budget (runtime.ckpt)
+        self.takes_regions = self.budget is not None and plan is None and book is None and not self.light
 
     def _monitor_kind(self, cfg: Config, manages: bool) -> str:
         """``"allocator"`` or ``"ops"`` (see ``Config.monitor``); errors for what cannot be honoured."""
@@ -175,16 +241,24 @@ class Runtime:
 
     @staticmethod
     def _make_policies(cfg: Config) -> dict[str, Policy]:
+        check_extra(cfg)
         out: dict[str, Policy] = {}
         for name in cfg.policies:
             options = dict(cfg.extra.get(name) or {})
             if name == "compress" and cfg.lossy and "lossy" not in options:
                 options["lossy"] = cfg.lossy
-            out[name] = get_policy(name, **options)
+            try:
+                out[name] = get_policy(name, **options)
+            except UnknownNameError as e:  # a policy's name, or a codec's (compress)
+                raise prefixed(e, cfg.source("policies" if e.what == "policy" else "lossy" if cfg.lossy
+                                             else "extra")) from None
+            except ValueError as e:
+                raise prefixed(e, cfg.source("extra")) from None
         return out
 
     # ---- install / uninstall -----------------------------------------------------------------
     def install(self, reset_peak: bool = True) -> None:
+        self.owner.claim()
         if self.allocator is not None:
             self.allocator.install(reset_peak)
             return
@@ -207,8 +281,14 @@ class Runtime:
         self.fixed.install()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self.store.unpack)
         self._hooks.__enter__()
+        if self.takes_regions and not ckpt.install(regions_runtime):
+            self.stats.note("torch.utils.checkpoint regions are left to checkpoint (this torch lacks the "
+                            "entry points hybridmem takes them over by)")
 
     def uninstall(self) -> None:
+        if not self.owner.here():
+            self.release()
+            return
         if self.allocator is not None:
             self.allocator.uninstall()
             return
@@ -223,10 +303,28 @@ class Runtime:
             raise RuntimeError("hybridmem.disable() called inside another TorchDispatchMode entered after "
                                "enable(): leave it first")
         self._hooks.__exit__(None, None, None)
+        self.mode.__exit__(None, None, None)
+        self._detach()
+
+    def release(self) -> None:
+        """``uninstall`` from a thread other than the installing one: that thread exited (its stacks went
+        with it), this is a forked child of it, or another thread takes over. The global hooks go; what
+        this thread's stacks hold of the runtime is removed; what a still-running installing thread's
+        stacks hold passes everything through from now on."""
+        if self.allocator is not None:
+            self.allocator.release()
+            return
+        if self.light or self.mode is None:
+            return
+        self.mode.quiet_depth += 1
+        drop_hooks(self._pack)
+        leave_mode(self.mode)
+        self._detach()
+
+    def _detach(self) -> None:
         self.fixed.uninstall()
         if self.buckets is not None:
             self.buckets.uninstall()
-        self.mode.__exit__(None, None, None)
         self._hooks = None
         self.mode = None
         self.residency.mode = NoMode()  # entries still alive regenerate unmetered from now on
@@ -236,6 +334,13 @@ class Runtime:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
     # ---- steps ---------------------------------------------------------------------------------
+    def _module_called(self) -> None:
+        """Global module pre-hook (every thread): steps start on the installing thread only."""
+        if not self.owner.here():
+            self.owner.foreign_module_call()
+            return
+        self.steps.module_called()
+
     def _step_started(self) -> None:
         self.store.epoch += 1
         self.stats.step_started()

@@ -113,7 +113,7 @@ def meta_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
     try:
         with torch._C._DisableTorchDispatch():
             margs = tuple(_meta(a) for a in args)
-            mkw = {k: _meta(v) for k, v in kwargs.items()}
+            mkw = _meta_kwargs(func, kwargs)
             out = func(*margs, **mkw)
     except Exception:
         return None
@@ -128,7 +128,32 @@ def meta_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
     return total
 
 
+def _meta_kwargs(func: Any, kwargs: dict) -> dict:
+    """Keyword arguments for the meta run. A factory op's ``device`` is replaced by meta even where the
+    call leaves it at its default (the CPU): run for real, ``randn`` and friends would draw from the
+    program's generator and change its data. Generators are dropped (meta draws nothing)."""
+    out = {k: _meta(v) for k, v in kwargs.items()}
+    for arg in _factory_args(func):
+        out[arg] = "meta" if arg == "device" else None
+    return out
+
+
+_FACTORY_ARGS: dict[int, tuple[str, ...]] = {}
+
+
+def _factory_args(func: Any) -> tuple[str, ...]:
+    """The keyword-only ``device`` and ``pin_memory`` arguments of ``func``'s schema (cached)."""
+    got = _FACTORY_ARGS.get(id(func))
+    if got is None:
+        schema = getattr(func, "_schema", None)
+        names = [a.name for a in schema.arguments if a.kwarg_only] if schema is not None else []
+        got = _FACTORY_ARGS[id(func)] = tuple(n for n in ("device", "pin_memory") if n in names)
+    return got
+
+
 def _meta(a: Any) -> Any:
+    if isinstance(a, torch.Generator):
+        return None
     if isinstance(a, Tensor):
         if a.device.type == "meta":
             return a

@@ -7,9 +7,10 @@ stage and output index (and size), the number of ops per stage (module-granulari
 depend on module names, tensor lifetimes or evictions, so the runtime can compute it from the very
 first step even while the online scorer is evicting to stay under the budget.
 
-- Step 1 runs under the online scorer and records the stage ops; at its end the signature is
-  compared: a different one refuses the plan (:class:`~hybridmem.errors.StalePlanError`, raised from
-  ``backward()``). From step 2 the plan's actions run at their stages (timing rules in
+- Step 1 runs under the online scorer and records the stage ops and their outputs' sizes; at its end
+  the signature and the sizes of the plan's tensors are compared: a difference (another model, other
+  input shapes) refuses the plan (:class:`~hybridmem.errors.StalePlanError`, raised from ``backward()``
+  once the step's gradients are complete; caught, training goes on with the online scorer). From step 2 the plan's actions run at their stages (timing rules in
   :mod:`hybridmem.plan`): ``recompute``/``decompress`` before op t regenerate at once, ``swap_in``
   starts a prefetch; after op t ``compress`` evicts by compress, ``swap_out`` marks a swap and
   ``free`` evicts (by swap after a ``swap_out``, else by recompute).
@@ -121,6 +122,7 @@ class PlanFollower:
         self.expected: list[str] = []              # op names of step 1's stages
         self.seen: list[str] = []
         self.outputs: list[list[Any]] = []         # per stage of this step: produced slots, in order
+        self.sizes: list[list[int]] = []           # step 1 only: their bytes (checked against the plan's)
         self.swapping: set[int] = set()            # tensors with a swap_out this step: their frees swap
         self.entries: dict[int, Any] = {}          # plan tensor -> its saved-tensor entry this step
         self.pending: list[tuple[Any, Any]] = []   # (entry, policy) evictions waiting for sole ownership
@@ -141,6 +143,7 @@ class PlanFollower:
     def step_started(self) -> None:
         self.seen = []
         self.outputs = []
+        self.sizes = []
         self.swapping.clear()
         self.entries.clear()
         self.pending = []
@@ -154,18 +157,39 @@ class PlanFollower:
 
     def _verify(self) -> None:
         sig = op_signature(self.seen, self.groups)
-        stats = self.rt.stats
         if self.signature and sig != self.signature:
-            self.state = "refused"
-            stats.plan, stats.plan_note = "refused", f"op signature {sig} != plan's {self.signature}"
-            raise StalePlanError(
-                f"the plan was made for a different step: its op signature is {self.signature}, this run's first "
-                f"step gives {sig} ({len(self.seen)} stage ops). The model, its input shapes, the torch version "
-                "or the code around the model changed: capture and plan again (hybridmem capture / plan). "
-                "The runtime goes on with the online scorer alone.")
+            self._refuse(f"op signature {sig} != plan's {self.signature}",
+                         f"the plan was made for a different step: its op signature is {self.signature}, this "
+                         f"run's first step gives {sig} ({len(self.seen)} stage ops). The model, its input "
+                         "shapes, the torch version or the code around the model changed")
+        wrong = self._wrong_size()
+        if wrong is not None:
+            tensor, planned, got = wrong
+            self._refuse(f"tensor {tensor}: {got} bytes in this run, {planned} in the plan",
+                         f"the plan was made for a different step: the same ops, but other input shapes (plan "
+                         f"tensor {tensor} has {planned} bytes in the plan, {got} in this run's first step)")
         self.expected = list(self.seen)
         self.state = "following"
-        stats.plan, stats.plan_note = "following", f"verified on step 1 ({len(self.seen)} stage ops)"
+        self.sizes = []
+        self.rt.stats.plan, self.rt.stats.plan_note = "following", f"verified on step 1 ({len(self.seen)} stage ops)"
+
+    def _wrong_size(self) -> tuple[int, int, int] | None:
+        """The first plan tensor whose size in step 1 differs from the plan's: (tensor, plan's, run's)."""
+        for tensor, (p, k, nbytes) in sorted(self.where.items()):
+            if p < len(self.sizes) and k < len(self.sizes[p]) and self.sizes[p][k] != nbytes:
+                return tensor, nbytes, self.sizes[p][k]
+        return None
+
+    def _refuse(self, note: str, why: str) -> None:
+        self.state = "refused"
+        self.sizes = []
+        self.rt.stats.plan, self.rt.stats.plan_note = "refused", note
+        raise StalePlanError(
+            f"{why}. The plan is refused and not used from here. This is raised from backward() at the end of "
+            "the first step, which ran under the online scorer: that step's gradients are complete. If you "
+            "catch it, training goes on with the online scorer alone keeping the budget. To follow a plan, "
+            "capture and plan again for this step (hybridmem capture / plan), or give a plan book folder with "
+            "one plan per input shape (hybridmem plan --shapes ...).")
 
     def _diverge(self, why: str) -> None:
         self.state = "diverged"
@@ -177,6 +201,8 @@ class PlanFollower:
         self.seen.append(name)
         self.outputs.append([])
         if self.state != "following":
+            if self.state == "pending":
+                self.sizes.append([])
             return
         if self.unsaved:
             self._saved_late()
@@ -193,6 +219,8 @@ class PlanFollower:
         if self.outputs:
             self.outputs[-1].extend(slot for _, slot, _ in fresh)
         if self.state != "following":
+            if self.state == "pending" and self.sizes:
+                self.sizes[-1].extend(_nbytes(t) for _, _, t in fresh)
             return
         for a in self.evict_at.get(stage, ()):
             self._evict(a)
@@ -201,6 +229,8 @@ class PlanFollower:
         """A non-stage op allocated: its storages belong to the last stage (as in capture)."""
         if self.outputs and fresh and self.rt.steps.phase != 0:
             self.outputs[-1].extend(slot for _, slot, _ in fresh)
+            if self.state == "pending" and self.sizes:
+                self.sizes[-1].extend(_nbytes(t) for _, _, t in fresh)
 
     # ---- actions ---------------------------------------------------------------------------------
     def _slot(self, tensor: int) -> Any:
@@ -295,6 +325,13 @@ class PlanFollower:
             self.rt.residency.prefetch([e])  # the copy starts now on its stream; the read waits for it
         else:
             self.rt.residency.ensure(e)
+
+
+def _nbytes(t: Any) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return -1
 
 
 def _op_name(func: Any) -> str:

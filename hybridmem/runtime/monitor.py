@@ -31,6 +31,7 @@ from ..distributed import is_parameter_view, is_traceable_wrapper_subclass, plai
 from .saved import Kept, _modified
 from .stats import StatsRecorder
 from .steps import BACKWARD, IDLE, StepTracker, _task_id
+from .threads import OwnerThread, drop_hooks
 
 Tensor = torch.Tensor
 NOTE = ("monitor: CPU allocator (native meter, no per-op hook): stages and min_budget_bytes are not "
@@ -54,9 +55,11 @@ class AllocatorMonitor:
         self._floor = 0                  # peak before an inner session reset the native peak
         self._hooks: Any = None
         self._handle: Any = None
+        self.owner = OwnerThread()
 
     # ---- install / uninstall -----------------------------------------------------------------
     def install(self, reset_peak: bool = True) -> None:
+        self.owner.claim()
         self.native.install()
         if reset_peak:
             self.native.reset_peak()
@@ -78,6 +81,16 @@ class AllocatorMonitor:
             raise RuntimeError("hybridmem.disable() called inside another saved_tensors_hooks context "
                                "(e.g. torch.autograd.graph.save_on_cpu) opened after enable(): leave it first")
         self._hooks.__exit__(None, None, None)
+        self._detach()
+
+    def release(self) -> None:
+        """``uninstall`` from another thread than the installing one (see ``Runtime.release``)."""
+        if self._hooks is None:
+            return
+        drop_hooks(self.pack)
+        self._detach()
+
+    def _detach(self) -> None:
         self._hooks = None
         self._handle.remove()
         self._handle = None
@@ -139,6 +152,9 @@ class AllocatorMonitor:
         return h
 
     def _module_called(self, module: torch.nn.Module, args: Any) -> None:
+        if not self.owner.here():  # its saved tensors are not counted there (hooks are per thread)
+            self.owner.foreign_module_call()
+            return
         self.steps.module_called()
         r = self._modules.get(id(module))
         if r is not None and r() is module:
