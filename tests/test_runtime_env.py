@@ -98,7 +98,11 @@ def test_environment_matches_enable_in_script(tmp_path: Path, reference: dict, v
     finally:
         hybridmem.disable()
     in_script = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert via_env == in_script
+    # the same decisions and results; the peak is the allocator's, which also holds what the process
+    # allocated lazily on the way (a fresh interpreter and this test process differ by a page or so)
+    peaks = via_env["stats"]["peak"], in_script["stats"]["peak"]
+    strip = lambda out: {**out, "stats": {k: v for k, v in out["stats"].items() if k != "peak"}}  # noqa: E731
+    assert strip(via_env) == strip(in_script) and abs(peaks[0] - peaks[1]) <= 0.01 * budget, peaks
     assert via_env["losses"] == reference["losses"]
     assert via_env["stats"]["peak"] <= budget and via_env["stats"]["evicted"]["recompute"] > 0
     assert via_env["args"] == ["--flag"]
@@ -188,9 +192,12 @@ def test_startup_hook_imports_only_the_standard_library_before_torch() -> None:
     code = ("import sys; mods = [m for m in sys.modules if m.split('.')[0] not in sys.stdlib_module_names]; "
             "print(sorted(m for m in mods if not m.startswith(('hybridmem', '_distutils_hack', '__editable__')) "
             "and m != '__main__'))")
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HYBRIDMEM_")}, "HYBRIDMEM_BUDGET": "1GiB"}
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDMEM_")}
+    env = {**bare, "HYBRIDMEM_BUDGET": "1GiB"}
+    # what the interpreter loads anyway (other packages' .pth start-up files) is not hybridmem's
+    base = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=bare)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert res.stdout.strip() == "[]", res.stdout + res.stderr
+    assert res.stdout.strip() == base.stdout.strip(), res.stdout + res.stderr
     res = subprocess.run([sys.executable, "-c", "import sys; print('numpy' in sys.modules)"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert res.stdout.strip() == "False", res.stderr
