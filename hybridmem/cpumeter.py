@@ -117,6 +117,11 @@ class CpuAllocatorMeter:
         return int(self._lib.hm_current())
 
     @property
+    def current_fn(self) -> Any:
+        """The C function behind :attr:`current_bytes` (ctypes), for callers that read it per op."""
+        return self._lib.hm_current
+
+    @property
     def peak_bytes(self) -> int:
         """Largest ``current_bytes`` since the library was loaded or :meth:`reset_peak`."""
         return int(self._lib.hm_peak())

@@ -110,6 +110,7 @@ class Meter:
         self._mode: MeterMode | None = None
         self.native: Any = None                  # the native allocator device while attached
         self._frozen: tuple[int, int] | None = None  # its (peak, current) when detached
+        self._native_current: Callable[[], int] = int
         self._floor = 0  # the peak before a detach: an inner session may reset the native peak meanwhile
         self._external: dict[int, int] = {}      # id(storage) -> bytes it adds to the device as external
         # the OOM to raise when nothing more can be freed: (bytes requested, what, bytes held or None)
@@ -119,6 +120,7 @@ class Meter:
         """Read bytes from the native allocator device (:class:`hybridmem.cpumeter.CpuAllocatorMeter`),
         counting the storages from before its install that this meter has seen (again, after a detach)."""
         self.native = native
+        self._native_current = native.current_fn  # read once or twice per op: the C function itself
         if self._frozen is not None:
             self._floor = max(self._floor, self._frozen[0])
         self._frozen = None
@@ -138,7 +140,7 @@ class Meter:
     @property
     def current_bytes(self) -> int:
         if self.native is not None:
-            return self.native.current_bytes
+            return self._native_current()
         if self._frozen is not None:
             return self._frozen[1]
         if self.simulated:

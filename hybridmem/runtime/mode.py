@@ -83,6 +83,8 @@ class RuntimeMode(MeterMode):
         self.stats = rt.stats
         self.clock = rt.clock
         self._stage = -1
+        # below this headroom, new saved activations are registered with the native allocator device
+        self._register_below = (self.budget or 0) // 4
         self._facts: OpFacts | None = None
         self._recording = False
         self._rng: Any = None
@@ -345,6 +347,8 @@ class RuntimeMode(MeterMode):
                 self.residency.make_room(0, f"op {f.name} (storages it reads, counted from now on)")
             return
         headroom = self.budget - self.meter.current_bytes
+        if headroom < self._register_below and self.store.pending:
+            self.store.register_pending()  # near the budget: let the allocator free what recompute rebuilds
         est = self.estimator.estimate(stage, func, args, kwargs, headroom, self.budget)
         if est + self.residency.reserve > headroom:
             self.residency.make_room(est, f"op {f.name}")

@@ -11,8 +11,10 @@ instead: it only counts each activation storage once per step for ``Stats.saved_
 the tensor (a *kept* handle): no entry, no view, no handle with a finalizer per save.
 
 With the native allocator device (:mod:`hybridmem.cpumeter`), an entry that recompute can rebuild is
-*registered* with the allocator when it is made: from then on the allocator may free its bytes at any
-allocation that would cross the budget, as long as only the runtime references the storage. Before the
+*registered* with the allocator once the device nears its budget (:meth:`SavedStore.register_pending`,
+called by the dispatch mode; far below the budget nothing is registered, which costs nothing): from then
+on the allocator may free its bytes at any allocation that would cross the budget, as long as only the
+runtime references the storage. Before the
 runtime reads a registered entry it *claims* it back (:meth:`SavedStore.claim`); an entry whose bytes
 were freed is then recorded as evicted by recompute and regenerated like any other.
 
@@ -105,6 +107,7 @@ class SavedStore:
         self.registrable: Callable[[Entry], float | None] = _never
         self.dropped: Callable[[Entry], None] = _nothing
         self.registered: dict[int, Entry] = {}
+        self.pending: dict[int, Entry] = {}  # entries made since the last register_pending()
         # the native device counts a saved storage from before it was installed (the first batch)
         self.count_external: Callable[[torch.UntypedStorage], None] | None = None
 
@@ -219,9 +222,7 @@ class SavedStore:
         self.stats.saved(nbytes)
         self.on_saved(e)
         if self.native is not None:
-            priority = self.registrable(e)
-            if priority is not None:
-                self.register(e, priority)
+            self.pending[e.uid] = e
         return e
 
     # ---- the allocator's registry ------------------------------------------------------------
@@ -233,6 +234,16 @@ class SavedStore:
         if self.native.register(e.uid, t.untyped_storage(), limit, priority):
             e.registered = True
             self.registered[e.uid] = e
+
+    def register_pending(self) -> None:
+        """Register the resident entries made since the last call that recompute can rebuild (the device
+        is near its budget: from now on the allocator may need to free them)."""
+        pending, self.pending = self.pending, {}
+        for e in pending.values():
+            if e.tensor is not None and not e.registered:
+                priority = self.registrable(e)
+                if priority is not None:
+                    self.register(e, priority)
 
     def claim(self, e: Entry) -> bool:
         """Take ``e`` back from the allocator's registry before reading it. False when the allocator had
@@ -256,12 +267,14 @@ class SavedStore:
 
     def unregister_all(self) -> None:
         """Claim every registered entry (the runtime is being uninstalled)."""
+        self.pending.clear()
         self.drain()
         for e in list(self.registered.values()):
             self.claim(e)
 
     def release(self, e: Entry) -> None:
         """The last handle died: forget the entry and drop whatever it held."""
+        self.pending.pop(e.uid, None)
         if e.registered:
             self.claim(e)
         self.resident.pop(e.uid, None)
