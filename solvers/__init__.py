@@ -4,6 +4,7 @@
     p = plan(graph, "60%", device="h100-80gb")                 # STR approximate (LP + source tracing)
     p = plan(graph, 8 << 30, solver="milp", time_limit=60)    # STR exact MILP (CBC; solver_backend="highs")
     p = plan(graph, "50%", solver="checkmate")                # a baseline
+    p = plan(graph, "min")                                    # the least budget with a plan, and that plan
 
 Every plan is replayed by :func:`hybridmem.simulate.simulate` before it is returned: it is valid, fits the
 budget, and carries the simulator's ``predicted_time_s`` / ``predicted_peak_bytes``. Graphs above
@@ -15,7 +16,10 @@ Solvers (``SOLVERS``):
 - ``approx`` (default): a portfolio on the full graph: heuristic starts (DTR replay, Capuchin, Chen,
   vDNN: never slower than those baselines), the rounding of Checkmate's recompute-only LP relaxation,
   the STR LP relaxation + recursive source tracing rounding (:mod:`solvers.relax`) on the (coarsened)
-  problem, and a gap-by-gap polish of the best of them;
+  problem, a gap-by-gap polish of the best of them, and on small uncoarsened problems
+  (:func:`solvers.relax.is_large` false) the exact MILP warm-started from the best plan, with the time
+  left (``info["exact_status"]``, ``info["exact_improved"]``; option ``exact=False`` turns it off): there
+  approx finds a plan wherever ``milp`` or a baseline does;
   ``plan.info`` has ``lp_bound_s`` (the LP value: a lower bound *within the STR model*, whose copy
   timing is conservative) and ``gap`` (time / lp_bound - 1; negative when the plan, polished on the full
   graph with the simulator's FIFO link timing, beats the model), and ``lower_bound_s`` (valid for
@@ -47,20 +51,43 @@ from hybridmem.units import fmt_bytes, parse_bytes
 from . import baselines, coarsen, milp, relax
 from .baselines import NO_BUDGET
 from ._common import (Problem, build_problem, make_plan, schedule_to_actions)
+from .relax import schedule_of_actions
 from .bound import lower_bound
 
 HYBRID = ("approx", "milp", "greedy")
 SOLVERS: tuple[str, ...] = HYBRID + baselines.BASELINES
 
-__all__ = ["plan", "SOLVERS", "HYBRID", "resolve_budget", "planning_problem"]
+__all__ = ["plan", "min_budget", "memory_floor", "SOLVERS", "HYBRID", "resolve_budget", "planning_problem"]
 
 DEFAULT_MILP_TIME_LIMIT = 60.0
+MIN_EXACT_S = 0.3          # seconds left below which approx does not start its exact MILP
 SHRINK_ATTEMPTS = 4
+
+
+MIN = "min"                # the budget that asks for the least budget with a plan
+MIN_PRECISION = 0.005      # budget="min": relative width of the bracket the bisection stops at
 
 
 def resolve_budget(graph: Graph, budget: int | float | str) -> int:
     """Bytes of ``budget``: an int, ``"8GiB"``, or a percentage of the graph's keep-all peak (``"60%"``)."""
-    return parse_bytes(budget, what="budget", total=graph.peak_bytes())
+    try:
+        return parse_bytes(budget, what="budget", total=graph.peak_bytes())
+    except ValueError as e:
+        raise ValueError(f"{e}, or 'min' (the least budget with a plan)") from None
+
+
+def is_min(budget: Any) -> bool:
+    return isinstance(budget, str) and budget.strip().lower() == MIN
+
+
+def memory_floor(graph: Graph, model: Any, min_bytes: int | None = None) -> int:
+    """The least budget any plan of these planners can fit: what some stage needs with every evictable
+    tensor the planners may move off the device (:func:`hybridmem.simulate.min_feasible_budget`, and
+    the planning problem's own per-stage need)."""
+    from hybridmem.simulate import min_feasible_budget
+
+    need = build_problem(graph, graph.peak_bytes(), model, min_bytes=min_bytes).min_bytes()
+    return max(min_feasible_budget(graph), int(need.max()) if need.size else 0)
 
 
 def planning_problem(graph: Graph, budget: int, model: Any, **options: Any) -> Problem:
@@ -77,7 +104,8 @@ def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", sol
          time_limit: float | None = None, verbose: bool = False, **options: Any) -> Plan:
     """A plan for one training step of ``graph`` under ``budget`` bytes on ``device``'s cost model.
 
-    ``budget``: bytes, ``"8GiB"`` or ``"60%"`` of the keep-all peak. Raises
+    ``budget``: bytes, ``"8GiB"``, ``"60%"`` of the keep-all peak, or ``"min"``: the least budget this
+    solver finds a plan for (:func:`min_budget`; option ``precision``). Raises
     :class:`~hybridmem.errors.BudgetInfeasibleError` (with ``minimum_bytes``) when no plan of this solver
     fits, :class:`~hybridmem.errors.UnknownNameError` for an unknown solver or device.
     """
@@ -88,13 +116,16 @@ def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", sol
     if solver not in SOLVERS:
         raise UnknownNameError("solver", solver, SOLVERS)
     model = get_cost_model(device)
+    if is_min(budget):
+        return min_budget(graph, model, solver, time_limit, verbose, **options)
     budget_b = resolve_budget(graph, budget)
     lower = min_feasible_budget(graph)
     if budget_b < lower:
         raise BudgetInfeasibleError(
             f"budget {fmt_bytes(budget_b)} ({budget_b} B) is below {fmt_bytes(lower)} ({lower} B), what some stage "
             "needs with every evictable tensor off the device (parameters, gradients, the op's own inputs and "
-            "outputs): no plan can fit", lower)
+            "outputs): no plan can fit; budget='min' (`hybridmem plan --budget min`) finds the least budget with "
+            "a plan", lower)
     peak = graph.peak_bytes()
     if solver in HYBRID:
         if budget_b >= peak:
@@ -106,6 +137,41 @@ def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", sol
     else:
         out = baselines.run(solver, graph, budget_b, model, time_limit=time_limit, verbose=verbose, **options)
     return _finish(graph, out, model, budget_b, t0)
+
+
+def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: float | None = None,
+               verbose: bool = False, precision: float = MIN_PRECISION, **options: Any) -> Plan:
+    """The plan at the least budget ``solver`` finds one for (``plan(graph, "min")``).
+
+    Bisection between the memory floor (:func:`memory_floor`: no plan fits below it) and the keep-all
+    peak, one plan per probe (``time_limit`` each); a probe that finds a plan moves the upper end to that
+    plan's peak, one that finds none moves the lower end. It stops when the bracket is narrower than
+    ``precision`` of the upper end (0: to the byte). The plan's ``budget_bytes`` is its own peak, and
+    ``info`` has ``min_budget_bytes``, ``min_no_plan_bytes`` (the largest budget found without a plan,
+    or the floor less one byte), ``min_probes`` and ``memory_floor_bytes``. With ``approx`` the search
+    is exact on small graphs (its portfolio includes the exact MILP there) and an upper bound elsewhere."""
+    if not 0 <= precision < 1:
+        raise ValueError(f"precision {precision!r}: expected a fraction in [0, 1)")
+    t0 = time.perf_counter()
+    peak = graph.peak_bytes()
+    floor = memory_floor(graph, model, options.get("min_bytes"))
+    lo, hi, best, probes = floor - 1, peak, None, 0
+    budget = floor                      # the floor first: where it has a plan, the search ends there
+    while hi - lo > max(1, int(precision * hi)):
+        probes += 1
+        try:
+            found = plan(graph, budget, device=model, solver=solver, time_limit=time_limit, verbose=verbose,
+                         **options)
+        except BudgetInfeasibleError:
+            lo = budget
+        else:
+            best, hi = found, min(int(found.predicted_peak_bytes), hi)
+        budget = (lo + hi) // 2
+    if best is None:                    # nothing below the peak: keeping everything is the plan
+        best = plan(graph, peak, device=model, solver=solver, time_limit=time_limit, **options)
+    best.info.update({"min_budget_bytes": hi, "min_no_plan_bytes": lo, "min_probes": probes,
+                      "memory_floor_bytes": floor})
+    return _finish(graph, best, model, hi, t0)
 
 
 def _finish(graph: Graph, out: Plan, model: Any, budget_b: int, t0: float) -> Plan:
@@ -157,6 +223,7 @@ class _Pool:
         self.best: tuple[float, Plan | None, Any, str] = (float("inf"), None, None, "")
         self.reached: tuple[int, str] | None = None
         self.tried: list[str] = []
+        self.exact: dict[str, Any] = {}
 
     def offer(self, name: str, plan: Plan) -> float | None:
         """Simulate ``plan``; keep it if it fits and is the fastest yet. Its time if it fits, else None."""
@@ -291,7 +358,7 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     notes: list[str] = []
     p = planning_problem(graph, inner, model, **options)
     coarse = p.T != graph.num_stages
-    minimum = int(p.min_bytes().max())
+    minimum = max(int(fine_min_bytes(graph, p, model, options)), 0)
     pool = _Pool(graph, budget, model)
     fine = p if not coarse else build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
     seeds = _seed(pool, fine) if options.get("seed", True) else []
@@ -341,19 +408,22 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     if polish:
         # the MILP's time limit is its own: the polish after it gets its usual share
         _polish(pool, fine, str_plan, seeds, solver, None if solver == "milp" else deadline, options)
+    t_polish = time.perf_counter()
+    if solver == "approx" and options.get("exact", not coarse and not relax.is_large(fine)):
+        _exact_start(pool, fine, deadline, verbose, options, notes)
     _, out, res, source = pool.best
     phases = (f"setup {t_seed - t0:.2f} (seeds {','.join(pool.tried)}), {solver} {t_str - t_seed:.2f}, "
-              f"polish {time.perf_counter() - t_str:.2f}")
+              f"polish {t_polish - t_str:.2f}, exact milp {time.perf_counter() - t_polish:.2f}")
     if out is None:
-        reached = (f"; the lowest budget any start reached is {fmt_bytes(pool.reached[0])} ({pool.reached[0]} B), "
-                   f"by {pool.reached[1]}" if pool.reached else "")
+        upper, by = pool.reached if pool.reached else (graph.peak_bytes(), "keep-all")
         err = BudgetInfeasibleError(
             f"solver {solver!r} found no plan within {fmt_bytes(budget)} ({budget} B)"
             + (f": at least {fmt_bytes(minimum)} ({minimum} B) is needed with every saved activation evicted "
                "where it is not read" if budget < minimum else
-               f" (a lower bound for its plans is {fmt_bytes(minimum)} ({minimum} B); a larger budget, or "
-               "solver='milp' with a longer time_limit, may find one)")
-            + reached + (f"; {'; '.join(notes)}" if notes else ""), minimum)
+               f"; the least budget with a plan lies between {fmt_bytes(minimum)} ({minimum} B, the memory floor: "
+               f"no plan fits less) and {fmt_bytes(upper)} ({upper} B, the least peak of a plan found, by {by}); "
+               "budget='min' (`hybridmem plan --budget min`) finds it")
+            + (f"; {'; '.join(notes)}" if notes else ""), minimum)
         # minimum_bytes stays a lower bound; what a start reached is an upper bound on the least budget
         err.reached_bytes = pool.reached[0] if pool.reached else None  # type: ignore[attr-defined]
         raise err
@@ -371,10 +441,20 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     if notes:
         out.info["notes"] = "; ".join(notes)
     out.info["plan_from"] = source
+    out.info.update(pool.exact)
     out.info["phases_s"] = phases
     out.info["coarse_stages"] = p.T if coarse else None
     out.info["candidates"] = len(p.candidates)
     return out
+
+
+def fine_min_bytes(graph: Graph, p: Problem, model: Any, options: dict[str, Any]) -> int:
+    """The memory floor of the full graph (a coarse problem's own floor is higher than the graph's)."""
+    from hybridmem.simulate import min_feasible_budget
+
+    if p.T == graph.num_stages:
+        return max(int(p.min_bytes().max()), min_feasible_budget(graph))
+    return memory_floor(graph, model, options.get("min_bytes"))
 
 
 def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple[float, str, Any]], solver: str,
@@ -402,6 +482,32 @@ def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple
     for name, sched, _ in relax.refine(fine, starts, time_budget=0.85 * left, keep_improved_only=True):
         cand = make_plan(fine, schedule_to_actions(fine, sched), solver, dict(info))
         pool.offer(f"polish:{name}", cand)
+
+
+def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bool, options: dict[str, Any],
+                 notes: list[str]) -> None:
+    """The exact MILP on a small uncoarsened problem, warm-started from the best plan so far, with the
+    time left: on such graphs ``approx`` finds a plan wherever ``milp`` does, and one as fast when the
+    solve ends. Skipped when the best plan already runs at the valid lower bound. Its result is offered
+    to ``pool``; ``pool.exact`` records the MILP's status and whether it improved on the rest."""
+    best_s, best_plan, _, _ = pool.best
+    if best_plan is not None and best_s <= lower_bound(fine.graph, fine.budget, fine.model).time_s * (1 + 1e-9):
+        return                                  # nothing can be faster
+    left = None if deadline is None else deadline - time.perf_counter()
+    if left is not None and left < MIN_EXACT_S:
+        notes.append("no time left for the exact MILP")
+        return
+    start = None if best_plan is None else schedule_of_actions(fine, best_plan.actions)
+    pool.tried.append("milp")
+    t0 = time.perf_counter()
+    res = milp.solve_problem(fine, time_limit=left, start=start, isolate=options.get("isolate", True),
+                             solver=options.get("solver_backend", "cbc"), verbose=verbose, compact=False)
+    info = {"exact_status": res.status, "exact_s": round(time.perf_counter() - t0, 4)}
+    if res.schedule is not None:
+        cand = make_plan(fine, schedule_to_actions(fine, res.schedule), "approx", info)
+        t = pool.offer("milp", cand)
+        info["exact_improved"] = t is not None and pool.best[3] == "milp" and t < best_s - 1e-12
+    pool.exact = info
 
 
 def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: bool,

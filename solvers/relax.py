@@ -630,6 +630,14 @@ def round_schedule(p: Problem, lp: LPValues | None, *, time_budget: float = 10.0
     return best[1].schedule(best[2]), info
 
 
+def schedule_of_actions(p: Problem, actions: list) -> Schedule:
+    """A plan's actions as a schedule on ``p`` (one choice per gap, see :meth:`GapPlanner.load_actions`):
+    a warm start for the MILP."""
+    gp = GapPlanner(p)
+    gp.load_actions(actions)
+    return gp.schedule(gp.realize())
+
+
 def _replay_representatives(p: Problem) -> list[int]:
     """Per candidate, the first candidate with the same producers (one replay serves them all)."""
     first: dict[tuple[int, ...], int] = {}
