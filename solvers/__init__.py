@@ -5,6 +5,7 @@
     p = plan(graph, 8 << 30, solver="milp", time_limit=60)    # STR exact MILP (CBC; solver_backend="highs")
     p = plan(graph, "50%", solver="checkmate")                # a baseline
     p = plan(graph, "min")                                    # the least budget with a plan, and that plan
+    curve = sweep(graph, points=8)                            # plans from the least budget to the peak
 
 Every plan is replayed by :func:`hybridmem.simulate.simulate` before it is returned: it is valid, fits the
 budget, and carries the simulator's ``predicted_time_s`` / ``predicted_peak_bytes``. Graphs above
@@ -57,7 +58,7 @@ from .bound import lower_bound
 HYBRID = ("approx", "milp", "greedy")
 SOLVERS: tuple[str, ...] = HYBRID + baselines.BASELINES
 
-__all__ = ["plan", "min_budget", "memory_floor", "SOLVERS", "HYBRID", "resolve_budget", "planning_problem"]
+__all__ = ["plan", "min_budget", "sweep", "memory_floor", "SOLVERS", "HYBRID", "resolve_budget", "planning_problem"]
 
 DEFAULT_MILP_TIME_LIMIT = 60.0
 MIN_EXACT_S = 0.3          # seconds left below which approx does not start its exact MILP
@@ -131,7 +132,7 @@ def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", sol
         if budget_b >= peak:
             out = Plan.keep_all(graph)
             out.solver, out.budget_bytes, out.device = solver, budget_b, model.name
-            out.info = {"note": "the budget holds the keep-all peak: nothing to evict"}
+            out.info = {"note": "the budget holds the keep-all peak: nothing to evict", "plan_from": "keep-all"}
         else:
             out = _hybrid(graph, budget_b, model, solver, time_limit, verbose, options)
     else:
@@ -172,6 +173,38 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
     best.info.update({"min_budget_bytes": hi, "min_no_plan_bytes": lo, "min_probes": probes,
                       "memory_floor_bytes": floor})
     return _finish(graph, best, model, hi, t0)
+
+
+def sweep(graph: Graph, device: Any = "h100-80gb", solver: str = "approx", points: int = 8,
+          time_limit: float | None = None, verbose: bool = False, **options: Any) -> list[Plan]:
+    """The pareto curve of predicted step time against budget: the plan at the least budget
+    (:func:`min_budget`), then ``points - 1`` budgets evenly spaced above it up to the keep-all peak.
+    A plan found for a lower budget fits every higher one: where it is faster than what the solver
+    found there, it is the plan there (``info["plan_from"]`` then starts with ``lower-budget:``), so
+    the curve never rises."""
+    import copy
+
+    from hybridmem.costs import get_cost_model
+
+    if not isinstance(points, int) or points < 2:
+        raise ValueError(f"points {points!r}: expected an int of at least 2 (the least budget and the peak)")
+    if solver not in SOLVERS:
+        raise UnknownNameError("solver", solver, SOLVERS)
+    model = get_cost_model(device)
+    first = min_budget(graph, model, solver, time_limit, verbose, **options)
+    low, peak = first.budget_bytes, graph.peak_bytes()
+    out = [first]
+    for i in range(1, points):
+        t0 = time.perf_counter()
+        budget = low + round(i * (peak - low) / (points - 1))
+        p = plan(graph, budget, device=model, solver=solver, time_limit=time_limit, verbose=verbose, **options)
+        prev = out[-1]
+        if prev.predicted_time_s < p.predicted_time_s * (1 - 1e-12):
+            p = copy.deepcopy(prev)
+            p.info["plan_from"] = f"lower-budget:{p.info.get('plan_from', p.solver)}"
+            p = _finish(graph, p, model, budget, t0)
+        out.append(p)
+    return out
 
 
 def _finish(graph: Graph, out: Plan, model: Any, budget_b: int, t0: float) -> Plan:
