@@ -61,6 +61,7 @@ SOLVERS: tuple[str, ...] = HYBRID + baselines.BASELINES
 __all__ = ["plan", "min_budget", "sweep", "memory_floor", "SOLVERS", "HYBRID", "resolve_budget", "planning_problem"]
 
 DEFAULT_MILP_TIME_LIMIT = 60.0
+STAGE_START_S = 2.0        # seconds, at most, to make the MILP's warm start satisfy its stage link rows
 MIN_EXACT_S = 0.3          # seconds left below which approx does not start its exact MILP
 SHRINK_ATTEMPTS = 4
 
@@ -561,9 +562,14 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
 
     limit = DEFAULT_MILP_TIME_LIMIT if time_limit is None else time_limit
     t0 = time.perf_counter()
-    res = milp.solve_problem(p, time_limit=limit, start=start, isolate=options.get("isolate", True),
-                             solver=options.get("solver_backend", "cbc"), verbose=verbose,
-                             compact=options.get("compact", relax.is_large(p)))
+    compact = options.get("compact", relax.is_large(p))
+    if start is not None and milp.default_link(p, compact) == "stage":
+        # the rounding queues copies FIFO, which the stage link rows refuse: a start CBC keeps
+        legal = relax.stage_link_start(p, start, compact, time_budget=min(STAGE_START_S, 0.1 * limit))
+        start = legal if legal is not None else start
+    res = milp.solve_problem(p, time_limit=limit - (time.perf_counter() - t0), start=start,
+                             isolate=options.get("isolate", True), solver=options.get("solver_backend", "cbc"),
+                             verbose=verbose, compact=compact)
     info = {"status": res.status, "milp_vars": res.num_vars, "milp_constraints": res.num_constraints,
             "milp_s": round(time.perf_counter() - t0, 4), "compact": relax.is_large(p)}
     if res.start_note:
