@@ -450,21 +450,24 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
     #      flight, swap-outs in flight via S) + the constant part (other tensors, the op's outputs and
     #      workspace) <= budget ---------------------------------------------------------------------
     mb = [c.nbytes / BYTE_UNIT for c in C]
-    mem: dict[int, list[Any]] = {t: [] for t in range(T)}
+    # (variable, MiB) per stage, made into one LinExpr per stage: summing per-term expressions with
+    # xsum costs most of a large model's build, and the replay rows below reuse the stage's sum
+    terms: dict[int, list[tuple[Any, float]]] = {t: [] for t in range(T)}
     for (t, k), s in S.items():
-        mem[t].append(mb[k] * s)
+        terms[t].append((s, mb[k]))
     for (t, k), r in R.items():
-        mem[t].append(mb[k] * r)
+        terms[t].append((r, mb[k]))
     for (s, k), ys in inflight.items():
-        mem[s].extend(mb[k] * y for y in ys)
+        terms[s].extend((y, mb[k]) for y in ys)
+    mem = {t: mip.LinExpr([v for v, _ in ts], [c for _, c in ts]) for t, ts in terms.items()}
     slack = p.budget - p.base_mem
     rhs = (slack - MEM_MARGIN) / BYTE_UNIT
     ghost_op = clock.ghost_op if clock else {}
     for t in range(T):
         if ghost_op.get(t):
-            m += xsum(mem[t]) + xsum(mb[k] * g for k, g in ghost_op[t]) <= float(rhs[t]), f"mem_{t}"
-        elif mem[t]:
-            m += xsum(mem[t]) <= float(rhs[t]), f"mem_{t}"
+            m += mem[t] + xsum(mb[k] * g for k, g in ghost_op[t]) <= float(rhs[t]), f"mem_{t}"
+        elif terms[t]:
+            m += mem[t] <= float(rhs[t]), f"mem_{t}"
         elif slack[t] < 0:
             raise BudgetInfeasibleError(f"stage {t} needs {int(p.base_mem[t])} bytes without any candidate",
                                         int(p.base_mem.max()))
@@ -478,7 +481,7 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
         for (t, k), r in R.items():
             extra = p.replay_extra(k)
             if extra > op_extra[t]:
-                m += xsum(mem[t]) + (extra - op_extra[t]) / BYTE_UNIT * r <= float(rhs[t]), f"mem_replay_{t}_{k}"
+                m += mem[t] + (extra - op_extra[t]) / BYTE_UNIT * r <= float(rhs[t]), f"mem_replay_{t}_{k}"
 
     sm.build_s = time.perf_counter() - t0
     return sm
