@@ -268,7 +268,8 @@ def _sweep(g: Any, args: argparse.Namespace, options: dict[str, Any]) -> int:
     print(f"{g.meta.get('model', '') or 'graph'} on {args.device}, solver {args.solver}: keep-all peak {fmt_bytes(peak)}")
     print(f"  {'budget':>12} {'of peak':>8} {'step time':>12} {'overhead':>9} {'to bound':>9}  plan from")
     for r in rows:
-        gap = "" if r["gap_to_lower_bound"] is None else f"{100 * r['gap_to_lower_bound']:.2f} %"
+        # + 0.0: a plan at its bound prints 0.00, not -0.00 (float noise below it)
+        gap = "" if r["gap_to_lower_bound"] is None else f"{round(100 * r['gap_to_lower_bound'], 2) + 0.0:.2f} %"
         print(f"  {fmt_bytes(r['budget_bytes']):>12} {100 * r['budget_share']:>7.1f}% {1e3 * r['time_s']:>9.3f} ms "
               f"{100 * r['overhead']:>7.2f} % {gap:>9}  {r['plan_from']}")
     if args.plot:

@@ -412,7 +412,8 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
         if left is not None and left < 0.3:
             notes.append(f"no time left for {solver} on the {'coarse ' if coarse else ''}problem")
             break
-        out = _solve_problem(p, solver, left, verbose, options)
+        seed_plan = pool.best[1]
+        out = _solve_problem(p, solver, left, verbose, options, None if seed_plan is None else seed_plan.actions)
         if out is None:
             notes.append(f"{solver} found no plan on the {'coarse ' if coarse else ''}problem at {inner} B")
             break
@@ -545,7 +546,9 @@ def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bo
 
 
 def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: bool,
-                   options: dict[str, Any]) -> Plan | None:
+                   options: dict[str, Any], seed_actions: list | None = None) -> Plan | None:
+    """The STR planner on ``p``; for the MILP, ``seed_actions`` (the best start's plan) is its warm start
+    where the LP rounding finds none."""
     if solver == "greedy":
         sched, info = relax.round_schedule(p, None, time_budget=time_limit or 10.0)
         return None if sched is None else make_plan(p, schedule_to_actions(p, sched), "greedy", info)
@@ -553,19 +556,20 @@ def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: b
     approx = None if sched is None else make_plan(p, schedule_to_actions(p, sched), "approx", info)
     if solver == "approx":
         return approx
-    return _solve_milp(p, approx, sched, time_limit, verbose, options)
+    return _solve_milp(p, approx, sched, time_limit, verbose, options, seed_actions)
 
 
 def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float | None, verbose: bool,
-                options: dict[str, Any]) -> Plan | None:
+                options: dict[str, Any], seed_actions: list | None = None) -> Plan | None:
     from hybridmem.simulate import simulate
 
     limit = DEFAULT_MILP_TIME_LIMIT if time_limit is None else time_limit
     t0 = time.perf_counter()
     compact = options.get("compact", relax.is_large(p))
-    if start is not None and milp.default_link(p, compact) == "stage":
+    actions = schedule_to_actions(p, start) if start is not None else seed_actions
+    if actions is not None and milp.default_link(p, compact) == "stage":
         # the rounding queues copies FIFO, which the stage link rows refuse: a start CBC keeps
-        legal = relax.stage_link_start(p, start, compact, time_budget=min(STAGE_START_S, 0.1 * limit))
+        legal = relax.stage_link_start(p, actions, compact, time_budget=min(STAGE_START_S, 0.1 * limit))
         start = legal if legal is not None else start
     res = milp.solve_problem(p, time_limit=limit - (time.perf_counter() - t0), start=start,
                              isolate=options.get("isolate", True), solver=options.get("solver_backend", "cbc"),

@@ -31,7 +31,7 @@ import numpy as np
 
 from hybridmem.plan import Action
 
-from ._common import Problem, Schedule, TensorSchedule, schedule_to_actions, source_available
+from ._common import Problem, Schedule, TensorSchedule, source_available
 
 KEEP, REC, SWAP = "keep", "rec", "swap"
 
@@ -706,17 +706,18 @@ def schedule_of_actions(p: Problem, actions: list) -> Schedule:
     return gp.schedule(gp.realize())
 
 
-def stage_link_start(p: Problem, sched: Schedule, compact: bool, time_budget: float = 2.0) -> Schedule | None:
-    """``sched`` made a start that satisfies a ``link="stage"`` MILP's rows (CBC drops a start that
-    does not): the copies that model cannot hold are dropped (:meth:`GapPlanner.legalize`), the memory
-    is repaired without such copies and the result improved. None if no such schedule fits."""
+def stage_link_start(p: Problem, actions: list[Action], compact: bool, time_budget: float = 2.0) -> Schedule | None:
+    """A plan's ``actions`` (on the graph: a schedule of ``p`` written out, or another planner's plan)
+    made a start that satisfies a ``link="stage"`` MILP's rows (CBC drops a start that does not): the
+    copies that model cannot hold are moved or dropped (:meth:`GapPlanner.legalize`), the memory is
+    repaired without such copies and the result improved. None if no such schedule fits."""
     from .milp import stage_link_copies
 
     t0 = time.perf_counter()
     offer = stage_link_copies(p, compact)
     group_of = {s: t for t, g in enumerate(p.groups) for s in g}
-    # the schedule's actions on the graph, their stages mapped back to the problem's
-    actions = [Action(a.kind, a.tensor, group_of[a.stage]) for a in schedule_to_actions(p, sched) if a.tensor in p.index]
+    # stages mapped back to the problem's (a coarse stage stands for a run of graph stages)
+    actions = [Action(a.kind, a.tensor, group_of[a.stage]) for a in actions if a.tensor in p.index]
     # where no such schedule with copies fits, one with recomputes only (no link rows to break)
     for i, allow_swap in enumerate((True, False)):
         gp = GapPlanner(p, stage_link=offer, allow_swap=allow_swap)

@@ -457,7 +457,7 @@ def test_stage_link_start_satisfies_the_rows_the_rounding_breaks(resnet50_tiny: 
     sched, _ = relax.solve_relaxed(pb)
     assert sched is not None
     assert "breaks" in milp.check_start(milp.build_model(pb, compact=compact), sched)
-    legal = relax.stage_link_start(pb, sched, compact)
+    legal = relax.stage_link_start(pb, schedule_to_actions(pb, sched), compact)
     assert legal is not None
     sm = milp.build_model(pb, compact=compact)
     assert sm.link == "stage"
