@@ -258,7 +258,9 @@ def _sweep(g: Any, args: argparse.Namespace, options: dict[str, Any]) -> int:
     peak = g.peak_bytes()
     rows = [{"budget_bytes": p.budget_bytes, "budget_share": p.budget_bytes / peak, "time_s": p.predicted_time_s,
              "overhead": p.info.get("overhead", 0.0), "gap_to_lower_bound": p.info.get("gap_to_lower_bound"),
-             "plan_from": p.info.get("plan_from", p.solver), "solve_s": p.info.get("solve_s")} for p in plans]
+             "plan_from": p.info.get("plan_from", p.solver), "solve_s": p.info.get("solve_s"),
+             "lower_bound_s": p.info.get("lower_bound_s"), "compute_s": p.info.get("compute_s"),
+             "memory_floor_bytes": p.info.get("memory_floor_bytes")} for p in plans]
     if args.plot:
         _plot_sweep(g, args, rows)
     if args.json:
@@ -281,9 +283,14 @@ def _plot_sweep(g: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) ->
     plots = bench_module("plots")
     if not plots.available():
         raise ValueError("--plot needs matplotlib: pip install 'hybridmem[plot]'")
-    run = {"model": g.meta.get("model", "") or "graph", "batch": g.meta.get("batch", ""), "device": args.device,
-           "keep_all_peak_bytes": g.peak_bytes(), "min_feasible_bytes": rows[0]["budget_bytes"],
-           "results": [{"status": "ok", "method": args.solver, **r} for r in rows]}
+    # the vertical line is the memory floor (no plan fits less), hidden where it is far below the least
+    # budget found; the dotted line the valid lower bound on the step time at each budget
+    run = {"model": getattr(args, "model", None) or g.meta.get("model", "") or "graph", "batch": args.batch,
+           "device": args.device, "keep_all_peak_bytes": g.peak_bytes(),
+           "min_feasible_bytes": rows[0]["memory_floor_bytes"], "solver_minimum_bytes": rows[0]["budget_bytes"],
+           "results": [{"status": "ok", "method": args.solver, **r} for r in rows],
+           "bounds": [{"budget_bytes": r["budget_bytes"], "lower_bound_overhead": r["lower_bound_s"] / r["compute_s"] - 1}
+                      for r in rows if r["lower_bound_s"] and r["compute_s"]]}
     plots.overhead_vs_budget([run], args.plot, title="Predicted step time (overhead) from the least budget to the peak")
 
 
