@@ -19,7 +19,7 @@ Solvers (``SOLVERS``):
   the STR LP relaxation + recursive source tracing rounding (:mod:`solvers.relax`) on the (coarsened)
   problem, a gap-by-gap polish of the best of them, and on small uncoarsened problems
   (:func:`solvers.relax.is_large` false) the exact MILP warm-started from the best plan, with the time
-  left (``info["exact_status"]``, ``info["exact_improved"]``; option ``exact=False`` turns it off): there
+  left (without a ``time_limit``, at most ``EXACT_IMPROVE_S`` once a plan is in hand; ``info["exact_status"]``, ``info["exact_improved"]``; option ``exact=False`` turns it off): there
   approx finds a plan wherever ``milp`` or a baseline does;
   ``plan.info`` has ``lp_bound_s`` (the LP value: a lower bound *within the STR model*, whose copy
   timing is conservative) and ``gap`` (time / lp_bound - 1; negative when the plan, polished on the full
@@ -62,6 +62,7 @@ __all__ = ["plan", "min_budget", "sweep", "memory_floor", "SOLVERS", "HYBRID", "
 
 DEFAULT_MILP_TIME_LIMIT = 60.0
 STAGE_START_S = 2.0        # seconds, at most, to make the MILP's warm start satisfy its stage link rows
+EXACT_IMPROVE_S = 5.0      # approx without a time limit: the exact MILP's seconds when a plan is in hand
 MIN_EXACT_S = 0.3          # seconds left below which approx does not start its exact MILP
 SHRINK_ATTEMPTS = 4
 
@@ -150,21 +151,28 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
     plan's peak, one that finds none moves the lower end. It stops when the bracket is narrower than
     ``precision`` of the upper end (0: to the byte). The plan's ``budget_bytes`` is its own peak, and
     ``info`` has ``min_budget_bytes``, ``min_no_plan_bytes`` (the largest budget found without a plan,
-    or the floor less one byte), ``min_probes`` and ``memory_floor_bytes``. With ``approx`` the search
-    is exact on small graphs (its portfolio includes the exact MILP there) and an upper bound elsewhere."""
+    or the floor less one byte), ``min_probes`` and ``memory_floor_bytes``.
+
+    With ``approx`` the search is exact on small graphs (its portfolio includes the exact MILP there).
+    On the others a budget approx finds no plan for is given to the ``milp`` solver too, for
+    ``milp_probe_s`` seconds (option; default ``DEFAULT_MILP_TIME_LIMIT``, 0: never), so that the least
+    budget named is one the MILP finds nothing below within that time (to ``precision``)."""
     if not 0 <= precision < 1:
         raise ValueError(f"precision {precision!r}: expected a fraction in [0, 1)")
     t0 = time.perf_counter()
     peak = graph.peak_bytes()
     floor = memory_floor(graph, model, options.get("min_bytes"))
+    milp_s = float(options.pop("milp_probe_s", DEFAULT_MILP_TIME_LIMIT))
+    if solver != "approx" or milp_s <= 0 or _approx_is_exact(graph, model, options):
+        milp_s = 0.0
     lo, hi, best, probes = floor - 1, peak, None, 0
     budget = floor                      # the floor first: where it has a plan, the search ends there
     while hi - lo > max(1, int(precision * hi)):
         probes += 1
-        try:
-            found = plan(graph, budget, device=model, solver=solver, time_limit=time_limit, verbose=verbose,
-                         **options)
-        except BudgetInfeasibleError:
+        found = _probe(graph, budget, model, solver, time_limit, verbose, options)
+        if found is None and milp_s:
+            found = _probe(graph, budget, model, "milp", milp_s, verbose, options)
+        if found is None:
             lo = budget
         else:
             best, hi = found, min(int(found.predicted_peak_bytes), hi)
@@ -174,6 +182,20 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
     best.info.update({"min_budget_bytes": hi, "min_no_plan_bytes": lo, "min_probes": probes,
                       "memory_floor_bytes": floor})
     return _finish(graph, best, model, hi, t0)
+
+
+def _probe(graph: Graph, budget: int, model: Any, solver: str, time_limit: float | None, verbose: bool,
+           options: dict[str, Any]) -> Plan | None:
+    try:
+        return plan(graph, budget, device=model, solver=solver, time_limit=time_limit, verbose=verbose, **options)
+    except BudgetInfeasibleError:
+        return None
+
+
+def _approx_is_exact(graph: Graph, model: Any, options: dict[str, Any]) -> bool:
+    """Whether approx's portfolio includes the exact MILP on ``graph`` (see :func:`_hybrid`)."""
+    p = planning_problem(graph, graph.peak_bytes(), model, **options)
+    return p.T == graph.num_stages and not relax.is_large(p) and options.get("exact", True)
 
 
 def sweep(graph: Graph, device: Any = "h100-80gb", solver: str = "approx", points: int = 8,
@@ -445,7 +467,7 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
         _polish(pool, fine, str_plan, seeds, solver, None if solver == "milp" else deadline, options)
     t_polish = time.perf_counter()
     if solver == "approx" and options.get("exact", not coarse and not relax.is_large(fine)):
-        _exact_start(pool, fine, deadline, verbose, options, notes)
+        _exact_start(pool, fine, deadline, verbose, options, notes, capped=time_limit is None)
     _, out, res, source = pool.best
     phases = (f"setup {t_seed - t0:.2f} (seeds {','.join(pool.tried)}), {solver} {t_str - t_seed:.2f}, "
               f"polish {t_polish - t_str:.2f}, exact milp {time.perf_counter() - t_polish:.2f}")
@@ -520,15 +542,18 @@ def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple
 
 
 def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bool, options: dict[str, Any],
-                 notes: list[str]) -> None:
+                 notes: list[str], capped: bool = False) -> None:
     """The exact MILP on a small uncoarsened problem, warm-started from the best plan so far, with the
     time left: on such graphs ``approx`` finds a plan wherever ``milp`` does, and one as fast when the
-    solve ends. Skipped when the best plan already runs at the valid lower bound. Its result is offered
-    to ``pool``; ``pool.exact`` records the MILP's status and whether it improved on the rest."""
+    solve ends. With ``capped`` (no time limit given) and a plan in hand, it gets at most
+    ``EXACT_IMPROVE_S``. Skipped when the best plan already runs at the valid lower bound. Its result is
+    offered to ``pool``; ``pool.exact`` records the MILP's status and whether it improved on the rest."""
     best_s, best_plan, _, _ = pool.best
     if best_plan is not None and best_s <= lower_bound(fine.graph, fine.budget, fine.model).time_s * (1 + 1e-9):
         return                                  # nothing can be faster
     left = None if deadline is None else deadline - time.perf_counter()
+    if capped and best_plan is not None:
+        left = EXACT_IMPROVE_S if left is None else min(left, EXACT_IMPROVE_S)
     if left is not None and left < MIN_EXACT_S:
         notes.append("no time left for the exact MILP")
         return
