@@ -15,7 +15,8 @@ DEVICE_HELP = "device cost model (v100-16gb, a100-80gb, h100-80gb, h200, cpu)"
 # One line per solver for `hybridmem plan --list-solvers` (the names come from hybridmem.solvers.SOLVERS,
 # so a solver added there is listed even before it gets a line here).
 SOLVER_DESCRIPTIONS = {
-    "approx": "STR: LP relaxation + recursive source tracing, polished on the full graph (default)",
+    "approx": "STR: LP relaxation + recursive source tracing, heuristic starts, polished on the full graph, "
+              "and the exact MILP on small graphs (default)",
     "milp": "STR exact MILP (CBC, or HiGHS with --solver-backend highs), warm-started from approx",
     "greedy": "STR source-tracing repair alone, from keep-everything (no LP)",
     "keep-all": "baseline: evict nothing (needs the keep-all peak)",
