@@ -268,7 +268,8 @@ def _sweep(g: Any, args: argparse.Namespace, options: dict[str, Any]) -> int:
         print(json.dumps({"model": g.meta.get("model", ""), "device": args.device, "solver": args.solver,
                           "keep_all_peak_bytes": peak, "points": rows, "plot": str(args.plot) if args.plot else None}))
         return 0
-    print(f"{g.meta.get('model', '') or 'graph'} on {args.device}, solver {args.solver}: keep-all peak {fmt_bytes(peak)}")
+    name = getattr(args, "model", None) or g.meta.get("model", "") or "graph"
+    print(f"{name} on {args.device}, solver {args.solver}: keep-all peak {fmt_bytes(peak)}")
     print(f"  {'budget':>12} {'of peak':>8} {'step time':>12} {'overhead':>9} {'to bound':>9}  plan from")
     for r in rows:
         # + 0.0: a plan at its bound prints 0.00, not -0.00 (float noise below it)
@@ -290,7 +291,8 @@ def _plot_sweep(g: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) ->
            "device": args.device, "keep_all_peak_bytes": g.peak_bytes(),
            "min_feasible_bytes": rows[0]["memory_floor_bytes"], "solver_minimum_bytes": rows[0]["budget_bytes"],
            "results": [{"status": "ok", "method": args.solver, **r} for r in rows],
-           "bounds": [{"budget_bytes": r["budget_bytes"], "lower_bound_overhead": r["lower_bound_s"] / r["compute_s"] - 1}
+           "bounds": [{"budget_bytes": r["budget_bytes"],
+                       "lower_bound_overhead": r["lower_bound_s"] / r["compute_s"] - 1}
                       for r in rows if r["lower_bound_s"] and r["compute_s"]]}
     plots.overhead_vs_budget([run], args.plot, title="Predicted step time (overhead) from the least budget to the peak")
 

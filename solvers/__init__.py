@@ -19,7 +19,8 @@ Solvers (``SOLVERS``):
   the STR LP relaxation + recursive source tracing rounding (:mod:`solvers.relax`) on the (coarsened)
   problem, a gap-by-gap polish of the best of them, and on small uncoarsened problems
   (:func:`solvers.relax.is_large` false) the exact MILP warm-started from the best plan, with the time
-  left (without a ``time_limit``, at most ``EXACT_IMPROVE_S`` once a plan is in hand; ``info["exact_status"]``, ``info["exact_improved"]``; option ``exact=False`` turns it off): there
+  left (without a ``time_limit``, at most ``EXACT_IMPROVE_S`` once a plan is in hand;
+  ``info["exact_status"]``, ``info["exact_improved"]``; option ``exact=False`` turns it off): there
   approx finds a plan wherever ``milp`` or a baseline does;
   ``plan.info`` has ``lp_bound_s`` (the LP value: a lower bound *within the STR model*, whose copy
   timing is conservative) and ``gap`` (time / lp_bound - 1; negative when the plan, polished on the full
@@ -58,7 +59,8 @@ from .bound import lower_bound
 HYBRID = ("approx", "milp", "greedy")
 SOLVERS: tuple[str, ...] = HYBRID + baselines.BASELINES
 
-__all__ = ["plan", "min_budget", "sweep", "memory_floor", "SOLVERS", "HYBRID", "resolve_budget", "planning_problem"]
+__all__ = ["plan", "min_budget", "sweep", "memory_floor", "SOLVERS", "HYBRID", "resolve_budget",
+           "planning_problem"]
 
 DEFAULT_MILP_TIME_LIMIT = 60.0
 STAGE_START_S = 2.0        # seconds, at most, to make the MILP's warm start satisfy its stage link rows
@@ -80,6 +82,7 @@ def resolve_budget(graph: Graph, budget: int | float | str) -> int:
 
 
 def is_min(budget: Any) -> bool:
+    """Whether ``budget`` asks for the least budget with a plan (``"min"``)."""
     return isinstance(budget, str) and budget.strip().lower() == MIN
 
 
@@ -414,7 +417,7 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     notes: list[str] = []
     p = planning_problem(graph, inner, model, **options)
     coarse = p.T != graph.num_stages
-    minimum = max(int(fine_min_bytes(graph, p, model, options)), 0)
+    minimum = _fine_floor(graph, p, model, options)
     pool = _Pool(graph, budget, model)
     fine = p if not coarse else build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
     seeds = _seed(pool, fine) if options.get("seed", True) else []
@@ -505,7 +508,7 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     return out
 
 
-def fine_min_bytes(graph: Graph, p: Problem, model: Any, options: dict[str, Any]) -> int:
+def _fine_floor(graph: Graph, p: Problem, model: Any, options: dict[str, Any]) -> int:
     """The memory floor of the full graph (a coarse problem's own floor is higher than the graph's)."""
     from hybridmem.simulate import min_feasible_budget
 

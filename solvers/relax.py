@@ -262,7 +262,8 @@ class GapPlanner:
         fewer conflicts. Whether it moved."""
         snap = self._snapshot()
         if kind == "in":
-            opts = sorted((st, q) for q, u, st in self.stage_link[x.k][1] if u == x.hi and x.lo < q <= x.hi and q != x.q)
+            opts = sorted((st, q) for q, u, st in self.stage_link[x.k][1]
+                          if u == x.hi and x.lo < q <= x.hi and q != x.q)
             tries = [(lambda q=q: self._set(x, SWAP, q)) for _, q in opts]
         else:
             lo = min(self.gaps[i].lo for i in self.gaps_of[x] if self.gaps[i].kind == SWAP)
