@@ -64,6 +64,7 @@ __all__ = ["plan", "min_budget", "sweep", "memory_floor", "SOLVERS", "HYBRID", "
 
 DEFAULT_MILP_TIME_LIMIT = 60.0
 STAGE_START_S = 2.0        # seconds, at most, to make the MILP's warm start satisfy its stage link rows
+MILP_FALLBACK_S = 30.0     # approx without a time limit, no plan found on a large graph: the MILP's seconds
 EXACT_IMPROVE_S = 5.0      # approx without a time limit: the exact MILP's seconds when a plan is in hand
 MIN_EXACT_S = 0.3          # seconds left below which approx does not start its exact MILP
 SHRINK_ATTEMPTS = 4
@@ -471,6 +472,8 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     t_polish = time.perf_counter()
     if solver == "approx" and options.get("exact", not coarse and not relax.is_large(fine)):
         _exact_start(pool, fine, deadline, verbose, options, notes, capped=time_limit is None)
+    elif solver == "approx" and pool.best[1] is None and time_limit is None and options.get("milp_fallback", True):
+        _milp_fallback(pool, p, str_plan, seeds, verbose, options, notes)
     _, out, res, source = pool.best
     phases = (f"setup {t_seed - t0:.2f} (seeds {','.join(pool.tried)}), {solver} {t_str - t_seed:.2f}, "
               f"polish {t_polish - t_str:.2f}, exact milp {time.perf_counter() - t_polish:.2f}")
@@ -571,6 +574,20 @@ def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bo
         t = pool.offer("milp", cand)
         info["exact_improved"] = t is not None and pool.best[3] == "milp" and t < best_s - 1e-12
     pool.exact = info
+
+
+def _milp_fallback(pool: _Pool, p: Problem, str_plan: Plan | None, seeds: list[tuple[float, str, Any]],
+                   verbose: bool, options: dict[str, Any], notes: list[str]) -> None:
+    """Where no start fits (large graphs, no exact MILP in the portfolio): the MILP on the planning
+    problem for ``MILP_FALLBACK_S``, its warm start the best start that does not fit, made to satisfy the
+    MILP's rows and repaired by regenerating bytes where memory is over (:func:`_solve_milp`). Its plan,
+    if any, is offered to ``pool`` as ``milp-fallback``."""
+    start = str_plan.actions if str_plan is not None else next(
+        (arg for _, _, arg in seeds if isinstance(arg, list)), None)
+    pool.tried.append("milp-fallback")
+    out = _solve_milp(p, None, None, MILP_FALLBACK_S, verbose, options, start)
+    if out is None or pool.offer("milp-fallback", out) is None:
+        notes.append(f"the MILP fallback found no plan ({out.info.get('status') if out else 'no solution'})")
 
 
 def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: bool,

@@ -474,3 +474,18 @@ def test_milp_on_a_coarse_problem_starts_from_a_solution(resnet50_tiny: Graph) -
     check_plan(g, p, budget)
     assert p.info["warm_start"] == "the warm start satisfies the MILP", p.info
     assert p.info["status"] in ("optimal", "feasible")
+
+
+def test_approx_falls_back_to_the_coarse_milp_when_no_start_fits(monkeypatch: pytest.MonkeyPatch,
+                                                                  vgg16_tiny: Graph) -> None:
+    """A coarsened graph where nothing else gives a plan (no heuristic starts, no LP rounding): approx
+    asks the MILP on the planning problem and returns its plan; with ``milp_fallback=False`` it fails."""
+    monkeypatch.setattr(relax, "solve_relaxed", lambda p, **kw: (None, {"rounding": "disabled by the test"}))
+    g = vgg16_tiny
+    budget = int(0.5 * (g.peak_bytes() + min_feasible_budget(g)))
+    off = {"seed": False, "recompute_lp": False, **COARSE}
+    with pytest.raises(BudgetInfeasibleError):
+        plan(g, budget, solver="approx", milp_fallback=False, **off)
+    p = plan(g, budget, solver="approx", **off)
+    check_plan(g, p, budget)
+    assert p.solver == "approx" and p.info["plan_from"] == "milp-fallback"
