@@ -173,7 +173,9 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
     budget = floor                      # the floor first: where it has a plan, the search ends there
     while hi - lo > max(1, int(precision * hi)):
         probes += 1
-        found = _probe(graph, budget, model, solver, time_limit, verbose, options)
+        # approx's own MILP fallback would repeat the probe below with less time
+        found = _probe(graph, budget, model, solver, time_limit, verbose,
+                       {**options, "milp_fallback": False} if milp_s else options)
         if found is None and milp_s:
             found = _probe(graph, budget, model, "milp", milp_s, verbose, options)
         if found is None:
