@@ -266,7 +266,7 @@ class GapPlanner:
                           if u == x.hi and x.lo < q <= x.hi and q != x.q)
             tries = [(lambda q=q: self._set(x, SWAP, q)) for _, q in opts]
         else:
-            lo = min(self.gaps[i].lo for i in self.gaps_of[x] if self.gaps[i].kind == SWAP)
+            lo = min((self.gaps[i].lo for i in self.gaps_of[x] if self.gaps[i].kind == SWAP), default=-1)
             opts = sorted((t for t in self.stage_link[x][0] if t <= lo and t != self.out[x]), reverse=True)
             tries = [(lambda t=t: self._do(("out", x, t))) for t in opts]
         for move in tries:
