@@ -572,9 +572,13 @@ def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bo
                              solver=options.get("solver_backend", "cbc"), verbose=verbose, compact=False)
     info = {"exact_status": res.status, "exact_s": round(time.perf_counter() - t0, 4)}
     if res.schedule is not None:
-        cand = make_plan(fine, schedule_to_actions(fine, res.schedule), "approx", info)
-        t = pool.offer("milp", cand)
-        info["exact_improved"] = t is not None and pool.best[3] == "milp" and t < best_s - 1e-12
+        try:
+            cand = make_plan(fine, schedule_to_actions(fine, res.schedule), "approx", info)
+        except ValueError as e:         # as in _solve_milp: a solution the plan rules cannot write
+            notes.append(f"the exact MILP's solution could not be written as a plan ({e})")
+        else:
+            t = pool.offer("milp", cand)
+            info["exact_improved"] = t is not None and pool.best[3] == "milp" and t < best_s - 1e-12
     pool.exact = info
 
 
