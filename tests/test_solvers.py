@@ -489,3 +489,21 @@ def test_approx_falls_back_to_the_coarse_milp_when_no_start_fits(monkeypatch: py
     p = plan(g, budget, solver="approx", **off)
     check_plan(g, p, budget)
     assert p.solver == "approx" and p.info["plan_from"] == "milp-fallback"
+
+
+def test_a_swap_in_issued_while_resident_starts_once_the_tensor_is_dropped(graph24: Graph) -> None:
+    """A time-limited MILP solution may keep a tensor on the device after its swap-in was issued: the
+    plan issues the copy after the tensor is dropped instead, and the simulator accepts it."""
+    import numpy as np
+
+    from hybridmem.solvers._common import Schedule, TensorSchedule
+
+    p = build_problem(graph24, graph24.peak_bytes(), DEVICE)
+    c = next(c for c in p.candidates if c.uses == (c.start + 1, c.end) and c.end - c.start >= 6)
+    pres = np.ones(c.end - c.start + 1, dtype=bool)
+    pres[4:-1] = False                          # kept through start + 3, back for the last read
+    sched = Schedule({c.tensor: TensorSchedule(c.tensor, c.start, pres, [], c.start, [(c.start + 2, c.end)])})
+    actions = schedule_to_actions(p, sched)
+    ins = [a.stage for a in actions if a.kind == "swap_in" and a.tensor == c.tensor]
+    assert ins == [c.start + 4]                 # the stage after the last one it was kept for
+    simulate(graph24, Plan(actions=make_plan(p, actions, "test").actions), device=DEVICE, strict=True)
