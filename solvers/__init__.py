@@ -65,6 +65,7 @@ __all__ = ["plan", "min_budget", "sweep", "memory_floor", "SOLVERS", "HYBRID", "
 DEFAULT_MILP_TIME_LIMIT = 60.0
 STAGE_START_S = 2.0        # seconds, at most, to make the MILP's warm start satisfy its stage link rows
 MILP_FALLBACK_S = 30.0     # approx without a time limit, no plan found on a large graph: the MILP's seconds
+EXACT_SHARE = 0.5          # of approx's time after its heuristic starts, kept for its exact MILP (small graphs)
 EXACT_IMPROVE_S = 5.0      # approx without a time limit: the exact MILP's seconds when a plan is in hand
 MIN_EXACT_S = 0.3          # seconds left below which approx does not start its exact MILP
 SHRINK_ATTEMPTS = 4
@@ -423,9 +424,14 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     minimum = _fine_floor(graph, p, model, options)
     pool = _Pool(graph, budget, model)
     fine = p if not coarse else build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
+    exact = solver == "approx" and options.get("exact", not coarse and not relax.is_large(fine))
     seeds = _seed(pool, fine) if options.get("seed", True) else []
+    stop = deadline                       # for the phases before the exact MILP, which gets the rest
+    if exact and deadline is not None:
+        reserve = EXACT_SHARE * (deadline - time.perf_counter())
+        stop = deadline - (min(reserve, EXACT_IMPROVE_S) if time_limit is None else reserve)
     if solver != "greedy" and options.get("recompute_lp", True):
-        left = None if deadline is None else (deadline - time.perf_counter()) * RECOMPUTE_LP_SHARE
+        left = None if stop is None else (stop - time.perf_counter()) * RECOMPUTE_LP_SHARE
         if left is None or left >= 0.3:
             _recompute_start(pool, p, seeds, left, notes)
     t_seed = time.perf_counter()
@@ -434,7 +440,7 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     for attempt in range(SHRINK_ATTEMPTS):
         if inner < int(p.min_bytes().max()):
             break
-        left = None if deadline is None else (deadline - time.perf_counter()) * str_share
+        left = None if stop is None else (stop - time.perf_counter()) * str_share
         if solver == "milp" and time_limit is None:
             left = None
         if left is not None and left < 0.3:
@@ -470,9 +476,9 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
         polish = False                     # nothing to gain: the step already runs at compute speed
     if polish:
         # the MILP's time limit is its own: the polish after it gets its usual share
-        _polish(pool, fine, str_plan, seeds, solver, None if solver == "milp" else deadline, options)
+        _polish(pool, fine, str_plan, seeds, solver, None if solver == "milp" else stop, options)
     t_polish = time.perf_counter()
-    if solver == "approx" and options.get("exact", not coarse and not relax.is_large(fine)):
+    if exact:
         _exact_start(pool, fine, deadline, verbose, options, notes, capped=time_limit is None)
     elif solver == "approx" and pool.best[1] is None and time_limit is None and options.get("milp_fallback", True):
         _milp_fallback(pool, p, str_plan, seeds, verbose, options, notes)
