@@ -109,7 +109,8 @@ def overhead_vs_budget(runs: Sequence[dict[str, Any]], path: Path, *, title: str
             span = (max(xs) - min(xs)) if xs else 0.0
             if not xs or not run.get("solver_minimum_bytes") or xm >= min(xs) - 0.1 * span:
                 ax.axvline(xm, color="#999999", lw=0.8, ls="--", label="min. feasible (lower bound)")
-        ax.set_title(f"{run.get('model')} b{run.get('batch')} on {run.get('device')}")
+        batch = f" b{run['batch']}" if run.get("batch") else ""
+        ax.set_title(f"{run.get('model')}{batch} on {run.get('device')}")
         ax.set_xlabel("budget (% of keep-all peak)" if x == "percent" else "budget (GiB)")
         ax.set_ylabel("overhead vs keep-all (%)")
         # Symmetric-log y: a 0.3 % vs 3 % difference between good plans stays visible next to a

@@ -18,7 +18,8 @@ DEVICE_HELP = (f"device cost model: v100-16gb, a100-80gb, h100-80gb, h200, or cp
 # One line per solver for `hybridmem plan --list-solvers` (the names come from hybridmem.solvers.SOLVERS,
 # so a solver added there is listed even before it gets a line here).
 SOLVER_DESCRIPTIONS = {
-    "approx": "STR: LP relaxation + recursive source tracing, polished on the full graph (default)",
+    "approx": "STR: LP relaxation + recursive source tracing, heuristic starts, polished on the full graph, "
+              "and the exact MILP on small graphs (default)",
     "milp": "STR exact MILP (CBC, or HiGHS with --solver-backend highs), warm-started from approx",
     "greedy": "STR source-tracing repair alone, from keep-everything (no LP)",
     "keep-all": "baseline: evict nothing (needs the keep-all peak)",
@@ -64,6 +65,17 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _sweep_points(text: str) -> int:
+    """``--sweep N``: an int of at least 2 (the least budget and the keep-all peak)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"invalid point count {text!r}: expected an int of at least 2")
+    return n
+
+
 def _add_model_args(p: argparse.ArgumentParser, *, graph: bool = True) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="zoo model name (e.g. resnet50) or MODULE:FACTORY returning (model, inputs, "
@@ -96,8 +108,13 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="solve an eviction plan for a budget")
     _add_model_args(p)
-    p.add_argument("--budget", required=True, help="bytes, e.g. 6GiB, or a percentage of the step's keep-all peak "
-                                                   "(evict nothing), e.g. 60%%")
+    p.add_argument("--budget", help="bytes, e.g. 6GiB, a percentage of the step's keep-all peak (evict nothing), "
+                                    "e.g. 60%%, or min: the least budget the solver finds a plan for (bisection), "
+                                    "with that plan")
+    p.add_argument("--sweep", type=_sweep_points, nargs="?", const=8, metavar="N",
+                   help="instead of --budget: plans at N budgets (default 8) from the least budget to the keep-all "
+                        "peak, printed as predicted step time against budget (--plot PNG draws it)")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="with --sweep: draw the curve here (needs matplotlib)")
     p.add_argument("--device", default=DEFAULT_DEVICE, help=DEVICE_HELP)
     p.add_argument("--solver", default="approx", help="approx (default), milp, greedy, or a baseline: keep-all, chen, "
                                                       "checkmate, swap-vdnn, swap-opt, capuchin, dtr (--list-solvers)")
@@ -226,6 +243,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"{UnknownNameError('solver', args.solver, _solver_names())} "
                          "(`hybridmem plan --list-solvers` says what each does)")
     options = _plan_options(args)
+    if (args.budget is None) == (args.sweep is None):
+        raise ValueError("give --budget (bytes, a percentage such as 60%, or min) or --sweep [N], one of them")
+    if args.plot and args.sweep is None:
+        raise ValueError("--plot draws the curve of --sweep: add --sweep")
+    if args.sweep is not None and (args.output or args.shapes):
+        raise ValueError("--sweep makes one plan per budget: -o/--shapes write one plan (book); plan one budget "
+                         "with --budget to save it")
     if args.shapes:
         given = [o for o, v in (("--coarsen/--no-coarsen", args.coarsen), ("--target", args.target),
                                 ("--solver-backend", args.solver_backend), ("--optimizer", args.optimizer))
@@ -242,6 +266,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .solvers import plan as solve
 
     g = apply_costs(_graph_from_args(args), get_cost_model(args.device))
+    if args.sweep is not None:
+        return _sweep(g, args, options)
     p = solve(g, args.budget, device=args.device, solver=args.solver, time_limit=args.time_limit,
               verbose=args.verbose, **options)
     base = simulate(g, None, device=args.device)
@@ -270,6 +296,53 @@ def _check_zoo_shapes(model: str | None, size: str, shapes: Sequence[str]) -> No
             make(parse_dims(shape, _dim_names(model)))
         except ValueError as e:
             raise ValueError(f"--shapes {shape}: {e}; nothing was planned or written") from None
+
+
+def _sweep(g: Any, args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """``plan --sweep``: predicted step time against budget, from the least budget to the keep-all peak."""
+    from .solvers import sweep
+
+    plans = sweep(g, args.device, args.solver, args.sweep, time_limit=args.time_limit, verbose=args.verbose,
+                  **options)
+    peak = g.peak_bytes()
+    rows = [{"budget_bytes": p.budget_bytes, "budget_share": p.budget_bytes / peak, "time_s": p.predicted_time_s,
+             "overhead": p.info.get("overhead", 0.0), "gap_to_lower_bound": p.info.get("gap_to_lower_bound"),
+             "plan_from": p.info.get("plan_from", p.solver), "solve_s": p.info.get("solve_s"),
+             "lower_bound_s": p.info.get("lower_bound_s"), "compute_s": p.info.get("compute_s"),
+             "memory_floor_bytes": p.info.get("memory_floor_bytes")} for p in plans]
+    if args.plot:
+        _plot_sweep(g, args, rows)
+    if args.json:
+        print(json.dumps({"model": g.meta.get("model", ""), "device": args.device, "solver": args.solver,
+                          "keep_all_peak_bytes": peak, "points": rows, "plot": str(args.plot) if args.plot else None}))
+        return 0
+    name = getattr(args, "model", None) or g.meta.get("model", "") or "graph"
+    print(f"{name} on {args.device}, solver {args.solver}: keep-all peak {fmt_bytes(peak)}")
+    print(f"  {'budget':>12} {'of peak':>8} {'step time':>12} {'overhead':>9} {'to bound':>9}  plan from")
+    for r in rows:
+        # + 0.0: a plan at its bound prints 0.00, not -0.00 (float noise below it)
+        gap = "" if r["gap_to_lower_bound"] is None else f"{round(100 * r['gap_to_lower_bound'], 2) + 0.0:.2f} %"
+        print(f"  {fmt_bytes(r['budget_bytes']):>12} {100 * r['budget_share']:>7.1f}% {1e3 * r['time_s']:>9.3f} ms "
+              f"{100 * r['overhead']:>7.2f} % {gap:>9}  {r['plan_from']}")
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _plot_sweep(g: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    plots = bench_module("plots")
+    if not plots.available():
+        raise ValueError("--plot needs matplotlib: pip install 'hybridmem[plot]'")
+    # the vertical line is the memory floor (no plan fits less), hidden where it is far below the least
+    # budget found; the dotted line the valid lower bound on the step time at each budget
+    run = {"model": getattr(args, "model", None) or g.meta.get("model", "") or "graph", "batch": args.batch,
+           "device": args.device, "keep_all_peak_bytes": g.peak_bytes(),
+           "min_feasible_bytes": rows[0]["memory_floor_bytes"], "solver_minimum_bytes": rows[0]["budget_bytes"],
+           "results": [{"status": "ok", "method": args.solver, **r} for r in rows],
+           "bounds": [{"budget_bytes": r["budget_bytes"],
+                       "lower_bound_overhead": r["lower_bound_s"] / r["compute_s"] - 1}
+                      for r in rows if r["lower_bound_s"] and r["compute_s"]]}
+    plots.overhead_vs_budget([run], args.plot, title="Predicted step time (overhead) from the least budget to the peak")
 
 
 def _plan_options(args: argparse.Namespace) -> dict[str, Any]:

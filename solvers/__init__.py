@@ -4,6 +4,8 @@
     p = plan(graph, "60%", device="h100-80gb")                 # STR approximate (LP + source tracing)
     p = plan(graph, 8 << 30, solver="milp", time_limit=60)    # STR exact MILP (CBC; solver_backend="highs")
     p = plan(graph, "50%", solver="checkmate")                # a baseline
+    p = plan(graph, "min")                                    # the least budget with a plan, and that plan
+    curve = sweep(graph, points=8)                            # plans from the least budget to the peak
 
 Every plan is replayed by :func:`hybridmem.simulate.simulate` before it is returned: it is valid, fits the
 budget, and carries the simulator's ``predicted_time_s`` / ``predicted_peak_bytes``. Graphs above
@@ -15,7 +17,11 @@ Solvers (``SOLVERS``):
 - ``approx`` (default): a portfolio on the full graph: heuristic starts (DTR replay, Capuchin, Chen,
   vDNN: never slower than those baselines), the rounding of Checkmate's recompute-only LP relaxation,
   the STR LP relaxation + recursive source tracing rounding (:mod:`solvers.relax`) on the (coarsened)
-  problem, and a gap-by-gap polish of the best of them;
+  problem, a gap-by-gap polish of the best of them, and on small uncoarsened problems
+  (:func:`solvers.relax.is_large` false) the exact MILP warm-started from the best plan, with the time
+  left (without a ``time_limit``, at most ``EXACT_IMPROVE_S`` once a plan is in hand;
+  ``info["exact_status"]``, ``info["exact_improved"]``; option ``exact=False`` turns it off): there
+  approx finds a plan wherever ``milp`` or a baseline does;
   ``plan.info`` has ``lp_bound_s`` (the LP value: a lower bound *within the STR model*, whose copy
   timing is conservative) and ``gap`` (time / lp_bound - 1; negative when the plan, polished on the full
   graph with the simulator's FIFO link timing, beats the model), and ``lower_bound_s`` (valid for
@@ -47,20 +53,49 @@ from hybridmem.units import fmt_bytes, parse_bytes
 from . import baselines, coarsen, milp, relax
 from .baselines import NO_BUDGET
 from ._common import (Problem, build_problem, make_plan, schedule_to_actions)
+from .relax import schedule_of_actions
 from .bound import lower_bound
 
 HYBRID = ("approx", "milp", "greedy")
 SOLVERS: tuple[str, ...] = HYBRID + baselines.BASELINES
 
-__all__ = ["plan", "SOLVERS", "HYBRID", "resolve_budget", "planning_problem"]
+__all__ = ["plan", "min_budget", "sweep", "memory_floor", "SOLVERS", "HYBRID", "resolve_budget",
+           "planning_problem"]
 
 DEFAULT_MILP_TIME_LIMIT = 60.0
+STAGE_START_S = 2.0        # seconds, at most, to make the MILP's warm start satisfy its stage link rows
+MILP_FALLBACK_S = 30.0     # approx without a time limit, no plan found on a large graph: the MILP's seconds
+EXACT_SHARE = 0.5          # of approx's time after its heuristic starts, kept for its exact MILP (small graphs)
+EXACT_IMPROVE_S = 5.0      # approx without a time limit: the exact MILP's seconds when a plan is in hand
+MIN_EXACT_S = 0.3          # seconds left below which approx does not start its exact MILP
 SHRINK_ATTEMPTS = 4
+
+
+MIN = "min"                # the budget that asks for the least budget with a plan
+MIN_PRECISION = 0.005      # budget="min": relative width of the bracket the bisection stops at
 
 
 def resolve_budget(graph: Graph, budget: int | float | str) -> int:
     """Bytes of ``budget``: an int, ``"8GiB"``, or a percentage of the graph's keep-all peak (``"60%"``)."""
-    return parse_bytes(budget, what="budget", total=graph.peak_bytes())
+    try:
+        return parse_bytes(budget, what="budget", total=graph.peak_bytes())
+    except ValueError as e:
+        raise ValueError(f"{e}, or 'min' (the least budget with a plan)") from None
+
+
+def is_min(budget: Any) -> bool:
+    """Whether ``budget`` asks for the least budget with a plan (``"min"``)."""
+    return isinstance(budget, str) and budget.strip().lower() == MIN
+
+
+def memory_floor(graph: Graph, model: Any, min_bytes: int | None = None) -> int:
+    """The least budget any plan of these planners can fit: what some stage needs with every evictable
+    tensor the planners may move off the device (:func:`hybridmem.simulate.min_feasible_budget`, and
+    the planning problem's own per-stage need)."""
+    from hybridmem.simulate import min_feasible_budget
+
+    need = build_problem(graph, graph.peak_bytes(), model, min_bytes=min_bytes).min_bytes()
+    return max(min_feasible_budget(graph), int(need.max()) if need.size else 0)
 
 
 def planning_problem(graph: Graph, budget: int, model: Any, **options: Any) -> Problem:
@@ -77,7 +112,8 @@ def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", sol
          time_limit: float | None = None, verbose: bool = False, **options: Any) -> Plan:
     """A plan for one training step of ``graph`` under ``budget`` bytes on ``device``'s cost model.
 
-    ``budget``: bytes, ``"8GiB"`` or ``"60%"`` of the keep-all peak. Raises
+    ``budget``: bytes, ``"8GiB"``, ``"60%"`` of the keep-all peak, or ``"min"``: the least budget this
+    solver finds a plan for (:func:`min_budget`; option ``precision``). Raises
     :class:`~hybridmem.errors.BudgetInfeasibleError` (with ``minimum_bytes``) when no plan of this solver
     fits, :class:`~hybridmem.errors.UnknownNameError` for an unknown solver or device.
     """
@@ -88,24 +124,117 @@ def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", sol
     if solver not in SOLVERS:
         raise UnknownNameError("solver", solver, SOLVERS)
     model = get_cost_model(device)
+    if is_min(budget):
+        return min_budget(graph, model, solver, time_limit, verbose, **options)
     budget_b = resolve_budget(graph, budget)
     lower = min_feasible_budget(graph)
     if budget_b < lower:
         raise BudgetInfeasibleError(
             f"budget {fmt_bytes(budget_b)} ({budget_b} B) is below {fmt_bytes(lower)} ({lower} B), what some stage "
             "needs with every evictable tensor off the device (parameters, gradients, the op's own inputs and "
-            "outputs): no plan can fit", lower)
+            "outputs): no plan can fit; budget='min' (`hybridmem plan --budget min`) finds the least budget with "
+            "a plan", lower)
     peak = graph.peak_bytes()
     if solver in HYBRID:
         if budget_b >= peak:
             out = Plan.keep_all(graph)
             out.solver, out.budget_bytes, out.device = solver, budget_b, model.name
-            out.info = {"note": "the budget holds the keep-all peak: nothing to evict"}
+            out.info = {"note": "the budget holds the keep-all peak: nothing to evict", "plan_from": "keep-all"}
         else:
             out = _hybrid(graph, budget_b, model, solver, time_limit, verbose, options)
     else:
         out = baselines.run(solver, graph, budget_b, model, time_limit=time_limit, verbose=verbose, **options)
     return _finish(graph, out, model, budget_b, t0)
+
+
+def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: float | None = None,
+               verbose: bool = False, precision: float = MIN_PRECISION, **options: Any) -> Plan:
+    """The plan at the least budget ``solver`` finds one for (``plan(graph, "min")``).
+
+    Bisection between the memory floor (:func:`memory_floor`: no plan fits below it) and the keep-all
+    peak, one plan per probe (``time_limit`` each); a probe that finds a plan moves the upper end to that
+    plan's peak, one that finds none moves the lower end. It stops when the bracket is narrower than
+    ``precision`` of the upper end (0: to the byte). The plan's ``budget_bytes`` is its own peak, and
+    ``info`` has ``min_budget_bytes``, ``min_no_plan_bytes`` (the largest budget found without a plan,
+    or the floor less one byte), ``min_probes`` and ``memory_floor_bytes``.
+
+    With ``approx`` the search is exact on small graphs (its portfolio includes the exact MILP there).
+    On the others a budget approx finds no plan for is given to the ``milp`` solver too, for
+    ``milp_probe_s`` seconds (option; default ``DEFAULT_MILP_TIME_LIMIT``, 0: never), so that the least
+    budget named is one the MILP finds nothing below within that time (to ``precision``)."""
+    if not 0 <= precision < 1:
+        raise ValueError(f"precision {precision!r}: expected a fraction in [0, 1)")
+    t0 = time.perf_counter()
+    peak = graph.peak_bytes()
+    floor = memory_floor(graph, model, options.get("min_bytes"))
+    milp_s = float(options.pop("milp_probe_s", DEFAULT_MILP_TIME_LIMIT))
+    if solver != "approx" or milp_s <= 0 or _approx_is_exact(graph, model, options):
+        milp_s = 0.0
+    lo, hi, best, probes = floor - 1, peak, None, 0
+    budget = floor                      # the floor first: where it has a plan, the search ends there
+    while hi - lo > max(1, int(precision * hi)):
+        probes += 1
+        # approx's own MILP fallback would repeat the probe below with less time
+        found = _probe(graph, budget, model, solver, time_limit, verbose,
+                       {**options, "milp_fallback": False} if milp_s else options)
+        if found is None and milp_s:
+            found = _probe(graph, budget, model, "milp", milp_s, verbose, options)
+        if found is None:
+            lo = budget
+        else:
+            best, hi = found, min(int(found.predicted_peak_bytes), hi)
+        budget = (lo + hi) // 2
+    if best is None:                    # nothing below the peak: keeping everything is the plan
+        best = plan(graph, peak, device=model, solver=solver, time_limit=time_limit, **options)
+    best.info.update({"min_budget_bytes": hi, "min_no_plan_bytes": lo, "min_probes": probes,
+                      "memory_floor_bytes": floor})
+    return _finish(graph, best, model, hi, t0)
+
+
+def _probe(graph: Graph, budget: int, model: Any, solver: str, time_limit: float | None, verbose: bool,
+           options: dict[str, Any]) -> Plan | None:
+    try:
+        return plan(graph, budget, device=model, solver=solver, time_limit=time_limit, verbose=verbose, **options)
+    except BudgetInfeasibleError:
+        return None
+
+
+def _approx_is_exact(graph: Graph, model: Any, options: dict[str, Any]) -> bool:
+    """Whether approx's portfolio includes the exact MILP on ``graph`` (see :func:`_hybrid`)."""
+    p = planning_problem(graph, graph.peak_bytes(), model, **options)
+    return p.T == graph.num_stages and not relax.is_large(p) and options.get("exact", True)
+
+
+def sweep(graph: Graph, device: Any = "h100-80gb", solver: str = "approx", points: int = 8,
+          time_limit: float | None = None, verbose: bool = False, **options: Any) -> list[Plan]:
+    """The pareto curve of predicted step time against budget: the plan at the least budget
+    (:func:`min_budget`), then ``points - 1`` budgets evenly spaced above it up to the keep-all peak.
+    A plan found for a lower budget fits every higher one: where it is faster than what the solver
+    found there, it is the plan there (``info["plan_from"]`` then starts with ``lower-budget:``), so
+    the curve never rises."""
+    import copy
+
+    from hybridmem.costs import get_cost_model
+
+    if not isinstance(points, int) or points < 2:
+        raise ValueError(f"points {points!r}: expected an int of at least 2 (the least budget and the peak)")
+    if solver not in SOLVERS:
+        raise UnknownNameError("solver", solver, SOLVERS)
+    model = get_cost_model(device)
+    first = min_budget(graph, model, solver, time_limit, verbose, **options)
+    low, peak = first.budget_bytes, graph.peak_bytes()
+    out = [first]
+    for i in range(1, points):
+        t0 = time.perf_counter()
+        budget = low + round(i * (peak - low) / (points - 1))
+        p = plan(graph, budget, device=model, solver=solver, time_limit=time_limit, verbose=verbose, **options)
+        prev = out[-1]
+        if prev.predicted_time_s < p.predicted_time_s * (1 - 1e-12):
+            p = copy.deepcopy(prev)
+            p.info["plan_from"] = f"lower-budget:{p.info.get('plan_from', p.solver)}"
+            p = _finish(graph, p, model, budget, t0)
+        out.append(p)
+    return out
 
 
 def _finish(graph: Graph, out: Plan, model: Any, budget_b: int, t0: float) -> Plan:
@@ -157,6 +286,7 @@ class _Pool:
         self.best: tuple[float, Plan | None, Any, str] = (float("inf"), None, None, "")
         self.reached: tuple[int, str] | None = None
         self.tried: list[str] = []
+        self.exact: dict[str, Any] = {}
 
     def offer(self, name: str, plan: Plan) -> float | None:
         """Simulate ``plan``; keep it if it fits and is the fastest yet. Its time if it fits, else None."""
@@ -291,12 +421,17 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     notes: list[str] = []
     p = planning_problem(graph, inner, model, **options)
     coarse = p.T != graph.num_stages
-    minimum = int(p.min_bytes().max())
+    minimum = _fine_floor(graph, p, model, options)
     pool = _Pool(graph, budget, model)
     fine = p if not coarse else build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
+    exact = solver == "approx" and options.get("exact", not coarse and not relax.is_large(fine))
     seeds = _seed(pool, fine) if options.get("seed", True) else []
+    stop = deadline                       # for the phases before the exact MILP, which gets the rest
+    if exact and deadline is not None:
+        reserve = EXACT_SHARE * (deadline - time.perf_counter())
+        stop = deadline - (min(reserve, EXACT_IMPROVE_S) if time_limit is None else reserve)
     if solver != "greedy" and options.get("recompute_lp", True):
-        left = None if deadline is None else (deadline - time.perf_counter()) * RECOMPUTE_LP_SHARE
+        left = None if stop is None else (stop - time.perf_counter()) * RECOMPUTE_LP_SHARE
         if left is None or left >= 0.3:
             _recompute_start(pool, p, seeds, left, notes)
     t_seed = time.perf_counter()
@@ -305,13 +440,14 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     for attempt in range(SHRINK_ATTEMPTS):
         if inner < int(p.min_bytes().max()):
             break
-        left = None if deadline is None else (deadline - time.perf_counter()) * str_share
+        left = None if stop is None else (stop - time.perf_counter()) * str_share
         if solver == "milp" and time_limit is None:
             left = None
         if left is not None and left < 0.3:
             notes.append(f"no time left for {solver} on the {'coarse ' if coarse else ''}problem")
             break
-        out = _solve_problem(p, solver, left, verbose, options)
+        seed_plan = pool.best[1]
+        out = _solve_problem(p, solver, left, verbose, options, None if seed_plan is None else seed_plan.actions)
         if out is None:
             notes.append(f"{solver} found no plan on the {'coarse ' if coarse else ''}problem at {inner} B")
             break
@@ -340,20 +476,25 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
         polish = False                     # nothing to gain: the step already runs at compute speed
     if polish:
         # the MILP's time limit is its own: the polish after it gets its usual share
-        _polish(pool, fine, str_plan, seeds, solver, None if solver == "milp" else deadline, options)
+        _polish(pool, fine, str_plan, seeds, solver, None if solver == "milp" else stop, options)
+    t_polish = time.perf_counter()
+    if exact:
+        _exact_start(pool, fine, deadline, verbose, options, notes, capped=time_limit is None)
+    elif solver == "approx" and pool.best[1] is None and time_limit is None and options.get("milp_fallback", True):
+        _milp_fallback(pool, p, str_plan, seeds, verbose, options, notes)
     _, out, res, source = pool.best
     phases = (f"setup {t_seed - t0:.2f} (seeds {','.join(pool.tried)}), {solver} {t_str - t_seed:.2f}, "
-              f"polish {time.perf_counter() - t_str:.2f}")
+              f"polish {t_polish - t_str:.2f}, exact milp {time.perf_counter() - t_polish:.2f}")
     if out is None:
-        reached = (f"; the lowest budget any start reached is {fmt_bytes(pool.reached[0])} ({pool.reached[0]} B), "
-                   f"by {pool.reached[1]}" if pool.reached else "")
+        upper, by = pool.reached if pool.reached else (graph.peak_bytes(), "keep-all")
         err = BudgetInfeasibleError(
             f"solver {solver!r} found no plan within {fmt_bytes(budget)} ({budget} B)"
             + (f": at least {fmt_bytes(minimum)} ({minimum} B) is needed with every saved activation evicted "
                "where it is not read" if budget < minimum else
-               f" (a lower bound for its plans is {fmt_bytes(minimum)} ({minimum} B); a larger budget, or "
-               "solver='milp' with a longer time_limit, may find one)")
-            + reached + (f"; {'; '.join(notes)}" if notes else ""), minimum)
+               f"; the least budget with a plan lies between {fmt_bytes(minimum)} ({minimum} B, the memory floor: "
+               f"no plan fits less) and {fmt_bytes(upper)} ({upper} B, the least peak of a plan found, by {by}); "
+               "budget='min' (`hybridmem plan --budget min`) finds it")
+            + (f"; {'; '.join(notes)}" if notes else ""), minimum)
         # minimum_bytes stays a lower bound; what a start reached is an upper bound on the least budget
         err.reached_bytes = pool.reached[0] if pool.reached else None  # type: ignore[attr-defined]
         raise err
@@ -371,10 +512,20 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     if notes:
         out.info["notes"] = "; ".join(notes)
     out.info["plan_from"] = source
+    out.info.update(pool.exact)
     out.info["phases_s"] = phases
     out.info["coarse_stages"] = p.T if coarse else None
     out.info["candidates"] = len(p.candidates)
     return out
+
+
+def _fine_floor(graph: Graph, p: Problem, model: Any, options: dict[str, Any]) -> int:
+    """The memory floor of the full graph (a coarse problem's own floor is higher than the graph's)."""
+    from hybridmem.simulate import min_feasible_budget
+
+    if p.T == graph.num_stages:
+        return max(int(p.min_bytes().max()), min_feasible_budget(graph))
+    return memory_floor(graph, model, options.get("min_bytes"))
 
 
 def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple[float, str, Any]], solver: str,
@@ -404,8 +555,57 @@ def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple
         pool.offer(f"polish:{name}", cand)
 
 
+def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bool, options: dict[str, Any],
+                 notes: list[str], capped: bool = False) -> None:
+    """The exact MILP on a small uncoarsened problem, warm-started from the best plan so far, with the
+    time left: on such graphs ``approx`` finds a plan wherever ``milp`` does, and one as fast when the
+    solve ends. With ``capped`` (no time limit given) and a plan in hand, it gets at most
+    ``EXACT_IMPROVE_S``. Skipped when the best plan already runs at the valid lower bound. Its result is
+    offered to ``pool``; ``pool.exact`` records the MILP's status and whether it improved on the rest."""
+    best_s, best_plan, _, _ = pool.best
+    if best_plan is not None and best_s <= lower_bound(fine.graph, fine.budget, fine.model).time_s * (1 + 1e-9):
+        return                                  # nothing can be faster
+    left = None if deadline is None else deadline - time.perf_counter()
+    if capped and best_plan is not None:
+        left = EXACT_IMPROVE_S if left is None else min(left, EXACT_IMPROVE_S)
+    if left is not None and left < MIN_EXACT_S:
+        notes.append("no time left for the exact MILP")
+        return
+    start = None if best_plan is None else schedule_of_actions(fine, best_plan.actions)
+    pool.tried.append("milp")
+    t0 = time.perf_counter()
+    res = milp.solve_problem(fine, time_limit=left, start=start, isolate=options.get("isolate", True),
+                             solver=options.get("solver_backend", "cbc"), verbose=verbose, compact=False)
+    info = {"exact_status": res.status, "exact_s": round(time.perf_counter() - t0, 4)}
+    if res.schedule is not None:
+        try:
+            cand = make_plan(fine, schedule_to_actions(fine, res.schedule), "approx", info)
+        except ValueError as e:         # as in _solve_milp: a solution the plan rules cannot write
+            notes.append(f"the exact MILP's solution could not be written as a plan ({e})")
+        else:
+            t = pool.offer("milp", cand)
+            info["exact_improved"] = t is not None and pool.best[3] == "milp" and t < best_s - 1e-12
+    pool.exact = info
+
+
+def _milp_fallback(pool: _Pool, p: Problem, str_plan: Plan | None, seeds: list[tuple[float, str, Any]],
+                   verbose: bool, options: dict[str, Any], notes: list[str]) -> None:
+    """Where no start fits (large graphs, no exact MILP in the portfolio): the MILP on the planning
+    problem for ``MILP_FALLBACK_S``, its warm start the best start that does not fit, made to satisfy the
+    MILP's rows and repaired by regenerating bytes where memory is over (:func:`_solve_milp`). Its plan,
+    if any, is offered to ``pool`` as ``milp-fallback``."""
+    start = str_plan.actions if str_plan is not None else next(
+        (arg for _, _, arg in seeds if isinstance(arg, list)), None)
+    pool.tried.append("milp-fallback")
+    out = _solve_milp(p, None, None, MILP_FALLBACK_S, verbose, options, start)
+    if out is None or pool.offer("milp-fallback", out) is None:
+        notes.append(f"the MILP fallback found no plan ({out.info.get('status') if out else 'no solution'})")
+
+
 def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: bool,
-                   options: dict[str, Any]) -> Plan | None:
+                   options: dict[str, Any], seed_actions: list | None = None) -> Plan | None:
+    """The STR planner on ``p``; for the MILP, ``seed_actions`` (the best start's plan) is its warm start
+    where the LP rounding finds none."""
     if solver == "greedy":
         sched, info = relax.round_schedule(p, None, time_budget=time_limit or 10.0)
         return None if sched is None else make_plan(p, schedule_to_actions(p, sched), "greedy", info)
@@ -413,18 +613,24 @@ def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: b
     approx = None if sched is None else make_plan(p, schedule_to_actions(p, sched), "approx", info)
     if solver == "approx":
         return approx
-    return _solve_milp(p, approx, sched, time_limit, verbose, options)
+    return _solve_milp(p, approx, sched, time_limit, verbose, options, seed_actions)
 
 
 def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float | None, verbose: bool,
-                options: dict[str, Any]) -> Plan | None:
+                options: dict[str, Any], seed_actions: list | None = None) -> Plan | None:
     from hybridmem.simulate import simulate
 
     limit = DEFAULT_MILP_TIME_LIMIT if time_limit is None else time_limit
     t0 = time.perf_counter()
-    res = milp.solve_problem(p, time_limit=limit, start=start, isolate=options.get("isolate", True),
-                             solver=options.get("solver_backend", "cbc"), verbose=verbose,
-                             compact=options.get("compact", relax.is_large(p)))
+    compact = options.get("compact", relax.is_large(p))
+    actions = schedule_to_actions(p, start) if start is not None else seed_actions
+    if actions is not None and milp.default_link(p, compact) == "stage":
+        # the rounding queues copies FIFO, which the stage link rows refuse: a start CBC keeps
+        legal = relax.stage_link_start(p, actions, compact, time_budget=min(STAGE_START_S, 0.1 * limit))
+        start = legal if legal is not None else start
+    res = milp.solve_problem(p, time_limit=limit - (time.perf_counter() - t0), start=start,
+                             isolate=options.get("isolate", True), solver=options.get("solver_backend", "cbc"),
+                             verbose=verbose, compact=compact)
     info = {"status": res.status, "milp_vars": res.num_vars, "milp_constraints": res.num_constraints,
             "milp_s": round(time.perf_counter() - t0, 4), "compact": relax.is_large(p)}
     if res.start_note:

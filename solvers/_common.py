@@ -358,8 +358,12 @@ def schedule_to_actions(p: Problem, sched: Schedule) -> list[Action]:
                     actions.extend(Action("recompute", x, first[t]) for x in members)
                 elif t in arrivals:
                     q = arrivals[t]
-                    if pres[max(q - c.start, 0):k].any():
-                        raise ValueError(f"schedule of tensor {c.tensor}: swap-in issued at {q} while resident")
+                    lo = max(q - c.start, 0)
+                    held = np.flatnonzero(pres[lo:k])
+                    if held.size:
+                        # issued while still resident (a keep a time-limited MILP solution left in):
+                        # the copy starts once the tensor is dropped; the simulator times the result
+                        q = c.start + lo + int(held[-1]) + 1
                     actions.extend(Action("swap_in", x, first[q]) for x in members)
                 else:
                     raise ValueError(f"schedule of tensor {c.tensor}: present at stage {t} with no source")

@@ -72,6 +72,8 @@ def lower_bound(graph: "Graph", budget: int, device: Any = DEFAULT_DEVICE) -> Lo
     last = np.array([x.last_stage(n) for x in cand], dtype=np.int64)
     last_read = np.array([max(x.consumers, default=-1) for x in cand], dtype=np.int64)
     size = np.array([x.nbytes for x in cand], dtype=np.int64)
+    written = np.array([bool(writers.get(int(i))) for i in ids], dtype=bool)
+    det = np.array([s.deterministic for s in graph.stages], dtype=bool)
     best = LowerBound(compute, compute, -1, 0.0, 0.0)
     for t in np.flatnonzero(mem > budget):
         t = int(t)
@@ -87,7 +89,8 @@ def lower_bound(graph: "Graph", budget: int, device: Any = DEFAULT_DEVICE) -> Lo
         swap_cap = int(size[later].sum())
         if swap_cap < need:
             return LowerBound(float("inf"), compute, t, float(swap_cap), 0.0, feasible=False)
-        rate, nbytes = _recompute_groups(graph, ids[later], prod[later], size[later], t, op_s, writers)
+        rate, nbytes = _recompute_groups(ids[later], prod[later], size[later], written[later], t, op_s, det,
+                                         writers)
         cum_b = np.concatenate(([0.0], np.cumsum(nbytes)))
         cum_s = np.concatenate(([0.0], np.cumsum(nbytes * rate)))
 
@@ -110,22 +113,24 @@ def lower_bound(graph: "Graph", budget: int, device: Any = DEFAULT_DEVICE) -> Lo
     return best
 
 
-def _recompute_groups(graph: "Graph", ids: np.ndarray, prod: np.ndarray, size: np.ndarray, t: int,
-                      op_s: np.ndarray, writers: dict[int, list[int]]) -> tuple[np.ndarray, np.ndarray]:
+def _recompute_groups(ids: np.ndarray, prod: np.ndarray, size: np.ndarray, written: np.ndarray, t: int,
+                      op_s: np.ndarray, det: np.ndarray, writers: dict[int, list[int]]
+                      ) -> tuple[np.ndarray, np.ndarray]:
     """(seconds per byte, bytes) of each producer's replay that could regenerate the tensors ``ids``
-    (made by ``prod``, ``size`` bytes each), sorted cheapest first. A replay after ``t`` runs the producer
-    and at least its forward in-place writers before ``t``; a non-deterministic stage in it rules the
-    recompute out."""
+    (made by ``prod``, ``size`` bytes each; ``written``: written in place later), sorted cheapest first.
+    A replay after ``t`` runs the producer and at least its forward in-place writers before ``t``; a
+    non-deterministic stage (``det`` false) in it rules the recompute out."""
     groups, inverse = np.unique(prod, return_inverse=True)
     nbytes = np.bincount(inverse, weights=size.astype(np.float64), minlength=len(groups))
-    replay: list[set[int]] = [{int(p)} for p in groups]
-    for k, i in zip(inverse, ids):
-        ws = writers.get(int(i))
-        if ws:
-            replay[k].update(w for w in ws if groups[k] < w <= t)
-    stages = graph.stages
-    cost = np.array([sum(op_s[r] for r in rs) for rs in replay], dtype=np.float64)
-    ok = np.array([all(stages[r].deterministic for r in rs) for rs in replay], dtype=bool)
+    cost = op_s[groups].astype(np.float64)
+    ok = det[groups].copy()
+    # the writers only where there are any: the rest is one array operation per stage
+    extra: dict[int, set[int]] = {}
+    for k, i in zip(inverse[written], ids[written]):
+        extra.setdefault(int(k), set()).update(w for w in writers[int(i)] if groups[k] < w <= t)
+    for k, ws in extra.items():
+        cost[k] += sum(op_s[w] for w in ws)
+        ok[k] &= all(det[w] for w in ws)
     rate = cost[ok] / nbytes[ok]
     order = np.argsort(rate, kind="stable")
     return rate[order], nbytes[ok][order]

@@ -153,6 +153,58 @@ def swap_in_options(p: Problem, k: int, max_stall_variants: int | None = None,
     return out
 
 
+COMPACT_WINDOW = 6         # compact models: swap-ins issued at most this many stages before the latest hidden one
+
+
+def default_link(p: Problem, compact: bool = False, relax: bool = False) -> str:
+    """The link model :func:`build_model` uses for ``p`` when none is given."""
+    fine = all(len(g) == 1 for g in p.groups)
+    small = p.T <= FIFO_MAX_STAGES and not compact
+    return ("exact" if fine and not relax else "fifo") if small else "stage"
+
+
+def replay_read_stages(p: Problem, rec_at: list[set[int]]) -> list[set[int]]:
+    """Per candidate, the stages where some replay may read it: where a reader of it may be recomputed
+    (``rec_at``: :func:`read_closure`)."""
+    rec_src: list[set[int]] = [set() for _ in p.candidates]
+    for kk, c in enumerate(p.candidates):
+        for j in c.src:
+            kj = p.index.get(j)
+            if kj is not None and kj != kk:
+                rec_src[kj] |= rec_at[kk]
+    return rec_src
+
+
+def stage_link_copies(p: Problem, compact: bool) -> list[tuple[dict[int, list[int]], list[tuple[int, int, float]]]]:
+    """Per candidate, the copies a ``link="stage"`` model of ``p`` offers (:func:`copy_options` as
+    :func:`build_model` calls it): what a warm start may use."""
+    rec_src = replay_read_stages(p, read_closure(p)) if compact else None
+    return [copy_options(p, k, compact=compact, window=COMPACT_WINDOW if compact else None,
+                         max_stall_variants=1 if compact else None,
+                         reads=(set(c.uses) | (p.source_stages(k) & rec_src[k])) if compact else None)
+            for k, c in enumerate(p.candidates)]
+
+
+def copy_options(p: Problem, k: int, *, compact: bool = False, fifo: bool = False, window: int | None = None,
+                 max_stall_variants: int | None = None, reads: set[int] | None = None
+                 ) -> tuple[dict[int, list[int]], list[tuple[int, int, float]]]:
+    """The copies of candidate ``k`` the discrete-link MILP offers: swap-outs as ``{issue t: [finish
+    stages f]}`` (one, fixed by the timing, unless ``fifo``: the copy may wait behind earlier ones) and
+    swap-ins as ``(q, u, stall)`` (:func:`swap_in_options`, issued after the earliest swap-out ended).
+    ``compact``: swap-outs only right after a read (``window``, ``max_stall_variants`` and ``reads`` as
+    :func:`build_model` sets them for compact models)."""
+    c = p.candidates[k]
+    options = swap_in_options(p, k, max_stall_variants, window, reads)
+    if not options:
+        return {}, []
+    last_q = max(q for q, _, _ in options)
+    issue = [c.start, *c.uses] if compact else range(c.start, c.end)
+    finish = {t: p.out_finish(t, c.d2h_s) for t in issue if t < c.end}
+    outs = {t: list(range(f, last_q) if fifo else (f,)) for t, f in finish.items() if f is not None and f < last_q}
+    first_done = min(finish[t] for t in outs) if outs else p.T
+    return outs, [(q, u, st) for q, u, st in options if q > first_done]
+
+
 def _latest_hidden(p: Problem, u: int, d: float) -> int:
     """The latest issue stage whose copy lands before op u."""
     q = int(np.searchsorted(p.cum, p.cum[u] - d + 1e-15, side="right")) - 1
@@ -214,9 +266,7 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
 
     t0 = time.perf_counter()
     fine = all(len(g) == 1 for g in p.groups)
-    if link is None:
-        small = p.T <= FIFO_MAX_STAGES and not compact
-        link = ("exact" if fine and not relax else "fifo") if small else "stage"
+    link = default_link(p, compact, relax) if link is None else link
     if link not in LINKS:
         raise ValueError(f"link model {link!r}: one of {', '.join(LINKS)}")
     if link == "exact" and not (fine and not compact):
@@ -231,16 +281,10 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
 
     # ---- variables: only on each candidate's natural lifetime --------------------------------------
     if compact:
-        window = 6 if window is None else window
+        window = COMPACT_WINDOW if window is None else window
         max_stall_variants = 1 if max_stall_variants is None else max_stall_variants
         rec_at = read_closure(p)
-        # stages where some replay may read candidate k: where a reader of k may be recomputed
-        rec_src = [set() for _ in C]
-        for kk, c in enumerate(C):
-            for j in c.src:
-                kj = p.index.get(j)
-                if kj is not None and kj != kk:
-                    rec_src[kj] |= rec_at[kk]
+        rec_src = replay_read_stages(p, rec_at)
     for k, c in enumerate(C):
         for t in range(c.start + 1, c.end + 1):
             S[t, k] = m.add_var(f"S_{t}_{k}", var_type=vt, ub=1)
@@ -260,23 +304,16 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
                     sm.stall[q, u, k] = 0.0
         elif swap:
             reads = (set(c.uses) | (p.source_stages(k) & rec_src[k])) if compact else None
-            options = swap_in_options(p, k, max_stall_variants, window, reads)
-            if options:
-                last_q = max(q for q, _, _ in options)
-                issue = [c.start, *c.uses] if compact else range(c.start, c.end)
-                finish = {t: p.out_finish(t, c.d2h_s) for t in issue if t < c.end}
-                outs = [t for t, f in finish.items() if f is not None and f < last_q]
-                for t in outs:
-                    # fifo: the copy may wait behind earlier ones, so the stage it ends in is a choice
-                    for f in (range(finish[t], last_q) if fifo else (finish[t],)):
-                        P[t, f, k] = m.add_var(f"P_{t}_{f}_{k}", var_type=vt, ub=1)
-                first_done = min(finish[t] for t in outs) if outs else T
-                for q, u, st in options:
-                    if q > first_done:
-                        Y[q, u, k] = m.add_var(f"Y_{q}_{u}_{k}", var_type=vt, ub=1)
-                        sm.stall[q, u, k] = st
-                        if fifo:
-                            sm.sigma[q, u, k] = m.add_var(f"stall_{q}_{u}_{k}", lb=0.0)
+            outs, ins = copy_options(p, k, compact=compact, fifo=fifo, window=window,
+                                     max_stall_variants=max_stall_variants, reads=reads)
+            for t, fs in outs.items():
+                for f in fs:
+                    P[t, f, k] = m.add_var(f"P_{t}_{f}_{k}", var_type=vt, ub=1)
+            for q, u, st in ins:
+                Y[q, u, k] = m.add_var(f"Y_{q}_{u}_{k}", var_type=vt, ub=1)
+                sm.stall[q, u, k] = st
+                if fifo:
+                    sm.sigma[q, u, k] = m.add_var(f"stall_{q}_{u}_{k}", lb=0.0)
     # one replay per (stage, producer set): outputs of the same producers recomputed together share it
     R_of: dict[int, list[int]] = {}
     for (t, k) in R:
@@ -413,21 +450,24 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
     #      flight, swap-outs in flight via S) + the constant part (other tensors, the op's outputs and
     #      workspace) <= budget ---------------------------------------------------------------------
     mb = [c.nbytes / BYTE_UNIT for c in C]
-    mem: dict[int, list[Any]] = {t: [] for t in range(T)}
+    # (variable, MiB) per stage, made into one LinExpr per stage: summing per-term expressions with
+    # xsum costs most of a large model's build, and the replay rows below reuse the stage's sum
+    terms: dict[int, list[tuple[Any, float]]] = {t: [] for t in range(T)}
     for (t, k), s in S.items():
-        mem[t].append(mb[k] * s)
+        terms[t].append((s, mb[k]))
     for (t, k), r in R.items():
-        mem[t].append(mb[k] * r)
+        terms[t].append((r, mb[k]))
     for (s, k), ys in inflight.items():
-        mem[s].extend(mb[k] * y for y in ys)
+        terms[s].extend((y, mb[k]) for y in ys)
+    mem = {t: mip.LinExpr([v for v, _ in ts], [c for _, c in ts]) for t, ts in terms.items()}
     slack = p.budget - p.base_mem
     rhs = (slack - MEM_MARGIN) / BYTE_UNIT
     ghost_op = clock.ghost_op if clock else {}
     for t in range(T):
         if ghost_op.get(t):
-            m += xsum(mem[t]) + xsum(mb[k] * g for k, g in ghost_op[t]) <= float(rhs[t]), f"mem_{t}"
-        elif mem[t]:
-            m += xsum(mem[t]) <= float(rhs[t]), f"mem_{t}"
+            m += mem[t] + xsum(mb[k] * g for k, g in ghost_op[t]) <= float(rhs[t]), f"mem_{t}"
+        elif terms[t]:
+            m += mem[t] <= float(rhs[t]), f"mem_{t}"
         elif slack[t] < 0:
             raise BudgetInfeasibleError(f"stage {t} needs {int(p.base_mem[t])} bytes without any candidate",
                                         int(p.base_mem.max()))
@@ -441,7 +481,7 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
         for (t, k), r in R.items():
             extra = p.replay_extra(k)
             if extra > op_extra[t]:
-                m += xsum(mem[t]) + (extra - op_extra[t]) / BYTE_UNIT * r <= float(rhs[t]), f"mem_replay_{t}_{k}"
+                m += mem[t] + (extra - op_extra[t]) / BYTE_UNIT * r <= float(rhs[t]), f"mem_replay_{t}_{k}"
 
     sm.build_s = time.perf_counter() - t0
     return sm

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from hybridmem.plan import Action
+
 from ._common import Problem, Schedule, TensorSchedule, source_available
 
 KEEP, REC, SWAP = "keep", "rec", "swap"
@@ -67,8 +69,11 @@ class GapPlanner:
     """
 
     def __init__(self, p: Problem, *, link_weight: float = 0.0, allow_swap: bool = True,
-                 allow_recompute: bool = True):
+                 allow_recompute: bool = True, stage_link: list[tuple[dict, list]] | None = None):
         self.p = p
+        # the copies a link="stage" MILP offers (milp.stage_link_copies): when given, a schedule whose
+        # copies that model cannot hold (one per direction per stage, offered issue stages) is late
+        self.stage_link = stage_link
         self.link_weight = link_weight
         self.allow_swap = allow_swap
         self.allow_recompute = allow_recompute
@@ -183,6 +188,8 @@ class GapPlanner:
             if ks:
                 cost += float(sum(self.rec_s[k] for k in {self.rep[k] for k in ks}))
                 over[t] = max(max(int(self.replay_extra[k]) for k in ks) - int(self.op_extra[t]), 0)
+        if self.stage_link is not None and self.link_conflicts():
+            late = True
         pres |= readable
         pres[np.arange(K), self.start] = False      # at its producer a candidate is in base_mem
         # bytes per stage: a float BLAS product (exact: every partial sum is far below 2**53) is ~10x
@@ -206,6 +213,68 @@ class GapPlanner:
         stack.discard(k)
         acc.add(k)
         return True
+
+    def link_conflicts(self) -> list[tuple[str, Any]]:
+        """Copies a ``link="stage"`` MILP cannot hold, in issue order: ``("out", k)`` for a swap-out
+        it does not offer or that shares a stage with an earlier one, ``("in", gap)`` likewise for a
+        swap-in (also one issued before its swap-out ended there)."""
+        p, offer = self.p, self.stage_link
+        bad: list[tuple[str, Any]] = []
+        busy: set[int] = set()
+        ends: dict[int, int] = {}
+        for o, k in sorted((o, k) for k, o in enumerate(self.out) if o is not None):
+            fs = offer[k][0].get(o)
+            held = set(range(o + 1, fs[0] + 1)) if fs else set()
+            if not fs or held & busy:
+                bad.append(("out", k))
+                continue
+            busy |= held
+            ends[k] = fs[0]
+        busy = set()
+        for g in sorted((g for g in self.gaps if g.kind == SWAP), key=lambda g: (g.q, g.k)):
+            ready = p.in_ready(g.q, self.h2d_s[g.k])
+            held = set(range(g.q, max(g.q, min(g.hi, ready - 1)) + 1))
+            offered = any(q == g.q and u == g.hi for q, u, _ in offer[g.k][1])
+            if not offered or ends.get(g.k, p.T) >= g.q or held & busy:
+                bad.append(("in", g))
+                continue
+            busy |= held
+        return bad
+
+    def legalize(self) -> None:
+        """Drop the copies a ``link="stage"`` MILP cannot hold, first conflict first: a swap-out with
+        its swap-ins, a swap-in's gap recomputed where possible, else kept (the repair then makes room)."""
+        for _ in range(2 * (len(self.gaps) + self.K) + 1):
+            bad = self.link_conflicts()
+            if not bad:
+                return
+            kind, x = bad[0]
+            if self._move_copy(kind, x, len(bad)):
+                continue
+            if kind == "out":
+                self._do(("drop_out", x))
+            else:
+                self._set(x, REC if self.can_rec(x.k, x.hi) else KEEP)
+
+    def _move_copy(self, kind: str, x: Any, n_bad: int) -> bool:
+        """Move a conflicting copy to another issue stage the stage link model offers (a swap-in: the
+        least stall first; a swap-out: the latest that still ends before its swap-ins) if that leaves
+        fewer conflicts. Whether it moved."""
+        snap = self._snapshot()
+        if kind == "in":
+            opts = sorted((st, q) for q, u, st in self.stage_link[x.k][1]
+                          if u == x.hi and x.lo < q <= x.hi and q != x.q)
+            tries = [(lambda q=q: self._set(x, SWAP, q)) for _, q in opts]
+        else:
+            lo = min((self.gaps[i].lo for i in self.gaps_of[x] if self.gaps[i].kind == SWAP), default=-1)
+            opts = sorted((t for t in self.stage_link[x][0] if t <= lo and t != self.out[x]), reverse=True)
+            tries = [(lambda t=t: self._do(("out", x, t))) for t in opts]
+        for move in tries:
+            move()
+            if len(self.link_conflicts()) < n_bad:
+                return True
+            self._restore(snap)
+        return False
 
     def feasible(self, r: Realized) -> bool:
         return not r.broken and not r.late and not r.over(self.p.budget).any()
@@ -628,6 +697,43 @@ def round_schedule(p: Problem, lp: LPValues | None, *, time_budget: float = 10.0
     info["rounded_overhead_s"] = best[0]
     info["rounding"] = best[3]
     return best[1].schedule(best[2]), info
+
+
+def schedule_of_actions(p: Problem, actions: list) -> Schedule:
+    """A plan's actions as a schedule on ``p`` (one choice per gap, see :meth:`GapPlanner.load_actions`):
+    a warm start for the MILP."""
+    gp = GapPlanner(p)
+    gp.load_actions(actions)
+    return gp.schedule(gp.realize())
+
+
+def stage_link_start(p: Problem, actions: list[Action], compact: bool, time_budget: float = 2.0) -> Schedule | None:
+    """A plan's ``actions`` (on the graph: a schedule of ``p`` written out, or another planner's plan)
+    made a start that satisfies a ``link="stage"`` MILP's rows (CBC drops a start that does not): the
+    copies that model cannot hold are moved or dropped (:meth:`GapPlanner.legalize`), the memory is
+    repaired without such copies and the result improved. None if no such schedule fits."""
+    from .milp import stage_link_copies
+
+    t0 = time.perf_counter()
+    offer = stage_link_copies(p, compact)
+    group_of = {s: t for t, g in enumerate(p.groups) for s in g}
+    # stages mapped back to the problem's (a coarse stage stands for a run of graph stages)
+    actions = [Action(a.kind, a.tensor, group_of[a.stage]) for a in actions if a.tensor in p.index]
+    # where no such schedule with copies fits, one with recomputes only (no link rows to break)
+    for i, allow_swap in enumerate((True, False)):
+        gp = GapPlanner(p, stage_link=offer, allow_swap=allow_swap)
+        gp.load_actions(actions)
+        gp.legalize()
+        if not allow_swap:
+            gp.out = [None] * gp.K
+            for g in gp.gaps:
+                if g.kind == SWAP:
+                    gp._set(g, REC if gp.can_rec(g.k, g.hi) else KEEP)
+        end = t0 + time_budget * (i + 1) / 2
+        r = gp.repair(time.perf_counter() + (end - time.perf_counter()) / 2)
+        if gp.feasible(r):
+            return gp.schedule(gp.improve(r, end))
+    return None
 
 
 def _replay_representatives(p: Problem) -> list[int]:

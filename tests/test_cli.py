@@ -137,3 +137,57 @@ def test_bad_target_is_refused(graph_file, capsys, target):
         main(["plan", "--graph", str(graph_file), "--budget", "95%", "--target", target])
     assert e.value.code == 2
     assert "--target" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def small_graph_file(tmp_path_factory):
+    from hybridmem.solvers._synth import random_graph
+
+    path = tmp_path_factory.mktemp("cli") / "small.json"
+    random_graph(8, seed=12, n_forward=3, mb=(2, 32)).save(path)
+    return path
+
+
+def test_plan_budget_min_names_the_least_budget(small_graph_file, capsys):
+    from hybridmem.graph import Graph
+    from hybridmem.solvers import plan
+
+    capsys.readouterr()
+    assert main(["plan", "--graph", str(small_graph_file), "--budget", "min", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    least = summary["min_budget_bytes"]
+    assert summary["peak_bytes"] <= summary["budget_bytes"] == least < summary["keep_all_peak_bytes"]
+    assert summary["min_no_plan_bytes"] < least
+    with pytest.raises(Exception, match="lies between"):
+        plan(Graph.load(small_graph_file), summary["min_no_plan_bytes"])
+
+
+def test_plan_sweep_prints_a_falling_curve_from_the_least_budget(small_graph_file, tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["plan", "--graph", str(small_graph_file), "--sweep", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    points = out["points"]
+    assert len(points) == 3 and points[-1]["budget_bytes"] == out["keep_all_peak_bytes"]
+    assert [p["budget_bytes"] for p in points] == sorted(p["budget_bytes"] for p in points)
+    times = [p["time_s"] for p in points]
+    assert times == sorted(times, reverse=True) and times[0] > times[-1]
+    assert main(["plan", "--graph", str(small_graph_file), "--sweep", "2"]) == 0
+    assert "step time" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "give --budget"),
+    (["--budget", "min", "--sweep"], "give --budget"),
+    (["--budget", "min", "--plot", "x.png"], "--plot draws the curve of --sweep"),
+    (["--sweep", "-o", "p.yaml"], "--sweep makes one plan per budget"),
+])
+def test_sweep_and_budget_errors(small_graph_file, capsys, argv, message):
+    assert main(["plan", "--graph", str(small_graph_file), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sweep_point_count_is_checked(small_graph_file, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--graph", str(small_graph_file), "--sweep", "1"])
+    assert e.value.code == 2
+    assert "expected an int of at least 2" in capsys.readouterr().err

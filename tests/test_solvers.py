@@ -12,7 +12,7 @@ from hybridmem.plan import Plan
 from hybridmem.simulate import min_feasible_budget, simulate
 from hybridmem.solvers import SOLVERS, plan, planning_problem
 from hybridmem.solvers import coarsen, milp, relax
-from hybridmem.solvers._common import build_problem, schedule_to_actions
+from hybridmem.solvers._common import build_problem, make_plan, schedule_to_actions
 from hybridmem.solvers._synth import chain_graph, random_graph
 
 DEVICE = "h100-80gb"
@@ -437,3 +437,73 @@ def test_read_closure_follows_chains_of_bundles_made_in_one_coarse_stage() -> No
                         index={100: 0, 101: 1, 102: 2})
     out = milp.read_closure(p)
     assert out == [{2, 3, 9}, {3, 9}, {9}]
+
+
+# ---- the MILP's warm start on coarse problems --------------------------------------------------------
+@pytest.fixture(scope="module")
+def resnet50_tiny() -> Graph:
+    return _zoo_graph("resnet50")
+
+
+def test_stage_link_start_satisfies_the_rows_the_rounding_breaks(resnet50_tiny: Graph) -> None:
+    """The rounded STR schedule queues copies FIFO, which the coarse model's one-copy-per-stage link
+    rows refuse (CBC then drops the start); the start made from it satisfies every row."""
+    from hybridmem.costs import get_cost_model
+
+    g = resnet50_tiny
+    budget = int(0.5 * (g.peak_bytes() + min_feasible_budget(g)))
+    pb = planning_problem(g, budget, get_cost_model(DEVICE), **COARSE)
+    compact = relax.is_large(pb)
+    sched, _ = relax.solve_relaxed(pb)
+    assert sched is not None
+    assert "breaks" in milp.check_start(milp.build_model(pb, compact=compact), sched)
+    legal = relax.stage_link_start(pb, schedule_to_actions(pb, sched), compact)
+    assert legal is not None
+    sm = milp.build_model(pb, compact=compact)
+    assert sm.link == "stage"
+    assert milp.check_start(sm, legal) == "the warm start satisfies the MILP"
+    res = simulate(g, make_plan(pb, schedule_to_actions(pb, legal), "test"), device=DEVICE, budget=budget,
+                   strict=True)
+    assert res.peak_bytes <= budget
+
+
+def test_milp_on_a_coarse_problem_starts_from_a_solution(resnet50_tiny: Graph) -> None:
+    g = resnet50_tiny
+    budget = int(0.5 * (g.peak_bytes() + min_feasible_budget(g)))
+    p = plan(g, budget, solver="milp", time_limit=6, **COARSE)
+    check_plan(g, p, budget)
+    assert p.info["warm_start"] == "the warm start satisfies the MILP", p.info
+    assert p.info["status"] in ("optimal", "feasible")
+
+
+def test_approx_falls_back_to_the_coarse_milp_when_no_start_fits(monkeypatch: pytest.MonkeyPatch,
+                                                                  vgg16_tiny: Graph) -> None:
+    """A coarsened graph where nothing else gives a plan (no heuristic starts, no LP rounding): approx
+    asks the MILP on the planning problem and returns its plan; with ``milp_fallback=False`` it fails."""
+    monkeypatch.setattr(relax, "solve_relaxed", lambda p, **kw: (None, {"rounding": "disabled by the test"}))
+    g = vgg16_tiny
+    budget = int(0.5 * (g.peak_bytes() + min_feasible_budget(g)))
+    off = {"seed": False, "recompute_lp": False, **COARSE}
+    with pytest.raises(BudgetInfeasibleError):
+        plan(g, budget, solver="approx", milp_fallback=False, **off)
+    p = plan(g, budget, solver="approx", **off)
+    check_plan(g, p, budget)
+    assert p.solver == "approx" and p.info["plan_from"] == "milp-fallback"
+
+
+def test_a_swap_in_issued_while_resident_starts_once_the_tensor_is_dropped(graph24: Graph) -> None:
+    """A time-limited MILP solution may keep a tensor on the device after its swap-in was issued: the
+    plan issues the copy after the tensor is dropped instead, and the simulator accepts it."""
+    import numpy as np
+
+    from hybridmem.solvers._common import Schedule, TensorSchedule
+
+    p = build_problem(graph24, graph24.peak_bytes(), DEVICE)
+    c = next(c for c in p.candidates if c.uses == (c.start + 1, c.end) and c.end - c.start >= 6)
+    pres = np.ones(c.end - c.start + 1, dtype=bool)
+    pres[4:-1] = False                          # kept through start + 3, back for the last read
+    sched = Schedule({c.tensor: TensorSchedule(c.tensor, c.start, pres, [], c.start, [(c.start + 2, c.end)])})
+    actions = schedule_to_actions(p, sched)
+    ins = [a.stage for a in actions if a.kind == "swap_in" and a.tensor == c.tensor]
+    assert ins == [c.start + 4]                 # the stage after the last one it was kept for
+    simulate(graph24, Plan(actions=make_plan(p, actions, "test").actions), device=DEVICE, strict=True)

@@ -1,0 +1,66 @@
+"""``plan(graph, "min")``: the least budget with a plan, against exhaustive search on small graphs, and
+the errors that name it."""
+from __future__ import annotations
+
+import pytest
+
+from hybridmem.costs import get_cost_model
+from hybridmem.errors import BudgetInfeasibleError
+from hybridmem.simulate import simulate
+from hybridmem.solvers import memory_floor, plan
+from hybridmem.solvers._synth import random_graph
+from hybridmem.units import fmt_bytes
+
+from test_solvers_exact import enumerate_plans
+
+# (device, n_forward, seed) from test_solvers_exact: h100-80gb/3/12 needs a bisection (its least plan is
+# above the memory floor, reached because a stall lets a swap-out end in time), the others end at the floor
+CASES = [("h100-80gb", 3, 12), ("v100-16gb", 4, 10), ("h100-80gb", 4, 1)]
+
+
+@pytest.mark.parametrize("device,n_forward,seed", CASES)
+def test_min_budget_equals_exhaustive_search(device: str, n_forward: int, seed: int) -> None:
+    g = random_graph(8, seed=seed, n_forward=n_forward, device=device, mb=(2, 32))
+    peaks, _ = enumerate_plans(g, device)
+    least = int(peaks.min())
+    p = plan(g, "min", device=device, precision=0)
+    assert p.budget_bytes == least == p.info["min_budget_bytes"]
+    assert simulate(g, p, device=device, budget=least, strict=True).peak_bytes <= least
+    assert p.info["min_no_plan_bytes"] == least - 1
+    with pytest.raises(BudgetInfeasibleError):
+        plan(g, least - 1, device=device)
+
+
+def test_min_budget_brackets_the_least_budget_within_its_precision() -> None:
+    g = random_graph(24, seed=1, readers=(1, 3))
+    p = plan(g, "min", time_limit=5)
+    b, below = p.budget_bytes, p.info["min_no_plan_bytes"]
+    assert simulate(g, p, budget=b, strict=True).peak_bytes <= b < g.peak_bytes()
+    assert below < b and b - below <= 0.005 * b
+    assert below >= memory_floor(g, get_cost_model("h100-80gb")) - 1
+    with pytest.raises(BudgetInfeasibleError):
+        plan(g, below, time_limit=5)
+
+
+def test_min_budget_refuses_a_bad_precision_and_unknown_budgets_name_min() -> None:
+    g = random_graph(8, seed=1)
+    with pytest.raises(ValueError, match=r"precision 1\.5: expected a fraction in \[0, 1\)"):
+        plan(g, "min", precision=1.5)
+    with pytest.raises(ValueError, match="or 'min'"):
+        plan(g, "minimum")
+
+
+def test_infeasible_budget_names_the_floor_and_the_least_plan_found() -> None:
+    """Between the memory floor and the least budget with a plan, the error names both, labelled."""
+    g = random_graph(8, seed=12, n_forward=3, device="h100-80gb", mb=(2, 32))
+    floor = memory_floor(g, get_cost_model("h100-80gb"))
+    least = plan(g, "min", precision=0).budget_bytes
+    assert floor < least
+    with pytest.raises(BudgetInfeasibleError) as e:
+        plan(g, floor, solver="dtr")
+    assert e.value.minimum_bytes >= floor
+    with pytest.raises(BudgetInfeasibleError) as e:
+        plan(g, (floor + least) // 2)
+    text = str(e.value)
+    assert f"lies between {fmt_bytes(floor)} ({floor} B, the memory floor" in text and "--budget min" in text
+    assert e.value.minimum_bytes == floor
