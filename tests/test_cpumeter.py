@@ -37,7 +37,11 @@ def _left_uninstalled() -> Iterator[None]:
     # The meter counts the whole process: cyclic garbage left by earlier tests (runtimes, graphs) that the
     # collector frees in the middle of a measurement would move its counts against the exact figures.
     gc.collect()
-    yield
+    gc.disable()  # and none collected mid-measurement either
+    try:
+        yield
+    finally:
+        gc.enable()
     m = cpumeter.load()
     if m is not None:
         m.uninstall()
