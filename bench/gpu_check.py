@@ -129,7 +129,7 @@ def check_model(name: str, size: str, device: torch.device) -> list[Row]:
     monitor = s.stats()
     rows = []
     for policies in POLICY_SETS:
-        # compress alone can only reach the share its lossless codecs save (issue 3's protocol)
+        # compress alone can only reach the share its lossless codecs save: its cut is of those bytes
         cut = compressible_bytes(entry) if policies == ("compress",) else monitor.saved_bytes
         budget = int(monitor.peak_bytes - CUT * cut)
         native = _native()

@@ -35,12 +35,12 @@ counted; ops run inside the mode's own hooks or inside ``on_pressure`` are not m
 disables a dispatch mode while its handler runs), so call :meth:`Meter.track` for device tensors
 allocated there.
 
-**CPU: the allocator as the device** (:meth:`Meter.use_native`). The runtime gives the meter the native
+**CPU: the allocator as the device** (:meth:`Meter.attach_native`). The runtime gives the meter the native
 allocator device (:mod:`hybridmem.cpumeter`) when it builds: ``current_bytes``/``peak_bytes`` are then
-what PyTorch's CPU allocator holds (kernel scratch included) plus the bytes of storages allocated before
-it was installed that the meter has seen (parameters, buffers, inputs: counted once each while they
-live), and the allocator itself enforces the budget at allocation time. The storage ledger above
-stays for attribution (which op made which storage), not for the budget.
+what PyTorch's CPU allocator holds (kernel scratch included) plus the training state allocated before it
+was installed (:meth:`Meter.count_external`: module state passed to :meth:`Meter.track`, saved inputs;
+counted once each while they live), and the allocator itself enforces the budget at allocation time. The
+storage ledger above stays for attribution (which op made which storage), not for the budget.
 
 **Hard cap.** With ``budget`` and ``raise_on_exceed=True``, after every op the meter checks the
 budget: if ``current_bytes`` exceeds it, ``on_pressure(needed_bytes) -> freed_bytes`` is called (if
