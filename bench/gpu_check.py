@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import hybridmem  # noqa: E402
 from bench.zoo import build  # noqa: E402
 
-_MIN = re.compile(r"Smallest budget that could work: at least [^(]*\((\d+) bytes\)")
 POLICY_SETS = (("swap",), ("recompute",), ("compress",), ("swap", "recompute", "compress"))
 STEPS = 3
 CUT = 0.3  # of the saved-activation bytes (compress alone: of what its codecs save)
@@ -142,10 +140,10 @@ def check_model(name: str, size: str, device: torch.device) -> list[Row]:
                     losses, state, ms = _train(entry, device, peaks=peaks)
                 break
             except torch.OutOfMemoryError as e:  # infeasible: the named minimum + 1 %, as a user would
-                m = _MIN.search(str(e))
-                if m is None or int(m.group(1)) <= budget:
+                named = getattr(e, "min_budget_bytes", None)
+                if named is None or named <= budget:
                     raise
-                budget = int(int(m.group(1)) * 1.01)
+                budget = int(named * 1.01)
                 del e
                 gc.collect()
         else:

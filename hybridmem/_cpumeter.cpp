@@ -94,7 +94,6 @@ struct State {
   std::atomic<int64_t> external{0};     // bytes from before install, counted in current
   std::atomic<int64_t> refused{0};      // allocations refused (OutOfMemoryError thrown)
   std::atomic<int64_t> reclaimed{0};    // bytes the registry freed at allocation time
-  std::atomic<int64_t> reclaims{0};     // storages the registry freed at allocation time
   std::atomic<int64_t> serial{0};      // number of counted allocations so far (monotonic)
   std::atomic<int64_t> orphan_frees{0};   // meter_delete on a pointer it did not allocate
   std::atomic<int64_t> stale_entries{0};  // allocations freed behind our back (see allocate)
@@ -192,9 +191,7 @@ int64_t reclaim(int64_t need, c10::DeviceType device_type, bool metered_only) {
       taken += n;
     }
   }
-  State& s = state();
-  s.reclaims.fetch_add(static_cast<int64_t>(victims.size()), std::memory_order_relaxed);
-  s.reclaimed.fetch_add(taken, std::memory_order_relaxed);
+  state().reclaimed.fetch_add(taken, std::memory_order_relaxed);
   victims.clear();  // frees the memory, outside the registry lock (meter_delete takes the table lock)
   return taken;
 }
@@ -425,10 +422,6 @@ HM_EXPORT int64_t hm_add_external(int64_t delta) {
   return now;
 }
 
-HM_EXPORT int64_t hm_external() {
-  return state().external.load(std::memory_order_relaxed);
-}
-
 // Exempt this thread's allocations from the cap while depth > 0 (nested calls stack).
 HM_EXPORT int hm_cap_exempt(int enter) {
   cap_exempt += enter ? 1 : -1;
@@ -451,10 +444,6 @@ HM_EXPORT int64_t hm_refused() {
 
 HM_EXPORT int64_t hm_reclaimed_bytes() {
   return state().reclaimed.load(std::memory_order_relaxed);
-}
-
-HM_EXPORT int64_t hm_reclaims() {
-  return state().reclaims.load(std::memory_order_relaxed);
 }
 
 // ---- registry (the hm_reg_* functions that take or drop references run with the GIL held) ----
@@ -507,32 +496,6 @@ HM_EXPORT int64_t hm_reg_pending() {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   return static_cast<int64_t>(r.dropped.size());
-}
-
-HM_EXPORT int64_t hm_reg_count() {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  return static_cast<int64_t>(r.entries.size());
-}
-
-// Bytes the registry could free now on `device_type` (0 CPU, 1 CUDA): droppable, not yet dropped.
-HM_EXPORT int64_t hm_reg_droppable(int device_type) {
-  Registry& r = registry();
-  const auto dt = device_type == 1 ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
-  std::lock_guard<std::mutex> lock(r.mutex);
-  int64_t total = 0;
-  for (auto& [key, e] : r.entries) {
-    if (!e.dropped && e.impl->device_type() == dt &&
-        c10::raw::intrusive_ptr::use_count(e.impl) <= static_cast<uint32_t>(e.limit)) {
-      total += static_cast<int64_t>(e.impl->nbytes());
-    }
-  }
-  return total;
-}
-
-// Frees up to `need` bytes of droppable CPU storages now (what an allocation past the budget does).
-HM_EXPORT int64_t hm_reclaim(int64_t need) {
-  return reclaim(need, c10::DeviceType::CPU, true);
 }
 
 // A forked child starts unmanaged: no cap, an empty registry (its references are the parent's
@@ -622,10 +585,6 @@ HM_EXPORT int64_t hm_cuda_freed() {
   return cuda_freed.load(std::memory_order_relaxed);
 }
 
-// Bytes freed by the registry in one call, as the caching allocator's callback would (tests).
-HM_EXPORT int64_t hm_cuda_reclaim(int64_t need) {
-  return reclaim(need, c10::DeviceType::CUDA, false);
-}
 #else
 HM_EXPORT int hm_cuda_hook() {
   return 0;

@@ -156,10 +156,6 @@ class CpuAllocatorMeter:
         was installed (parameters, inputs) that the device holds all the same."""
         self._lib.hm_add_external(int(nbytes))
 
-    @property
-    def external_bytes(self) -> int:
-        return int(self._lib.hm_external())
-
     def cap_exempt(self, enter: bool) -> None:
         """Exempts (``True``) or stops exempting this thread's allocations from the cap (nested)."""
         self._lib.hm_cap_exempt(1 if enter else 0)
@@ -209,18 +205,6 @@ class CpuAllocatorMeter:
         """Number of freed keys :meth:`drain` would return."""
         return int(self._lib.hm_reg_pending())
 
-    @property
-    def registered(self) -> int:
-        return int(self._lib.hm_reg_count())
-
-    def droppable_bytes(self, cuda: bool = False) -> int:
-        """Bytes the registry could free now (CPU or CUDA storages)."""
-        return int(self._lib.hm_reg_droppable(1 if cuda else 0))
-
-    def reclaim(self, need: int) -> int:
-        """Frees up to ``need`` bytes of droppable CPU storages now; returns the bytes freed."""
-        return int(self._lib.hm_reclaim(int(need)))
-
     def set_cuda_budget(self, device: int, budget: int | None, headroom: int = 0) -> None:
         """CUDA (needs :attr:`cuda_hook`): on a caching-allocator cache miss, free registered CUDA
         storages while ``memory_allocated`` is above ``budget - headroom``."""
@@ -242,10 +226,6 @@ class CpuAllocatorMeter:
     def cuda_freed_bytes(self) -> int:
         """Bytes the callback freed for the CUDA caching allocator so far."""
         return int(self._lib.hm_cuda_freed()) if self.cuda_hook else 0
-
-    def cuda_reclaim(self, need: int) -> int:
-        """What the CUDA callback does, for ``need`` bytes (needs :attr:`cuda_hook`)."""
-        return int(self._lib.hm_cuda_reclaim(int(need)))
 
     def lookup(self, data_ptr: int) -> tuple[int, int] | None:
         """``(bytes, serial)`` of the live allocation made through the meter whose data pointer is
@@ -450,12 +430,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("hm_lookup", i32, [ctypes.c_size_t, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
         ("hm_serial_of", i64, [ctypes.c_size_t]),
         ("hm_set_budget", None, [i64]), ("hm_budget", i64, []), ("hm_add_external", i64, [i64]),
-        ("hm_external", i64, []), ("hm_cap_exempt", i32, [i32]), ("hm_window_reset", None, []),
+        ("hm_cap_exempt", i32, [i32]), ("hm_window_reset", None, []),
         ("hm_window_peak", i64, []), ("hm_refused", i64, []), ("hm_reclaimed_bytes", i64, []),
-        ("hm_reclaims", i64, []), ("hm_reg_add", i32, [i64, ctypes.c_size_t, i64, ctypes.c_double]),
+        ("hm_reg_add", i32, [i64, ctypes.c_size_t, i64, ctypes.c_double]),
         ("hm_reg_claim", i32, [i64]), ("hm_reg_drain", i64, [ctypes.POINTER(i64), i64]),
-        ("hm_reg_pending", i64, []), ("hm_reg_count", i64, []), ("hm_reg_droppable", i64, [i32]),
-        ("hm_reclaim", i64, [i64]), ("hm_after_fork_child", None, []), ("hm_cuda_hook", i32, []),
+        ("hm_reg_pending", i64, []), ("hm_after_fork_child", None, []), ("hm_cuda_hook", i32, []),
     ]:
         fn = getattr(lib, name)
         fn.restype = res
@@ -463,7 +442,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     if lib.hm_cuda_hook():
         for name, res, args in [("hm_cuda_set_budget", None, [i32, i64, i64]), ("hm_cuda_calls", i64, []),
                                 ("hm_cuda_registered", i32, []),
-                                ("hm_cuda_freed", i64, []), ("hm_cuda_reclaim", i64, [i64])]:
+                                ("hm_cuda_freed", i64, [])]:
             fn = getattr(lib, name)
             fn.restype = res
             fn.argtypes = args

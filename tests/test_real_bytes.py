@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import hybridmem
 from bench.gpu_check import compressible_bytes
 from bench.zoo import build
 from hybridmem import cpumeter
+from tests.test_runtime_common import min_budget_of
 
 # The acceptance tool lies in shared/tools beside the checkout; without it, the same measurement from
 # hybridmem.meter.profiler_peak (torch.profiler's memory events) and the state's storages.
@@ -49,7 +49,6 @@ pytestmark = pytest.mark.skipif(cpumeter.load() is None,
 
 POLICY_SETS = (("recompute",), ("swap",), ("compress",), ("swap", "recompute", "compress"))
 STEPS = 2
-_MIN = re.compile(r"at least [^(]*\((\d+) bytes\)")
 
 
 @dataclass
@@ -114,9 +113,7 @@ def _check(case: Case, policies: tuple[str, ...], cut: int) -> None:
         try:
             run = _train(case, init, dict(budget=budget, device="cpu", policies=policies))
         except torch.OutOfMemoryError as e:
-            m = _MIN.search(str(e))
-            assert m is not None, str(e)
-            named = int(m.group(1))
+            named = min_budget_of(e)
             assert named > budget, f"the OOM names {named} bytes, not above the budget that failed ({budget})"
             budget = int(named * 1.01)
             continue

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -16,6 +15,7 @@ import torch
 
 import hybridmem
 from hybridmem.runtime import Stats
+from hybridmem.units import fmt_bytes
 
 
 @dataclass
@@ -84,7 +84,12 @@ def budget_for(stats: Stats, cut: float = 0.4) -> int:
     return stats.peak_bytes - int(cut * stats.saved_bytes)
 
 
-_MIN = re.compile(r"Smallest budget that could work: at least [^(]*\((\d+) bytes\)")
+def min_budget_of(e: torch.OutOfMemoryError) -> int:
+    """The smallest budget an OOM of the runtime names: in its text and as ``min_budget_bytes``."""
+    named = getattr(e, "min_budget_bytes", None)
+    assert named is not None, f"the OOM names no minimum: {e}"
+    assert f"Smallest budget that could work: at least {fmt_bytes(named)} ({named} bytes)" in str(e), str(e)
+    return named
 
 
 def run_feasible(case: Case, budget: int, *, tries: int = 6, **session: Any) -> tuple[list[Any], Stats, int]:
@@ -95,9 +100,7 @@ def run_feasible(case: Case, budget: int, *, tries: int = 6, **session: Any) -> 
         try:
             got, st = run(case, budget=budget, **session)
         except torch.OutOfMemoryError as e:
-            m = _MIN.search(str(e))
-            assert m is not None, f"{case.name}: the OOM names no minimum: {e}"
-            named = int(m.group(1))
+            named = min_budget_of(e)
             assert named > budget, f"{case.name}: the OOM names {named} bytes, not above the failed budget {budget}"
             budget = int(named * 1.01)
             del e

@@ -237,14 +237,15 @@ class Residency:
 
     def out_of_memory(self, extra: int, what: str, held: int | None = None) -> torch.OutOfMemoryError:
         """The OOM to raise: ``extra`` bytes did not fit with what is live (``held``: the bytes the allocator
-        held when it refused them, inside the op, before the op's own allocations were unwound)."""
+        held when it refused them, inside the op, before the op's own allocations were unwound). Its
+        ``min_budget_bytes`` is the smallest budget that could work, as the message says."""
         budget = self.budget or 0
         live = self.meter.current_bytes if held is None else max(held, self.meter.current_bytes)
         # this budget just failed, whatever the bound says: the smallest that could work is above it
         floor = max(self.stats.min_budget_bytes, live + extra - self._evictable_bytes(), budget + 1)
         self.stats.min_budget_bytes = floor
         held, pinned, shared = self._resident_summary()
-        return torch.OutOfMemoryError(
+        err = torch.OutOfMemoryError(
             f"hybridmem: the budget of {fmt_bytes(budget)} ({budget} bytes) is too small: {what} needs "
             f"{fmt_bytes(extra)} ({extra} bytes) more with {fmt_bytes(live)} ({live} bytes) live, and nothing "
             f"more can be evicted. Smallest budget that could work: at least {fmt_bytes(floor)} ({floor} bytes) "
@@ -252,6 +253,8 @@ class Residency:
             f"new outputs; later ops of the step may need more). Resident: {held}; {pinned}; {shared}; the rest "
             f"({fmt_bytes(max(live - self.store.resident_bytes(), 0))}) is parameters, buffers, inputs, "
             f"gradients, optimizer state and tensors the program holds.")
+        err.min_budget_bytes = floor  # the number the message names, for a program that retries
+        return err
 
     def _evictable_bytes(self) -> int:
         total = 0
