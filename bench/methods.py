@@ -24,9 +24,10 @@ SOLVER_OF = {"hybridmem-milp": "milp", "hybridmem-approx": "approx"}
 
 def methods_help() -> str:
     """The ``--methods`` names, one per line with what each is, for ``hybridmem bench --help``."""
-    from hybridmem.cli import SOLVER_DESCRIPTIONS
+    from hybridmem.cli import solver_descriptions
 
-    sim = [(m, SOLVER_DESCRIPTIONS.get(SOLVER_OF.get(m, m), "")) for m in SIM_METHODS]
+    descriptions = solver_descriptions()
+    sim = [(m, descriptions.get(SOLVER_OF.get(m, m), "")) for m in SIM_METHODS]
     measured = [(m, LABELS[m]) for m in METHODS]
     width = max(len(m) for m, _ in sim + measured)
     lines = ["methods (--methods), simulated on a device model:"]

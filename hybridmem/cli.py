@@ -15,33 +15,19 @@ DEFAULT_DEVICE = "h100-80gb"
 DEVICE_HELP = (f"device cost model: v100-16gb, a100-80gb, h100-80gb, h200, or cpu (this machine) "
                f"(default: {DEFAULT_DEVICE})")
 
-# One line per solver for `hybridmem plan --list-solvers` (the names come from hybridmem.solvers.SOLVERS,
-# so a solver added there is listed even before it gets a line here).
-SOLVER_DESCRIPTIONS = {
-    "approx": "STR: LP relaxation + recursive source tracing, heuristic starts, polished on the full graph, "
-              "and the exact MILP on small graphs (default)",
-    "milp": "STR exact MILP (CBC, or HiGHS with --solver-backend highs), warm-started from approx",
-    "greedy": "STR source-tracing repair alone, from keep-everything (no LP)",
-    "keep-all": "baseline: evict nothing (needs the keep-all peak)",
-    "chen": "baseline: Chen et al. sqrt(n) checkpointing (recompute only)",
-    "checkmate": "baseline: Checkmate, recompute-only MILP",
-    "swap-vdnn": "baseline: vDNN-like swap-only, conv/linear inputs, prefetch one layer ahead",
-    "swap-opt": "baseline: optimal swap-only MILP",
-    "capuchin": "baseline: Capuchin-like, hidden swaps first, then recompute by memory saved per second",
-    "dtr": "baseline: DTR-like, a greedy online evictor replayed on the graph",
-}
 
+def solver_descriptions() -> dict[str, str]:
+    """Each solver's one-line description (:data:`hybridmem.solvers.DESCRIPTIONS`, filled by the registry)."""
+    from . import solvers      # lazy: the planners pull in numba and python-mip, which `--help` does not need
 
-def _solver_names() -> tuple[str, ...]:
-    from .solvers import SOLVERS
-    return tuple(SOLVERS)
+    return dict(solvers.DESCRIPTIONS)
 
 
 def solver_listing() -> str:
     """The solvers ``hybridmem plan --solver`` accepts, one per line with what it is."""
-    names = _solver_names()
-    width = max(len(n) for n in names)
-    return "\n".join(f"{n:<{width}}  {SOLVER_DESCRIPTIONS.get(n, '(no description)')}" for n in names)
+    descriptions = solver_descriptions()
+    width = max(len(n) for n in descriptions)
+    return "\n".join(f"{n:<{width}}  {d}" for n, d in descriptions.items())
 
 
 class _ListSolvers(argparse.Action):
@@ -238,9 +224,9 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    if args.solver not in _solver_names():  # before the capture, which can take a while
+    if args.solver not in solver_descriptions():  # before the capture, which can take a while
         from .errors import UnknownNameError
-        raise ValueError(f"{UnknownNameError('solver', args.solver, _solver_names())} "
+        raise ValueError(f"{UnknownNameError('solver', args.solver, tuple(solver_descriptions()))} "
                          "(`hybridmem plan --list-solvers` says what each does)")
     options = _plan_options(args)
     if (args.budget is None) == (args.sweep is None):
@@ -262,7 +248,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _check_zoo_shapes(args.model, args.size, args.shapes)
         return cli_plan(args)
     from .costs import apply_costs, get_cost_model
-    from .simulate import simulate
     from .solvers import plan as solve
 
     g = apply_costs(_graph_from_args(args), get_cost_model(args.device))
@@ -270,9 +255,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _sweep(g, args, options)
     p = solve(g, args.budget, device=args.device, solver=args.solver, time_limit=args.time_limit,
               verbose=args.verbose, **options)
-    base = simulate(g, None, device=args.device)
-    res = simulate(g, p, device=args.device, budget=p.budget_bytes)
-    summary = _plan_summary(g, p, res, base)
+    summary = _plan_summary(g, p)
     if args.output:
         p.save(args.output)
         summary["output"] = str(args.output)
@@ -360,7 +343,8 @@ def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def _plan_summary(g: Any, p: Any, res: Any, base: Any) -> dict[str, Any]:
+def _plan_summary(g: Any, p: Any) -> dict[str, Any]:
+    """The plan's figures as the planner simulated them (the plan is not replayed again here)."""
     moved = {"swap": 0, "recompute": 0, "compress": 0}
     seen: set[tuple[str, int]] = set()
     for a in p.actions:
@@ -370,10 +354,10 @@ def _plan_summary(g: Any, p: Any, res: Any, base: Any) -> dict[str, Any]:
             moved[pol] += g.tensors[a.tensor].nbytes
     return {
         "model": g.meta.get("model", ""), "stages": g.num_stages, "solver": p.solver, "device": p.device,
-        "budget_bytes": p.budget_bytes, "keep_all_peak_bytes": base.peak_bytes, "peak_bytes": res.peak_bytes,
+        "budget_bytes": p.budget_bytes, "keep_all_peak_bytes": g.peak_bytes(), "peak_bytes": p.predicted_peak_bytes,
         **({"optimizer_state_bytes": g.meta["optimizer"]["state_bytes"]} if isinstance(g.meta.get("optimizer"), dict) else {}),
-        "time_s": res.time_s, "compute_s": base.time_s, "overhead": res.time_s / base.time_s - 1 if base.time_s else 0.0,
-        "stall_s": res.stall_s, "bytes_swapped": moved["swap"], "bytes_recomputed": moved["recompute"],
+        "time_s": p.predicted_time_s, "compute_s": p.info["compute_s"], "overhead": p.info["overhead"],
+        "stall_s": p.info["stall_s"], "bytes_swapped": moved["swap"], "bytes_recomputed": moved["recompute"],
         "bytes_compressed": moved["compress"], **{k: v for k, v in p.info.items() if isinstance(v, (int, float, str))},
     }
 

@@ -302,7 +302,7 @@ def score(costs: np.ndarray, nbytes: np.ndarray, last_access: np.ndarray, now: f
 
 
 def select_victims(costs: np.ndarray, nbytes: np.ndarray, last_access: np.ndarray, now: float, need: int,
-                   evictable: np.ndarray | None = None, eps: float = EPS) -> np.ndarray:
+                   evictable: np.ndarray | None = None, eps: float = EPS, jit: bool = True) -> np.ndarray:
     """Indices of candidates to evict, in order, until their bytes cover ``need`` (int64; may be empty).
 
     Greedy by ascending :func:`score` (ties: lowest index), except that when one candidate covers
@@ -310,7 +310,8 @@ def select_victims(costs: np.ndarray, nbytes: np.ndarray, last_access: np.ndarra
     Eligible: ``evictable`` (all when ``None``), ``nbytes > 0`` and a finite score (NaN or infinite
     costs, NaN clocks are skipped). If the eligible bytes cannot cover ``need``, all eligible
     candidates come back, lowest score first: the caller compares their sum with ``need``.
-    Cost: O(n) for up to 8 victims (the usual case), O(n log n) beyond.
+    Cost: O(n) for up to 8 victims (the usual case), O(n log n) beyond. ``jit=False``: the numpy mirror
+    (the same victims, without the kernel's compile on first use: for callers that run it a few times).
     """
     costs = _as(costs, np.float64, None, "costs")
     n = costs.shape[0]
@@ -320,7 +321,7 @@ def select_victims(costs: np.ndarray, nbytes: np.ndarray, last_access: np.ndarra
         return np.empty(0, np.int64)
     use_mask = evictable is not None
     mask = _as(evictable, np.bool_, n, "evictable") if use_mask else _NO_MASK
-    kernel = _SELECT.compiled()
+    kernel = _SELECT.compiled() if jit else None
     if kernel is None:
         return _select_numpy(costs, nbytes, last_access, float(now), need, float(eps), mask, use_mask)
     out = np.empty(_GREEDY_ROUNDS, np.int64)

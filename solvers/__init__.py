@@ -41,34 +41,39 @@ Options (``**options``): ``coarsen`` (True/False/None = automatic), ``target`` (
 ``solver_backend`` (``cbc``/``highs``, MILP solvers), ``min_bytes`` (smaller saved tensors stay resident).
 """
 from __future__ import annotations
+from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
+from hybridmem.costs import get_cost_model
 from hybridmem.errors import BudgetInfeasibleError, UnknownNameError
 from hybridmem.graph import Graph
 from hybridmem.plan import Plan
+from hybridmem.runtime.follow import annotate
+from hybridmem.simulate import min_feasible_budget, simulate
 from hybridmem.units import fmt_bytes, parse_bytes
 
-from . import baselines, coarsen, milp, relax
-from .baselines import NO_BUDGET
-from ._common import (Problem, build_problem, make_plan, schedule_to_actions)
-from .relax import schedule_of_actions
+from . import approx, baselines, relax
+from ._common import memory_floor, planning_problem
+from .approx import DEFAULT_MILP_TIME_LIMIT
 from .bound import lower_bound
 
 HYBRID = ("approx", "milp", "greedy")
 SOLVERS: tuple[str, ...] = HYBRID + baselines.BASELINES
+# what `hybridmem plan --list-solvers` prints: the STR planners here, each baseline where it is registered
+DESCRIPTIONS: dict[str, str] = {
+    "approx": "STR: LP relaxation + recursive source tracing, heuristic starts, polished on the full graph, "
+              "and the exact MILP on small graphs (default)",
+    "milp": "STR exact MILP (CBC, or HiGHS with --solver-backend highs), warm-started from approx",
+    "greedy": "STR source-tracing repair alone, from keep-everything (no LP)",
+    **{b.name: b.description for b in baselines.REGISTRY.values()},
+}
 
 __all__ = ["plan", "min_budget", "sweep", "memory_floor", "SOLVERS", "HYBRID", "resolve_budget",
            "planning_problem"]
 
-DEFAULT_MILP_TIME_LIMIT = 60.0
-STAGE_START_S = 2.0        # seconds, at most, to make the MILP's warm start satisfy its stage link rows
-MILP_FALLBACK_S = 30.0     # approx without a time limit, no plan found on a large graph: the MILP's seconds
-EXACT_SHARE = 0.5          # of approx's time after its heuristic starts, kept for its exact MILP (small graphs)
-EXACT_IMPROVE_S = 5.0      # approx without a time limit: the exact MILP's seconds when a plan is in hand
-MIN_EXACT_S = 0.3          # seconds left below which approx does not start its exact MILP
-SHRINK_ATTEMPTS = 4
 
 
 MIN = "min"                # the budget that asks for the least budget with a plan
@@ -88,25 +93,6 @@ def is_min(budget: Any) -> bool:
     return isinstance(budget, str) and budget.strip().lower() == MIN
 
 
-def memory_floor(graph: Graph, model: Any, min_bytes: int | None = None) -> int:
-    """The least budget any plan of these planners can fit: what some stage needs with every evictable
-    tensor the planners may move off the device (:func:`hybridmem.simulate.min_feasible_budget`, and
-    the planning problem's own per-stage need)."""
-    from hybridmem.simulate import min_feasible_budget
-
-    need = build_problem(graph, graph.peak_bytes(), model, min_bytes=min_bytes).min_bytes()
-    return max(min_feasible_budget(graph), int(need.max()) if need.size else 0)
-
-
-def planning_problem(graph: Graph, budget: int, model: Any, **options: Any) -> Problem:
-    """The (possibly coarsened) problem the STR planners and the MILP baselines solve."""
-    use = options.get("coarsen")
-    if use is None:
-        use = graph.num_stages > options.get("threshold", coarsen.THRESHOLD)
-    groups = coarsen.coarsen_groups(graph, options.get("target", coarsen.TARGET)) if use else None
-    return build_problem(graph, budget, model, groups=groups, bundle=groups is not None,
-                         min_bytes=options.get("min_bytes"))
-
 
 def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", solver: str = "approx",
          time_limit: float | None = None, verbose: bool = False, **options: Any) -> Plan:
@@ -117,9 +103,6 @@ def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", sol
     :class:`~hybridmem.errors.BudgetInfeasibleError` (with ``minimum_bytes``) when no plan of this solver
     fits, :class:`~hybridmem.errors.UnknownNameError` for an unknown solver or device.
     """
-    from hybridmem.costs import get_cost_model
-    from hybridmem.simulate import min_feasible_budget
-
     t0 = time.perf_counter()
     if solver not in SOLVERS:
         raise UnknownNameError("solver", solver, SOLVERS)
@@ -141,7 +124,8 @@ def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", sol
             out.solver, out.budget_bytes, out.device = solver, budget_b, model.name
             out.info = {"note": "the budget holds the keep-all peak: nothing to evict", "plan_from": "keep-all"}
         else:
-            out = _hybrid(graph, budget_b, model, solver, time_limit, verbose, options)
+            out, res = approx.solve(graph, budget_b, model, solver, time_limit, verbose, options)
+            return _finish(graph, out, model, budget_b, t0, res)
     else:
         out = baselines.run(solver, graph, budget_b, model, time_limit=time_limit, verbose=verbose, **options)
     return _finish(graph, out, model, budget_b, t0)
@@ -200,7 +184,7 @@ def _probe(graph: Graph, budget: int, model: Any, solver: str, time_limit: float
 
 
 def _approx_is_exact(graph: Graph, model: Any, options: dict[str, Any]) -> bool:
-    """Whether approx's portfolio includes the exact MILP on ``graph`` (see :func:`_hybrid`)."""
+    """Whether approx's portfolio includes the exact MILP on ``graph`` (see :func:`solvers.approx.solve`)."""
     p = planning_problem(graph, graph.peak_bytes(), model, **options)
     return p.T == graph.num_stages and not relax.is_large(p) and options.get("exact", True)
 
@@ -212,10 +196,6 @@ def sweep(graph: Graph, device: Any = "h100-80gb", solver: str = "approx", point
     A plan found for a lower budget fits every higher one: where it is faster than what the solver
     found there, it is the plan there (``info["plan_from"]`` then starts with ``lower-budget:``), so
     the curve never rises."""
-    import copy
-
-    from hybridmem.costs import get_cost_model
-
     if not isinstance(points, int) or points < 2:
         raise ValueError(f"points {points!r}: expected an int of at least 2 (the least budget and the peak)")
     if solver not in SOLVERS:
@@ -237,10 +217,11 @@ def sweep(graph: Graph, device: Any = "h100-80gb", solver: str = "approx", point
     return out
 
 
-def _finish(graph: Graph, out: Plan, model: Any, budget_b: int, t0: float) -> Plan:
-    from hybridmem.simulate import simulate
-
-    res = simulate(graph, out, device=model, budget=budget_b, strict=True)
+def _finish(graph: Graph, out: Plan, model: Any, budget_b: int, t0: float, res: Any = None) -> Plan:
+    """The plan as returned: its simulation (``res``, the planner's own where it has one: a plan is simulated
+    once), the valid lower bound and the gaps, what the runtime needs to follow it."""
+    if res is None or res.violations or res.peak_bytes > budget_b:
+        res = simulate(graph, out, device=model, budget=budget_b, strict=True)   # raises where it does not fit
     out.graph_hash = graph.structure_hash()
     out.device = model.name
     out.budget_bytes = budget_b
@@ -248,6 +229,7 @@ def _finish(graph: Graph, out: Plan, model: Any, budget_b: int, t0: float) -> Pl
     out.predicted_peak_bytes = int(res.peak_bytes)
     out.info["solve_s"] = round(time.perf_counter() - t0, 4)
     out.info.setdefault("compute_s", float(res.compute_s))
+    out.info["stall_s"] = float(res.stall_s)
     out.info["overhead"] = float(res.time_s / res.compute_s - 1.0) if res.compute_s > 0 else 0.0
     # A valid lower bound on any swap/recompute plan's step time (solvers.bound: the compute time, raised
     # by what the host link and the cheapest replays must cost at the tightest stage). The LP value is a
@@ -261,8 +243,6 @@ def _finish(graph: Graph, out: Plan, model: Any, budget_b: int, t0: float) -> Pl
     if lb:
         out.info["gap"] = float(res.time_s / lb - 1.0)
     out.info = {k: _plain(v) for k, v in out.info.items()}
-    from hybridmem.runtime.follow import annotate
-
     return annotate(out, graph)  # what the runtime needs to map the plan's stages and tensors to live ops
 
 
@@ -271,410 +251,3 @@ def _plain(v: Any) -> Any:
     if hasattr(v, "item") and not isinstance(v, (list, dict, str)):
         return v.item()
     return v
-
-
-# ---- the STR planners ----------------------------------------------------------------------------
-DEFAULT_TIME = {"approx": 24.0, "greedy": 16.0}
-
-
-class _Pool:
-    """The best plan seen so far under the simulator on the full graph, and the lowest budget any
-    start reached (a start whose plan was valid but over this budget: its peak is a budget it fits)."""
-
-    def __init__(self, graph: Graph, budget: int, model: Any):
-        self.graph, self.budget, self.model = graph, budget, model
-        self.best: tuple[float, Plan | None, Any, str] = (float("inf"), None, None, "")
-        self.reached: tuple[int, str] | None = None
-        self.tried: list[str] = []
-        self.exact: dict[str, Any] = {}
-
-    def offer(self, name: str, plan: Plan) -> float | None:
-        """Simulate ``plan``; keep it if it fits and is the fastest yet. Its time if it fits, else None."""
-        from hybridmem.simulate import simulate
-
-        res = simulate(self.graph, plan, device=self.model, budget=NO_BUDGET, strict=False)
-        if res.violations:
-            return None
-        if res.peak_bytes > self.budget:
-            self.note_reached(int(res.peak_bytes), name)
-            return None
-        if res.time_s < self.best[0] - 1e-12:
-            self.best = (res.time_s, plan, res, name)
-        return float(res.time_s)
-
-    def note_reached(self, peak: int | None, name: str) -> None:
-        if peak is not None and peak > self.budget and (self.reached is None or peak < self.reached[0]):
-            self.reached = (int(peak), name)
-
-
-def _seed(pool: _Pool, fine: Problem) -> list[tuple[float, str, Any]]:
-    """The cheap heuristic starts on the full graph, each judged by the simulator: the DTR replay (with
-    the online scorer's victim choice, as the ``dtr`` baseline, and with plain greedy), Chen's sqrt(n)
-    checkpointing, vDNN's swaps and Capuchin's construction. Each costs a few simulations (Capuchin's a
-    few hundred realisations on the gap model); together they make the portfolio never worse than
-    these baselines, whatever happens to the LP later, and even when the time limit is short (they are
-    what such a plan falls back on). Returns the starts for the polish, as
-    ``(simulated seconds or inf, name, actions or GapPlanner)``."""
-    from .baselines import chen_plan, dtr_plan, numpy_victims, vdnn_plan
-
-    budget = pool.budget
-    out: list[tuple[float, str, Any]] = []
-    for name, make in (("dtr", lambda: dtr_plan(fine, budget)),
-                       ("dtr-greedy", lambda: dtr_plan(fine, budget, numpy_victims)),
-                       ("chen", lambda: chen_plan(fine, budget)),
-                       ("swap-vdnn", lambda: vdnn_plan(fine, budget))):
-        pool.tried.append(name)
-        try:
-            plan = make()
-        except BudgetInfeasibleError as e:
-            pool.note_reached(e.minimum_bytes, name)
-            continue
-        t = pool.offer(name, plan)
-        if t is not None:
-            out.append((t, name, plan.actions))
-    gp = relax.GapPlanner(fine)
-    r, swapped, recomputed = gp.capuchin_fill()
-    pool.tried.append("capuchin")
-    if gp.feasible(r):
-        plan = make_plan(fine, schedule_to_actions(fine, gp.schedule(r)), "capuchin",
-                         {"swapped_gaps": swapped, "recomputed_gaps": recomputed})
-        t = pool.offer("capuchin", plan)
-        out.append((float("inf") if t is None else t, "capuchin", gp))
-    else:
-        out.append((float("inf"), "capuchin", gp))          # the polish repairs what is left over
-    return out
-
-
-RECOMPUTE_LP_SHARE = 0.35   # of the time left after the seeds, at most, for the recompute-only LP start
-RECOMPUTE_LP_GATE = 1.25    # rounded only if its LP overhead is below this times the best start's overhead
-
-
-def _recompute_start(pool: _Pool, p: Problem, seeds: list[tuple[float, str, Any]], time_limit: float | None,
-                     notes: list[str]) -> None:
-    """Checkmate's recompute-only LP relaxation on the planning problem, rounded by dropped mass
-    (:meth:`solvers.relax.GapPlanner.load_lp` ``rule="drop"``; the repair may add swaps). Where recompute
-    is what pays (a slow host link, cheap-to-recompute tensors: MobileNet on v100) the STR LP spreads
-    its mass over swaps and recomputes that its rounding cannot follow, and this plan (one LP, no
-    branching) is as fast as Checkmate's MILP or faster. Offered to ``pool`` and added to ``seeds`` for
-    the polish. Not rounded when the LP value says recompute-only plans are far slower than the best
-    start (ResNets: the time goes to the polish). Its LP value bounds recompute-only plans only: it is
-    not reported as the plan's bound."""
-    from . import milp
-
-    t0 = time.perf_counter()
-    pool.tried.append("recompute-lp")
-    try:
-        sm = milp.build_model(p, relax=True, swap=False, compact=relax.is_large(p))
-        left = None if time_limit is None else max(time_limit - (time.perf_counter() - t0), 0.05)
-        res = milp.solve(sm, relax=True, time_limit=left)
-        if res.objective is None or res.status != "optimal":
-            notes.append(f"recompute-only LP start: LP {res.status}")
-            return
-        best = pool.best[0]
-        lower = p.compute_s + max(res.objective, 0.0)
-        if best < float("inf") and lower - p.compute_s > RECOMPUTE_LP_GATE * (best - p.compute_s):
-            return                 # recompute-only plans cannot come near the best start: not worth rounding
-        left = 8.0 if time_limit is None else max(time_limit - (time.perf_counter() - t0), 0.1)
-        sched, info = relax.round_schedule(p, relax.lp_values(sm), time_budget=left, rules=("lp-drop",),
-                                           variants=({}, {"allow_swap": False}))
-    except Exception as e:           # an extra start: the portfolio goes on without it
-        notes.append(f"recompute-only LP start failed: {type(e).__name__}: {e}")
-        return
-    if sched is None:
-        notes.append(f"recompute-only LP start: {info.get('rounding')}")
-        return
-    plan = make_plan(p, schedule_to_actions(p, sched), "recompute-lp",
-                     {"recompute_lp_bound_s": lower, "rounding": info.get("rounding")})
-    t = pool.offer("recompute-lp", plan)
-    seeds.append((float("inf") if t is None else t, "recompute-lp", plan.actions))
-
-
-def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: float | None, verbose: bool,
-            options: dict[str, Any]) -> Plan:
-    """A portfolio on the full graph, in STR's spirit (the LP rounding warm-started and polished from
-    heuristic plans); the fastest plan under the simulator wins.
-
-    0. Cheap starts (:func:`_seed`: DTR replays, Chen, vDNN, Capuchin's construction) are planned on the
-       full graph and kept if they fit, whatever the later steps do (they run even when the time limit is
-       short: a plan is then never slower than these baselines'); then the rounding of the recompute-only
-       LP (:func:`_recompute_start`, not for greedy; option ``recompute_lp=False`` turns it off).
-    1. STR on the planning problem (coarsened above the threshold). If the full-graph simulation finds the
-       plan over budget (the coarse model is conservative but not exact), plan again for a budget smaller
-       by the excess.
-    2. Polish on the full graph (approx/greedy, and milp on coarsened graphs): the STR plan, the two best
-       cheap starts and Capuchin's construction, each repaired where it does not fit and
-       improved gap by gap, then by exchanges (:func:`solvers.relax.refine`).
-
-    ``plan.info["plan_from"]`` names the winner (``str``, a start such as ``dtr`` or ``capuchin``, or
-    ``polish:<start>+improve|+exchange``); ``phases_s`` has the wall seconds of each phase.
-
-    ``time_limit`` (default ``DEFAULT_TIME``) bounds the whole for approx/greedy, as wall time; for milp
-    it is the MILP's own limit.
-    """
-    from hybridmem.simulate import simulate
-
-    t0 = time.perf_counter()
-    total = time_limit if time_limit is not None else DEFAULT_TIME.get(solver)
-    # the plan's final simulation and annotation come after the deadline: keep a little for them
-    deadline = None if total is None else t0 + max(total * 0.95 - 0.3, 0.5 * total)
-    inner = budget
-    notes: list[str] = []
-    p = planning_problem(graph, inner, model, **options)
-    coarse = p.T != graph.num_stages
-    minimum = _fine_floor(graph, p, model, options)
-    pool = _Pool(graph, budget, model)
-    fine = p if not coarse else build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
-    exact = solver == "approx" and options.get("exact", not coarse and not relax.is_large(fine))
-    seeds = _seed(pool, fine) if options.get("seed", True) else []
-    stop = deadline                       # for the phases before the exact MILP, which gets the rest
-    if exact and deadline is not None:
-        reserve = EXACT_SHARE * (deadline - time.perf_counter())
-        stop = deadline - (min(reserve, EXACT_IMPROVE_S) if time_limit is None else reserve)
-    if solver != "greedy" and options.get("recompute_lp", True):
-        left = None if stop is None else (stop - time.perf_counter()) * RECOMPUTE_LP_SHARE
-        if left is None or left >= 0.3:
-            _recompute_start(pool, p, seeds, left, notes)
-    t_seed = time.perf_counter()
-    str_share = 0.45 if solver != "milp" else 1.0
-    str_plan: Plan | None = None
-    for attempt in range(SHRINK_ATTEMPTS):
-        if inner < int(p.min_bytes().max()):
-            break
-        left = None if stop is None else (stop - time.perf_counter()) * str_share
-        if solver == "milp" and time_limit is None:
-            left = None
-        if left is not None and left < 0.3:
-            notes.append(f"no time left for {solver} on the {'coarse ' if coarse else ''}problem")
-            break
-        seed_plan = pool.best[1]
-        out = _solve_problem(p, solver, left, verbose, options, None if seed_plan is None else seed_plan.actions)
-        if out is None:
-            notes.append(f"{solver} found no plan on the {'coarse ' if coarse else ''}problem at {inner} B")
-            break
-        res = simulate(graph, out, device=model, budget=None, strict=False)
-        if not res.violations and res.peak_bytes <= budget:
-            if attempt:
-                out.info["planning_budget_bytes"] = inner
-                notes.append(f"planned for {inner} B so that the full graph fits {budget} B")
-            str_plan = out
-            if res.time_s <= pool.best[0] * (1 + 1e-9):      # ties go to the STR plan (MILP facts in its info)
-                pool.best = (res.time_s, out, res, "str")
-            break
-        str_plan = str_plan or out          # over budget on the full graph: still a start for the repair
-        if not res.violations:
-            pool.note_reached(int(res.peak_bytes), "str")
-        last_err = res.violations[0] if res.violations else None
-        notes.append(f"attempt {attempt + 1}: " + (str(last_err) if last_err else f"peak {res.peak_bytes} B"))
-        if res.violations and not any("exceeds the budget" in v.reason for v in res.violations):
-            break
-        inner -= max(int(res.peak_bytes) - budget, budget // 200) + 1
-        p = planning_problem(graph, inner, model, **options)
-    t_str = time.perf_counter()
-    polish = options.get("polish", solver != "milp" or coarse)
-    best = pool.best
-    if best[2] is not None and best[0] <= float(best[2].compute_s) * (1 + 1e-12):
-        polish = False                     # nothing to gain: the step already runs at compute speed
-    if polish:
-        # the MILP's time limit is its own: the polish after it gets its usual share
-        _polish(pool, fine, str_plan, seeds, solver, None if solver == "milp" else stop, options)
-    t_polish = time.perf_counter()
-    if exact:
-        _exact_start(pool, fine, deadline, verbose, options, notes, capped=time_limit is None)
-    elif solver == "approx" and pool.best[1] is None and time_limit is None and options.get("milp_fallback", True):
-        _milp_fallback(pool, p, str_plan, seeds, verbose, options, notes)
-    _, out, res, source = pool.best
-    phases = (f"setup {t_seed - t0:.2f} (seeds {','.join(pool.tried)}), {solver} {t_str - t_seed:.2f}, "
-              f"polish {t_polish - t_str:.2f}, exact milp {time.perf_counter() - t_polish:.2f}")
-    if out is None:
-        upper, by = pool.reached if pool.reached else (graph.peak_bytes(), "keep-all")
-        err = BudgetInfeasibleError(
-            f"solver {solver!r} found no plan within {fmt_bytes(budget)} ({budget} B)"
-            + (f": at least {fmt_bytes(minimum)} ({minimum} B) is needed with every saved activation evicted "
-               "where it is not read" if budget < minimum else
-               f"; the least budget with a plan lies between {fmt_bytes(minimum)} ({minimum} B, the memory floor: "
-               f"no plan fits less) and {fmt_bytes(upper)} ({upper} B, the least peak of a plan found, by {by}); "
-               "budget='min' (`hybridmem plan --budget min`) finds it")
-            + (f"; {'; '.join(notes)}" if notes else ""), minimum)
-        # minimum_bytes stays a lower bound; what a start reached is an upper bound on the least budget
-        err.reached_bytes = pool.reached[0] if pool.reached else None  # type: ignore[attr-defined]
-        raise err
-    if out is not str_plan:
-        # a start or polish won: its own info (a baseline's, or the STR plan's it was refined from) plus
-        # the STR facts that still hold (the LP bound is a bound within the STR model)
-        info = dict(out.info)
-        if str_plan is not None:
-            for k in ("lp_bound_s", "lp_status", "lp_s", "lp_vars", "lp_constraints", "status", "milp_vars",
-                      "milp_constraints", "milp_s", "objective_s", "bound_s", "mip_gap", "compact", "warm_start"):
-                if k in str_plan.info:
-                    info.setdefault(k, str_plan.info[k])
-        out.info = info
-    out.solver = solver
-    if notes:
-        out.info["notes"] = "; ".join(notes)
-    out.info["plan_from"] = source
-    out.info.update(pool.exact)
-    out.info["phases_s"] = phases
-    out.info["coarse_stages"] = p.T if coarse else None
-    out.info["candidates"] = len(p.candidates)
-    return out
-
-
-def _fine_floor(graph: Graph, p: Problem, model: Any, options: dict[str, Any]) -> int:
-    """The memory floor of the full graph (a coarse problem's own floor is higher than the graph's)."""
-    from hybridmem.simulate import min_feasible_budget
-
-    if p.T == graph.num_stages:
-        return max(int(p.min_bytes().max()), min_feasible_budget(graph))
-    return memory_floor(graph, model, options.get("min_bytes"))
-
-
-def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple[float, str, Any]], solver: str,
-            deadline: float | None, options: dict[str, Any]) -> None:
-    """Full-graph polish: starts (the STR plan, the two best seeds, Capuchin's construction) repaired
-    where they do not fit and improved gap by gap (:func:`solvers.relax.refine`), best start first;
-    every result is offered to ``pool``."""
-    left = options.get("polish_s", 12.0)
-    if deadline is not None:
-        left = min(left, max(deadline - time.perf_counter(), 0.0))
-    if left <= 0.1:
-        return
-    ranked = sorted(seeds, key=lambda s: s[0])
-    if str_plan is not None:
-        t_str = pool.best[0] if pool.best[3] == "str" else float("inf")
-        ranked.insert(0, (t_str, "str", str_plan.actions))
-        ranked.sort(key=lambda s: s[0])
-    fitting = [s for s in ranked if s[0] < float("inf")]
-    starts = [(name, arg) for _, name, arg in fitting[:2]]
-    for _, name, arg in ranked:
-        if name in ("str", "capuchin") and name not in [n for n, _ in starts]:
-            starts.append((name, arg))     # STR and Capuchin are repaired even when they do not fit
-    info = dict(str_plan.info) if str_plan is not None else {}
-    # each result is written as a plan and simulated after refine returns: keep time for that
-    for name, sched, _ in relax.refine(fine, starts, time_budget=0.85 * left, keep_improved_only=True):
-        cand = make_plan(fine, schedule_to_actions(fine, sched), solver, dict(info))
-        pool.offer(f"polish:{name}", cand)
-
-
-def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bool, options: dict[str, Any],
-                 notes: list[str], capped: bool = False) -> None:
-    """The exact MILP on a small uncoarsened problem, warm-started from the best plan so far, with the
-    time left: on such graphs ``approx`` finds a plan wherever ``milp`` does, and one as fast when the
-    solve ends. With ``capped`` (no time limit given) and a plan in hand, it gets at most
-    ``EXACT_IMPROVE_S``. Skipped when the best plan already runs at the valid lower bound. Its result is
-    offered to ``pool``; ``pool.exact`` records the MILP's status and whether it improved on the rest."""
-    best_s, best_plan, _, _ = pool.best
-    if best_plan is not None and best_s <= lower_bound(fine.graph, fine.budget, fine.model).time_s * (1 + 1e-9):
-        return                                  # nothing can be faster
-    left = None if deadline is None else deadline - time.perf_counter()
-    if capped and best_plan is not None:
-        left = EXACT_IMPROVE_S if left is None else min(left, EXACT_IMPROVE_S)
-    if left is not None and left < MIN_EXACT_S:
-        notes.append("no time left for the exact MILP")
-        return
-    start = None if best_plan is None else schedule_of_actions(fine, best_plan.actions)
-    pool.tried.append("milp")
-    t0 = time.perf_counter()
-    res = milp.solve_problem(fine, time_limit=left, start=start, isolate=options.get("isolate", True),
-                             solver=options.get("solver_backend", "cbc"), verbose=verbose, compact=False)
-    info = {"exact_status": res.status, "exact_s": round(time.perf_counter() - t0, 4)}
-    if res.schedule is not None:
-        try:
-            cand = make_plan(fine, schedule_to_actions(fine, res.schedule), "approx", info)
-        except ValueError as e:         # as in _solve_milp: a solution the plan rules cannot write
-            notes.append(f"the exact MILP's solution could not be written as a plan ({e})")
-        else:
-            t = pool.offer("milp", cand)
-            info["exact_improved"] = t is not None and pool.best[3] == "milp" and t < best_s - 1e-12
-    pool.exact = info
-
-
-def _milp_fallback(pool: _Pool, p: Problem, str_plan: Plan | None, seeds: list[tuple[float, str, Any]],
-                   verbose: bool, options: dict[str, Any], notes: list[str]) -> None:
-    """Where no start fits (large graphs, no exact MILP in the portfolio): the MILP on the planning
-    problem for ``MILP_FALLBACK_S``, its warm start the best start that does not fit, made to satisfy the
-    MILP's rows and repaired by regenerating bytes where memory is over (:func:`_solve_milp`). Its plan,
-    if any, is offered to ``pool`` as ``milp-fallback``."""
-    start = str_plan.actions if str_plan is not None else next(
-        (arg for _, _, arg in seeds if isinstance(arg, list)), None)
-    pool.tried.append("milp-fallback")
-    out = _solve_milp(p, None, None, MILP_FALLBACK_S, verbose, options, start)
-    if out is None or pool.offer("milp-fallback", out) is None:
-        notes.append(f"the MILP fallback found no plan ({out.info.get('status') if out else 'no solution'})")
-
-
-def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: bool,
-                   options: dict[str, Any], seed_actions: list | None = None) -> Plan | None:
-    """The STR planner on ``p``; for the MILP, ``seed_actions`` (the best start's plan) is its warm start
-    where the LP rounding finds none."""
-    if solver == "greedy":
-        sched, info = relax.round_schedule(p, None, time_budget=time_limit or 10.0)
-        return None if sched is None else make_plan(p, schedule_to_actions(p, sched), "greedy", info)
-    sched, info = relax.solve_relaxed(p, time_limit=time_limit, verbose=verbose)
-    approx = None if sched is None else make_plan(p, schedule_to_actions(p, sched), "approx", info)
-    if solver == "approx":
-        return approx
-    return _solve_milp(p, approx, sched, time_limit, verbose, options, seed_actions)
-
-
-def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float | None, verbose: bool,
-                options: dict[str, Any], seed_actions: list | None = None) -> Plan | None:
-    from hybridmem.simulate import simulate
-
-    limit = DEFAULT_MILP_TIME_LIMIT if time_limit is None else time_limit
-    t0 = time.perf_counter()
-    compact = options.get("compact", relax.is_large(p))
-    actions = schedule_to_actions(p, start) if start is not None else seed_actions
-    if actions is not None and milp.default_link(p, compact) == "stage":
-        # the rounding queues copies FIFO, which the stage link rows refuse: a start CBC keeps
-        legal = relax.stage_link_start(p, actions, compact, time_budget=min(STAGE_START_S, 0.1 * limit))
-        start = legal if legal is not None else start
-    res = milp.solve_problem(p, time_limit=limit - (time.perf_counter() - t0), start=start,
-                             isolate=options.get("isolate", True), solver=options.get("solver_backend", "cbc"),
-                             verbose=verbose, compact=compact)
-    info = {"status": res.status, "milp_vars": res.num_vars, "milp_constraints": res.num_constraints,
-            "milp_s": round(time.perf_counter() - t0, 4), "compact": relax.is_large(p)}
-    if res.start_note:
-        info["warm_start"] = res.start_note
-    if res.objective is not None:
-        info["objective_s"] = p.compute_s + res.objective
-    if res.bound is not None:
-        info["bound_s"] = p.compute_s + res.bound
-        info["mip_gap"] = (res.objective - res.bound) / (p.compute_s + res.objective) if res.objective is not None else None
-    if approx is not None:
-        for k in ("lp_bound_s",):
-            if k in approx.info:
-                info[k] = approx.info[k]
-    if res.schedule is None:
-        if approx is None:
-            return None
-        approx.solver = "milp"
-        approx.info.update(info)
-        why = (f"the MILP solver crashed or hung (status {res.status})" if res.status.startswith(("crashed", "error"))
-               else f"the MILP found no solution within {limit:g} s (status {res.status}"
-               + (f"; {res.start_note.split(' (')[0]}: see warm_start" if "breaks" in res.start_note else "") + ")")
-        approx.info["fallback"] = f"{why}: this is the approx plan"
-        return approx
-    try:
-        out = make_plan(p, schedule_to_actions(p, res.schedule), "milp", info)
-    except ValueError as e:
-        out = None
-        info["fallback"] = f"the MILP solution could not be written as a plan ({e}): this is the approx plan"
-    if out is not None and approx is not None:
-        a = simulate(p.graph, approx, device=p.model, budget=None, strict=False)
-        b = simulate(p.graph, out, device=p.model, budget=None, strict=False)
-        ok_a = not a.violations and a.peak_bytes <= p.budget
-        ok_b = not b.violations and b.peak_bytes <= p.budget
-        if ok_a and (not ok_b or a.time_s < b.time_s - 1e-12):
-            why = "the simulator rejects the MILP plan" if not ok_b else \
-                "the simulator times the approx plan faster (the MILP's link model is stricter)"
-            approx.solver = "milp"
-            approx.info.update(info)
-            approx.info["fallback"] = f"{why}: this is the approx plan"
-            return approx
-    if out is None:
-        if approx is None:
-            return None
-        approx.solver = "milp"
-        approx.info.update(info)
-        return approx
-    return out

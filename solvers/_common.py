@@ -33,8 +33,13 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from hybridmem.costs import get_cost_model
 from hybridmem.graph import Graph
 from hybridmem.plan import Action, Plan
+from hybridmem.simulate import min_feasible_budget
+from hybridmem.simulate import simulate as sim
+
+from . import coarsen
 
 EPS_TIME = 1e-12
 
@@ -187,8 +192,6 @@ def build_problem(graph: Graph, budget: int, device: Any = "h100-80gb", *, min_b
     keeps its natural lifetime, except that it is freed right after its last reader when the graph keeps
     it longer.
     """
-    from hybridmem.costs import get_cost_model
-
     model = get_cost_model(device)
     fine_op = np.asarray(model.op_times(graph), dtype=np.float64)
     n = graph.num_stages
@@ -281,6 +284,24 @@ def build_problem(graph: Graph, budget: int, device: Any = "h100-80gb", *, min_b
                 op_extra_bytes=op_extra, fine_op_s=fine_op, model=model)
     p.index = {x: k for k, c in enumerate(cands) for x in c.members}
     return p
+
+
+def memory_floor(graph: Graph, model: Any, min_bytes: int | None = None) -> int:
+    """The least budget any plan of these planners can fit: what some stage needs with every evictable
+    tensor the planners may move off the device (:func:`hybridmem.simulate.min_feasible_budget`, and
+    the planning problem's own per-stage need)."""
+    need = build_problem(graph, graph.peak_bytes(), model, min_bytes=min_bytes).min_bytes()
+    return max(min_feasible_budget(graph), int(need.max()) if need.size else 0)
+
+
+def planning_problem(graph: Graph, budget: int, model: Any, **options: Any) -> Problem:
+    """The (possibly coarsened) problem the STR planners and the MILP baselines solve."""
+    use = options.get("coarsen")
+    if use is None:
+        use = graph.num_stages > options.get("threshold", coarsen.THRESHOLD)
+    groups = coarsen.coarsen_groups(graph, options.get("target", coarsen.TARGET)) if use else None
+    return build_problem(graph, budget, model, groups=groups, bundle=groups is not None,
+                         min_bytes=options.get("min_bytes"))
 
 
 def source_available(p: Problem, j: int, t: int) -> bool | None:
@@ -381,8 +402,6 @@ def make_plan(p: Problem, actions: list[Action], solver: str, info: dict[str, An
 
 
 def simulate(p: Problem, plan: Plan, *, strict: bool = True, budget: int | None | str = "problem"):
-    from hybridmem.simulate import simulate as sim
-
     b = p.budget if budget == "problem" else budget
     return sim(p.graph, plan, device=p.model if p.model is not None else p.device, budget=b, strict=strict)
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -31,11 +33,38 @@ import numpy as np
 from hybridmem.errors import BudgetInfeasibleError
 from hybridmem.graph import Graph
 from hybridmem.plan import Action, Plan
+from hybridmem.simulate import simulate
 from hybridmem.units import fmt_bytes
 
-from ._common import Problem, Schedule, TensorSchedule, build_problem, make_plan, schedule_to_actions, source_available
+from hybridmem.scorer import select_victims
 
-BASELINES: tuple[str, ...] = ("keep-all", "chen", "checkmate", "swap-vdnn", "swap-opt", "capuchin", "dtr")
+from . import milp, relax
+from ._common import (Problem, Schedule, TensorSchedule, build_problem, make_plan, planning_problem,
+                      schedule_to_actions, source_available)
+from .relax import GapPlanner
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One baseline: its ``--solver`` name, the line ``hybridmem plan --list-solvers`` prints for it, and
+    ``run(graph, budget, model, *, time_limit, verbose, **options) -> Plan``."""
+    name: str
+    description: str
+    run: Callable[..., Plan]
+
+
+REGISTRY: dict[str, Baseline] = {}      # in the order the baselines are listed (and tabled)
+
+
+def baseline(name: str, description: str) -> Callable[[Callable[..., Plan]], Callable[..., Plan]]:
+    """Register the decorated function as the baseline ``name``: the one place a baseline is declared."""
+    def add(fn: Callable[..., Plan]) -> Callable[..., Plan]:
+        if name in REGISTRY:
+            raise ValueError(f"baseline {name!r} is registered twice ({REGISTRY[name].run.__name__}, {fn.__name__})")
+        REGISTRY[name] = Baseline(name, description, fn)
+        return fn
+    return add
+
 
 CONV_LIKE = ("conv", "mm", "linear", "matmul", "bmm", "addmm", "baddbmm", "einsum")
 DEFAULT_TIME_LIMIT = 60.0
@@ -43,11 +72,9 @@ DEFAULT_TIME_LIMIT = 60.0
 
 def run(name: str, graph: Graph, budget: int, model: Any, *, time_limit: float | None = None,
         verbose: bool = False, **options: Any) -> Plan:
-    fn: Callable[..., Plan] = {
-        "keep-all": keep_all, "chen": chen, "checkmate": checkmate, "swap-vdnn": swap_vdnn,
-        "swap-opt": swap_opt, "capuchin": capuchin, "dtr": dtr}[name]
+    """The baseline ``name`` (a key of :data:`REGISTRY`), its plan named after it."""
     t0 = time.perf_counter()
-    out = fn(graph, budget, model, time_limit=time_limit, verbose=verbose, **options)
+    out = REGISTRY[name].run(graph, budget, model, time_limit=time_limit, verbose=verbose, **options)
     out.solver = name
     out.info.setdefault("baseline_s", round(time.perf_counter() - t0, 4))
     return out
@@ -58,8 +85,6 @@ NO_BUDGET = 1 << 62   # simulate without the budget check: callers compare the p
 
 
 def _sim(p: Problem, plan: Plan, budget: int | None = None):
-    from hybridmem.simulate import simulate
-
     return simulate(p.graph, plan, device=p.model, budget=NO_BUDGET, strict=False)
 
 
@@ -94,6 +119,7 @@ def _backward_gap(p: Problem, k: int) -> tuple[int, int] | None:
 
 
 # ---- keep-all ------------------------------------------------------------------------------------
+@baseline("keep-all", "baseline: evict nothing (needs the keep-all peak)")
 def keep_all(graph: Graph, budget: int, model: Any, **_: Any) -> Plan:
     peak = graph.peak_bytes()
     if peak > budget:
@@ -105,6 +131,7 @@ def keep_all(graph: Graph, budget: int, model: Any, **_: Any) -> Plan:
 
 
 # ---- Chen sqrt(n) ----------------------------------------------------------------------------------
+@baseline("chen", "baseline: Chen et al. sqrt(n) checkpointing (recompute only)")
 def chen(graph: Graph, budget: int, model: Any, **options: Any) -> Plan:
     p = build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
     return chen_plan(p, budget)
@@ -166,7 +193,15 @@ def _chen_schedule(p: Problem, segments: list[list[int]]) -> Schedule:
     return sched
 
 
+# ---- Checkmate (recompute-only MILP) --------------------------------------------------------------
+@baseline("checkmate", "baseline: Checkmate, recompute-only MILP")
+def checkmate(graph: Graph, budget: int, model: Any, *, time_limit: float | None = None, verbose: bool = False,
+              **options: Any) -> Plan:
+    return _restricted_milp("checkmate", graph, budget, model, time_limit, verbose, options, swap=False)
+
+
 # ---- vDNN ------------------------------------------------------------------------------------------
+@baseline("swap-vdnn", "baseline: vDNN-like swap-only, conv/linear inputs, prefetch one layer ahead")
 def swap_vdnn(graph: Graph, budget: int, model: Any, **options: Any) -> Plan:
     p = build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
     return vdnn_plan(p, budget)
@@ -200,7 +235,15 @@ def vdnn_plan(p: Problem, budget: int) -> Plan:
     return plan
 
 
+# ---- swap-only MILP -------------------------------------------------------------------------------
+@baseline("swap-opt", "baseline: optimal swap-only MILP")
+def swap_opt(graph: Graph, budget: int, model: Any, *, time_limit: float | None = None, verbose: bool = False,
+             **options: Any) -> Plan:
+    return _restricted_milp("swap-opt", graph, budget, model, time_limit, verbose, options, recompute=False)
+
+
 # ---- Capuchin-like -----------------------------------------------------------------------------------
+@baseline("capuchin", "baseline: Capuchin-like, hidden swaps first, then recompute by memory saved per second")
 def capuchin(graph: Graph, budget: int, model: Any, **options: Any) -> Plan:
     p = build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
     return capuchin_plan(p, budget)
@@ -208,8 +251,6 @@ def capuchin(graph: Graph, budget: int, model: Any, **options: Any) -> Plan:
 
 def capuchin_plan(p: Problem, budget: int) -> Plan:
     """Capuchin's plan on the (full-graph) problem ``p``; :class:`BudgetInfeasibleError` when it does not fit."""
-    from .relax import GapPlanner
-
     gp = GapPlanner(p)
     r, swapped, recomputed = gp.capuchin_fill()
     if not gp.feasible(r):
@@ -222,6 +263,7 @@ def capuchin_plan(p: Problem, budget: int) -> Plan:
 
 
 # ---- DTR-like -----------------------------------------------------------------------------------------
+@baseline("dtr", "baseline: DTR-like, a greedy online evictor replayed on the graph")
 def dtr(graph: Graph, budget: int, model: Any, **options: Any) -> Plan:
     p = build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
     return dtr_plan(p, budget)
@@ -260,10 +302,8 @@ def numpy_victims(costs: np.ndarray, nbytes: np.ndarray, last_access: np.ndarray
 
 
 def _dtr_replay(p: Problem, budget: int, select: Callable[..., np.ndarray] | None = None) -> list[Action] | None:
-    if select is None:
-        from hybridmem.scorer import select_victims as select
-    select_victims = select
-
+    # the scorer's choice by its numpy mirror: the same victims, no JIT compile (seconds) for ~100 calls
+    select = partial(select_victims, jit=False) if select is None else select
     C = p.candidates
     K, T = len(C), p.T
     b = np.array([c.nbytes for c in C], dtype=np.int64)
@@ -328,7 +368,7 @@ def _dtr_replay(p: Problem, budget: int, select: Callable[..., np.ndarray] | Non
             pin[recs] = True
             pin[made] = True
             mask = resident & ~pin
-            victims = select_victims(cost, b, last_access, clock, need, evictable=mask)
+            victims = select(cost, b, last_access, clock, need, evictable=mask)
             freed = 0
             for v in victims:
                 if freed >= need:
@@ -359,21 +399,9 @@ def _next_use(c: Any, t: int) -> int | None:
     return None
 
 
-# ---- MILP baselines ---------------------------------------------------------------------------------
-def checkmate(graph: Graph, budget: int, model: Any, *, time_limit: float | None = None, verbose: bool = False,
-              **options: Any) -> Plan:
-    return _restricted_milp("checkmate", graph, budget, model, time_limit, verbose, options, swap=False)
-
-
-def swap_opt(graph: Graph, budget: int, model: Any, *, time_limit: float | None = None, verbose: bool = False,
-             **options: Any) -> Plan:
-    return _restricted_milp("swap-opt", graph, budget, model, time_limit, verbose, options, recompute=False)
-
-
+# ---- the MILP baselines' shared solve -------------------------------------------------------------
 def _restricted_milp(name: str, graph: Graph, budget: int, model: Any, time_limit: float | None, verbose: bool,
                      options: dict[str, Any], swap: bool = True, recompute: bool = True) -> Plan:
-    from . import milp, planning_problem, relax
-
     limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     t0 = time.perf_counter()
     inner = budget
@@ -417,3 +445,6 @@ def _restricted_milp(name: str, graph: Graph, budget: int, model: Any, time_limi
         if time.perf_counter() - t0 > limit:
             break
     raise _infeasible(name, budget, res_sim)
+
+
+BASELINES: tuple[str, ...] = tuple(REGISTRY)

@@ -191,3 +191,17 @@ def test_sweep_point_count_is_checked(small_graph_file, capsys):
         main(["plan", "--graph", str(small_graph_file), "--sweep", "1"])
     assert e.value.code == 2
     assert "expected an int of at least 2" in capsys.readouterr().err
+
+
+def test_a_baseline_is_declared_in_one_place(monkeypatch):
+    """The baselines' registry is what ``baselines.run``, ``SOLVERS`` and ``--list-solvers`` read."""
+    from hybridmem.solvers import DESCRIPTIONS, SOLVERS, baselines
+
+    assert list(DESCRIPTIONS) == list(SOLVERS)
+    assert list(SOLVERS[3:]) == list(baselines.REGISTRY) == list(baselines.BASELINES)
+    assert all(DESCRIPTIONS[b.name] == b.description for b in baselines.REGISTRY.values())
+    monkeypatch.setattr(baselines, "REGISTRY", dict(baselines.REGISTRY))
+    baselines.baseline("dummy", "evict nothing, again")(baselines.keep_all)
+    assert baselines.REGISTRY["dummy"].run is baselines.keep_all
+    with pytest.raises(ValueError, match="registered twice"):
+        baselines.baseline("dummy", "again")(baselines.keep_all)
