@@ -17,6 +17,7 @@ from hybridmem.plan import Plan
 from hybridmem.simulate import min_feasible_budget, simulate
 from hybridmem.units import fmt_bytes
 
+from . import lp as lp_relaxation
 from . import milp, relax
 from ._common import Problem, build_problem, make_plan, memory_floor, planning_problem, schedule_to_actions
 from .baselines import NO_BUDGET, chen_plan, dtr_plan, numpy_victims, vdnn_plan
@@ -127,7 +128,7 @@ def _recompute_start(pool: _Pool, p: Problem, seeds: list[tuple[float, str, Any]
         if best < float("inf") and lower - p.compute_s > RECOMPUTE_LP_GATE * (best - p.compute_s):
             return                 # recompute-only plans cannot come near the best start: not worth rounding
         left = 8.0 if time_limit is None else max(time_limit - (time.perf_counter() - t0), 0.1)
-        sched, info = relax.round_schedule(p, relax.lp_values(sm), time_budget=left, rules=("lp-drop",),
+        sched, info = relax.round_schedule(p, lp_relaxation.lp_values(sm), time_budget=left, rules=("lp-drop",),
                                            variants=({}, {"allow_swap": False}))
     except Exception as e:           # an extra start: the portfolio goes on without it
         notes.append(f"recompute-only LP start failed: {type(e).__name__}: {e}")
@@ -175,6 +176,13 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
     pool = _Pool(graph, budget, model)
     fine = p if not coarse else build_problem(graph, budget, model, min_bytes=options.get("min_bytes"))
     exact = solver == "approx" and options.get("exact", not coarse and not relax.is_large(fine))
+    str_share = 0.45 if solver != "milp" else 1.0
+    lp_job = None
+    if solver != "greedy" and relax.is_large(p) and options.get("background_lp", True):
+        # the STR LP of the first attempt solves in a child process while the starts are planned here
+        lp_s = None if deadline is None or (solver == "milp" and time_limit is None) else \
+            (deadline - time.perf_counter()) * str_share
+        lp_job = lp_relaxation.Background(p, lp_s, verbose=verbose, compact=True)
     seeds = _seed(pool, fine) if options.get("seed", True) else []
     stop = deadline                       # for the phases before the exact MILP, which gets the rest
     if exact and deadline is not None:
@@ -185,7 +193,6 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
         if left is None or left >= 0.3:
             _recompute_start(pool, p, seeds, left, notes)
     t_seed = time.perf_counter()
-    str_share = 0.45 if solver != "milp" else 1.0
     str_plan: Plan | None = None
     for attempt in range(SHRINK_ATTEMPTS):
         if inner < int(p.min_bytes().max()):
@@ -197,7 +204,8 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
             notes.append(f"no time left for {solver} on the {'coarse ' if coarse else ''}problem")
             break
         seed_plan = pool.best[1]
-        out = _solve_problem(p, solver, left, verbose, options, None if seed_plan is None else seed_plan.actions)
+        out = _solve_problem(p, solver, left, verbose, options, None if seed_plan is None else seed_plan.actions,
+                             lp_job if attempt == 0 else None)
         if out is None:
             notes.append(f"{solver} found no plan on the {'coarse ' if coarse else ''}problem at {inner} B")
             break
@@ -219,6 +227,8 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
             break
         inner -= max(int(res.peak_bytes) - budget, budget // 200) + 1
         p = planning_problem(graph, inner, model, **options)
+    if lp_job is not None:
+        lp_job.close()                     # not waited for (no time, or no attempt): stop the child
     t_str = time.perf_counter()
     polish = options.get("polish", solver != "milp" or coarse)
     best = pool.best
@@ -351,13 +361,14 @@ def _milp_fallback(pool: _Pool, p: Problem, str_plan: Plan | None, seeds: list[t
 
 
 def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: bool,
-                   options: dict[str, Any], seed_actions: list | None = None) -> Plan | None:
+                   options: dict[str, Any], seed_actions: list | None = None,
+                   lp_job: lp_relaxation.Background | None = None) -> Plan | None:
     """The STR planner on ``p``; for the MILP, ``seed_actions`` (the best start's plan) is its warm start
-    where the LP rounding finds none."""
+    where the LP rounding finds none. ``lp_job``: the LP of ``p``, started in the background."""
     if solver == "greedy":
         sched, info = relax.round_schedule(p, None, time_budget=time_limit or 10.0)
         return None if sched is None else make_plan(p, schedule_to_actions(p, sched), "greedy", info)
-    sched, info = relax.solve_relaxed(p, time_limit=time_limit, verbose=verbose)
+    sched, info = relax.solve_relaxed(p, time_limit=time_limit, verbose=verbose, lp_job=lp_job)
     approx = None if sched is None else make_plan(p, schedule_to_actions(p, sched), "approx", info)
     if solver == "approx":
         return approx

@@ -31,7 +31,10 @@ import numpy as np
 
 from hybridmem.plan import Action
 
+from . import lp as lp_relaxation
 from ._common import Problem, Schedule, TensorSchedule, source_available
+from .lp import LPValues
+from .milp import stage_link_copies
 
 KEEP, REC, SWAP = "keep", "rec", "swap"
 
@@ -630,29 +633,6 @@ class GapPlanner:
                     self.out[k] = max(outs, key=outs.get)
 
 
-@dataclass
-class LPValues:
-    S: dict[tuple[int, int], float]
-    R: dict[tuple[int, int], float]
-    P_by_k: dict[int, dict[int, float]]
-    Y_by_k: dict[int, dict[tuple[int, int, int], float]]
-
-
-def lp_values(sm: Any) -> LPValues:
-    def v(x: Any) -> float:
-        return float(x.x or 0.0)
-    P_by_k: dict[int, dict[int, float]] = {}
-    for (t, _, k), x in sm.P.items():
-        d = P_by_k.setdefault(k, {})
-        d[t] = d.get(t, 0.0) + v(x)
-    Y_by_k: dict[int, dict[tuple[int, int, int], float]] = {}
-    for key, x in sm.Y.items():
-        val = v(x)
-        if val > 1e-6:
-            Y_by_k.setdefault(key[2], {})[key] = val
-    return LPValues({kk: v(x) for kk, x in sm.S.items()}, {kk: v(x) for kk, x in sm.R.items()}, P_by_k, Y_by_k)
-
-
 VARIANTS = ({"link_weight": 0.0}, {"link_weight": 1.0}, {"link_weight": 0.0, "allow_swap": False},
             {"link_weight": 0.0, "allow_recompute": False})
 
@@ -712,8 +692,6 @@ def stage_link_start(p: Problem, actions: list[Action], compact: bool, time_budg
     made a start that satisfies a ``link="stage"`` MILP's rows (CBC drops a start that does not): the
     copies that model cannot hold are moved or dropped (:meth:`GapPlanner.legalize`), the memory is
     repaired without such copies and the result improved. None if no such schedule fits."""
-    from .milp import stage_link_copies
-
     t0 = time.perf_counter()
     offer = stage_link_copies(p, compact)
     group_of = {s: t for t, g in enumerate(p.groups) for s in g}
@@ -797,24 +775,22 @@ def is_large(p: Problem) -> bool:
 
 def solve_relaxed(p: Problem, *, time_limit: float | None = None, verbose: bool = False,
                   variants: tuple[dict[str, Any], ...] = VARIANTS, rules: tuple[str, ...] = ("lp-drop", "lp", "keep"),
-                  **model_options: Any) -> tuple[Schedule | None, dict[str, Any]]:
+                  lp_job: lp_relaxation.Background | None = None, **model_options: Any) -> tuple[Schedule | None, dict[str, Any]]:
     """LP relaxation + source-tracing rounding. ``info`` has the LP bound (seconds of step time).
 
     ``model_options`` go to :func:`solvers.milp.build_model` (e.g. ``swap=False``: the relaxation of
-    Checkmate's recompute-only MILP, whose rounding is a start of the ``approx`` portfolio)."""
-    from . import milp
-
+    Checkmate's recompute-only MILP, whose rounding is a start of the ``approx`` portfolio). ``lp_job``:
+    the same LP of ``p`` already started in the background (:class:`solvers.lp.Background`), waited for
+    here instead of solved again."""
     t0 = time.perf_counter()
     model_options.setdefault("compact", is_large(p))
-    sm = milp.build_model(p, relax=True, verbose=verbose, **model_options)
-    res = milp.solve(sm, relax=True, time_limit=time_limit)
+    done = lp_job.result() if lp_job is not None else lp_relaxation.solve(p, time_limit, verbose, **model_options)
+    res = done.result
     info: dict[str, Any] = {"lp_status": res.status, "lp_vars": res.num_vars, "lp_constraints": res.num_constraints,
-                            "lp_s": round(res.solve_s + sm.build_s, 4)}
-    lp = None
-    if res.objective is not None and res.status == "optimal":
+                            "lp_s": round(res.solve_s + res.build_s, 4)}
+    if done.values is not None:
         info["lp_bound_s"] = p.compute_s + max(res.objective, 0.0)
-        lp = lp_values(sm)
     remaining = 8.0 if time_limit is None else max(time_limit - (time.perf_counter() - t0), 0.2)
-    sched, rinfo = round_schedule(p, lp, time_budget=remaining, variants=variants, rules=rules)
+    sched, rinfo = round_schedule(p, done.values, time_budget=remaining, variants=variants, rules=rules)
     info.update(rinfo)
     return sched, info

@@ -507,3 +507,20 @@ def test_a_swap_in_issued_while_resident_starts_once_the_tensor_is_dropped(graph
     ins = [a.stage for a in actions if a.kind == "swap_in" and a.tensor == c.tensor]
     assert ins == [c.start + 4]                 # the stage after the last one it was kept for
     simulate(graph24, Plan(actions=make_plan(p, actions, "test").actions), device=DEVICE, strict=True)
+
+
+def test_the_background_lp_is_the_lp_solved_in_process() -> None:
+    """solvers.lp.Background (the STR LP in a forked child, beside the portfolio's starts) returns what
+    the in-process solve returns; a job no longer wanted is stopped."""
+    from hybridmem.solvers import lp
+
+    g = random_graph(60, seed=3)
+    p = planning_problem(g, int(0.5 * g.peak_bytes()), "h100-80gb")
+    here = lp.solve(p, time_limit=30, compact=True)
+    there = lp.Background(p, 30, compact=True).result()
+    assert here.result.status == there.result.status == "optimal"
+    assert there.result.objective == pytest.approx(here.result.objective, rel=1e-9, abs=1e-12)
+    assert there.values is not None and there.values.S.keys() == here.values.S.keys()
+    job = lp.Background(p, 30, compact=True)
+    job.close()
+    assert job.result().values is None and job.result().result.status == "stopped"
