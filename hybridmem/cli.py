@@ -289,10 +289,10 @@ def _sweep(g: Any, args: argparse.Namespace, options: dict[str, Any]) -> int:
                   **options)
     peak = g.peak_bytes()
     rows = [{"budget_bytes": p.budget_bytes, "budget_share": p.budget_bytes / peak, "time_s": p.predicted_time_s,
-             "overhead": p.info.get("overhead", 0.0), "gap_to_lower_bound": p.info.get("gap_to_lower_bound"),
-             "plan_from": p.info.get("plan_from", p.solver), "solve_s": p.info.get("solve_s"),
-             "lower_bound_s": p.info.get("lower_bound_s"), "compute_s": p.info.get("compute_s"),
-             "memory_floor_bytes": p.info.get("memory_floor_bytes")} for p in plans]
+             "overhead": p.info.overhead or 0.0, "gap_to_lower_bound": p.info.gap_to_lower_bound,
+             "plan_from": p.info.plan_from or p.solver, "solve_s": p.info.solve_s,
+             "lower_bound_s": p.info.lower_bound_s, "compute_s": p.info.compute_s,
+             "memory_floor_bytes": p.info.memory_floor_bytes} for p in plans]
     if args.plot:
         _plot_sweep(g, args, rows)
     if args.json:
@@ -356,8 +356,8 @@ def _plan_summary(g: Any, p: Any) -> dict[str, Any]:
         "model": g.meta.get("model", ""), "stages": g.num_stages, "solver": p.solver, "device": p.device,
         "budget_bytes": p.budget_bytes, "keep_all_peak_bytes": g.peak_bytes(), "peak_bytes": p.predicted_peak_bytes,
         **({"optimizer_state_bytes": g.meta["optimizer"]["state_bytes"]} if isinstance(g.meta.get("optimizer"), dict) else {}),
-        "time_s": p.predicted_time_s, "compute_s": p.info["compute_s"], "overhead": p.info["overhead"],
-        "stall_s": p.info["stall_s"], "bytes_swapped": moved["swap"], "bytes_recomputed": moved["recompute"],
+        "time_s": p.predicted_time_s, "compute_s": p.info.compute_s, "overhead": p.info.overhead,
+        "stall_s": p.info.stall_s, "bytes_swapped": moved["swap"], "bytes_recomputed": moved["recompute"],
         "bytes_compressed": moved["compress"], **{k: v for k, v in p.info.items() if isinstance(v, (int, float, str))},
     }
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, MutableMapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,149 @@ class Action:
     ratio: float = 1.0  # compress: compressed bytes / original bytes
 
 
+@dataclass(eq=False)
+class PlanInfo(MutableMapping):
+    """What a planner says about its plan, typed: ``plan.info.plan_from``, ``plan.info.lower_bound_s``.
+
+    Every field is optional (None: not reported). It also reads and writes like the mapping it replaces
+    (``info["gap"]``, ``info.get(...)``, ``dict(info)``) over the fields that were set, in the order they
+    were set, which is how a plan file writes them; a name that is not a field is refused with the list
+    of names accepted, so a misspelt key fails where it is written, and a plan file with a key this
+    version does not know fails to load with that list."""
+
+    # -- the entry point (solvers.plan), on every plan: its simulation, the valid bound, timing
+    solve_s: float | None = None                # wall seconds of the whole planning call
+    compute_s: float | None = None              # the step's compute time (nothing regenerated, no stall)
+    overhead: float | None = None               # predicted step time / compute_s - 1
+    stall_s: float | None = None                # predicted seconds the compute stream waits for copies
+    lower_bound_s: float | None = None          # valid bound on any swap/recompute plan's step time
+    lower_bound_kind: str | None = None         # which bound gives it: "compute" or "swap/recompute"
+    gap_to_lower_bound: float | None = None     # predicted time / lower_bound_s - 1
+    gap: float | None = None                    # predicted time / lp_bound_s - 1 (within the STR model)
+    note: str | None = None                     # e.g. why nothing was evicted
+    runtime: dict[str, Any] | None = None       # what the runtime needs to follow the plan (runtime.follow)
+    # -- the approx portfolio (solvers.approx)
+    plan_from: str | None = None                # the start or step the plan came from
+    phases_s: str | None = None                 # wall seconds per phase
+    notes: str | None = None                    # what the portfolio tried that did not work
+    coarse_stages: int | None = None            # super-stages of the planning problem (None: not coarsened)
+    candidates: int | None = None               # tensors (or bundles) the planning problem may evict
+    planning_budget_bytes: int | None = None    # the smaller budget planned for so that the full graph fits
+    exact_status: str | None = None             # the exact MILP step on small graphs: its status
+    exact_s: float | None = None
+    exact_improved: bool | None = None          # whether it beat the rest of the portfolio
+    # -- the STR LP relaxation and its rounding (solvers.relax, solvers.lp)
+    lp_status: str | None = None
+    lp_vars: int | None = None
+    lp_constraints: int | None = None
+    lp_s: float | None = None
+    lp_bound_s: float | None = None             # the LP value: a bound within the STR model only
+    rounding: str | None = None                 # the rounding rule and variant that won
+    rounding_s: float | None = None
+    rounding_tries: int | None = None
+    rounded_overhead_s: float | None = None
+    recompute_lp_bound_s: float | None = None   # Checkmate's LP value (a bound on recompute-only plans)
+    # -- the MILPs (milp, checkmate, swap-opt)
+    status: str | None = None
+    milp_vars: int | None = None
+    milp_constraints: int | None = None
+    milp_s: float | None = None
+    compact: bool | None = None                 # the compact (coarse) model was solved
+    warm_start: str | None = None               # whether the warm start satisfies the model's rows
+    objective_s: float | None = None
+    bound_s: float | None = None
+    mip_gap: float | None = None
+    fallback: str | None = None                 # why another plan than the MILP's is returned
+    # -- baselines
+    baseline_s: float | None = None
+    segments: int | None = None                 # chen
+    saved_tensors: int | None = None            # chen
+    swapped: int | None = None                  # swap-vdnn
+    swapped_gaps: int | None = None             # capuchin
+    recomputed_gaps: int | None = None          # capuchin
+    evictor_budget_bytes: int | None = None     # dtr
+    # -- the least budget (budget="min")
+    min_budget_bytes: int | None = None
+    min_no_plan_bytes: int | None = None        # the largest budget found without a plan
+    min_probes: int | None = None
+    memory_floor_bytes: int | None = None
+    # -- a plan book's bucket (hybridmem.buckets)
+    shape_key: str | None = None
+    dims: dict[str, Any] | None = None
+
+    _set: list[str] = field(default_factory=list, repr=False)   # the fields set, in order
+
+    def __post_init__(self) -> None:
+        self._set = [f for f in _INFO_FIELDS if getattr(self, f) is not None]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _INFO_INDEX and name not in self.__dict__.get("_set", [name]):
+            self._set.append(name)
+
+    # -- the mapping view over the fields that were set
+    def __getitem__(self, key: str) -> Any:
+        if key not in _INFO_INDEX:
+            raise KeyError(_unknown(key))
+        if key not in self._set:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in _INFO_INDEX:
+            raise KeyError(_unknown(key))
+        setattr(self, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        if key not in _INFO_INDEX or key not in self._set:
+            raise KeyError(key)
+        self._set.remove(key)
+        object.__setattr__(self, key, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._set))
+
+    def __len__(self) -> int:
+        return len(self._set)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (PlanInfo, dict)):
+            return dict(self) == dict(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"PlanInfo({self.to_dict()!r})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields set, in order: what a plan file holds under ``info``."""
+        return {k: getattr(self, k) for k in self._set}
+
+    @classmethod
+    def from_mapping(cls, d: Any, *, source: str = "plan") -> "PlanInfo":
+        """From a mapping (a plan file's ``info``, or a planner's dict); unknown keys are refused."""
+        if isinstance(d, PlanInfo):
+            return d
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise PlanFormatError(f"{source}: info must be a mapping, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_INFO_INDEX))
+        if unknown:
+            raise PlanFormatError(f"{source}: info: {_unknown(*unknown)}")
+        out = cls()
+        for k, v in d.items():
+            setattr(out, k, v)
+        return out
+
+
+_INFO_FIELDS = tuple(f.name for f in fields(PlanInfo) if f.name != "_set")
+_INFO_INDEX = {name: i for i, name in enumerate(_INFO_FIELDS)}
+
+
+def _unknown(*keys: str) -> str:
+    return f"unknown plan info key(s) {list(keys)}; accepted: {sorted(_INFO_FIELDS)}"
+
+
 @dataclass
 class Plan:
     """A per-tensor schedule of evictions and regenerations for one Graph."""
@@ -57,7 +201,13 @@ class Plan:
     solver: str = "keep-all"
     predicted_time_s: float | None = None
     predicted_peak_bytes: int | None = None
-    info: dict[str, Any] = field(default_factory=dict)  # solver status, objective, bound, gap, timings
+    info: PlanInfo = field(default_factory=PlanInfo)  # solver status, objective, bound, gap, timings
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a mapping given as info (Plan(info={...}), plan.info = {...}) becomes a PlanInfo: unknown keys fail here
+        if name == "info" and not isinstance(value, PlanInfo):
+            value = PlanInfo.from_mapping(value)
+        object.__setattr__(self, name, value)
 
     @classmethod
     def keep_all(cls, graph: "Graph | None" = None) -> "Plan":
@@ -99,6 +249,7 @@ class Plan:
         """The plan as saved: ``checksum`` (of everything else) and ``entries`` (its counts) come first,
         so that a file cut short keeps them and is recognised."""
         d = asdict(self)
+        d["info"] = self.info.to_dict()
         d["actions"] = [_compact(a) for a in self.sorted_actions()]
         body = {"entries": _entries(d), **d}
         return {"schema": PLAN_SCHEMA_VERSION, "checksum": _checksum(body), **body}
@@ -134,6 +285,8 @@ class Plan:
         b = rest.get("budget_bytes")
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
             raise PlanFormatError(f"{source}: budget_bytes must be a non-negative integer or null, got {b!r}")
+        if "info" in rest:
+            rest["info"] = PlanInfo.from_mapping(rest["info"], source=source)
         return cls(actions=actions, **rest)
 
     def save(self, path: str | Path) -> Path:

@@ -78,3 +78,33 @@ def test_plan_file_carries_its_entry_count_and_checksum(tmp_path):
     d["actions"] = d["actions"][:3]
     with pytest.raises(PlanFormatError, match="4 actions and 3 tensor entries, it has 3 and 3"):
         Plan.from_dict(d)
+
+
+def test_plan_info_is_typed_and_saves_as_the_mapping_it_was(tmp_path):
+    """PlanInfo: fields by name, the mapping view over what was set (in order), the file unchanged."""
+    import yaml
+
+    from hybridmem.plan import PlanInfo
+
+    p = _plan(chain_graph(3))
+    assert isinstance(p.info, PlanInfo) and p.info.gap == 0.0 and p.info.plan_from is None
+    p.info.plan_from = "str"
+    p.info["coarse_stages"] = None          # set to None: written, as before
+    assert list(p.info) == ["gap", "plan_from", "coarse_stages"] and "fallback" not in p.info
+    path = p.save(tmp_path / "p.yaml")
+    assert yaml.safe_load(path.read_text())["info"] == {"gap": 0.0, "plan_from": "str", "coarse_stages": None}
+    q = Plan.load(path)
+    assert q.info == p.info and q.info.plan_from == "str"
+    with pytest.raises(KeyError, match=r"unknown plan info key\(s\) \['gpa'\]; accepted: .*'gap'"):
+        p.info["gpa"] = 1.0
+    with pytest.raises(PlanFormatError, match=r"info: unknown plan info key\(s\) \['gpa'\]"):
+        Plan(info={"gpa": 1.0})
+
+
+def test_a_plan_file_with_an_unknown_info_key_is_refused_with_the_accepted_ones(tmp_path):
+    p = _plan(chain_graph(3))
+    d = p.to_dict()
+    d["info"]["made_by"] = "someone"
+    d.pop("checksum")                       # a hand-edited file: no checksum to check
+    with pytest.raises(PlanFormatError, match=r"unknown plan info key\(s\) \['made_by'\]; accepted: \["):
+        Plan.from_dict(d)

@@ -95,7 +95,7 @@ class PlanFollower:
     """Executes one plan's actions at runtime stages; see the module docstring."""
 
     def __init__(self, plan: Plan, rt: "Runtime"):
-        ann = plan.info.get("runtime") if isinstance(plan.info, dict) else None
+        ann = plan.info.runtime
         if plan.actions and not isinstance(ann, dict):
             raise PlanFormatError(
                 "this plan has no runtime annotation (plan.info['runtime']): make it with `hybridmem plan` / "
