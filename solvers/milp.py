@@ -50,15 +50,20 @@ deadline is stopped and reported as ``status="time limit"`` (the caller falls ba
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import mip
 import numpy as np
+from mip import xsum
 
 from hybridmem.errors import BudgetInfeasibleError, HybridMemError
 
-from ._common import Problem, Schedule, TensorSchedule, quiet_fd, source_available
+from ._common import (Problem, Schedule, TensorSchedule, make_plan, quiet_fd, schedule_to_actions, simulate,
+                      source_available)
+from .exact_time import add_clock, replay_bytes
 
 COPY_CHARGE = 1e-9         # seconds charged per transfer: breaks ties against useless copies
 TIME_UNIT = 1e-6           # objective in microseconds and memory rows in MiB: coefficients near 1 keep
@@ -90,6 +95,12 @@ class StrModel:
     link: str = "stage"
     start_note: str = ""
 
+    def present(self, t: int, k: int) -> Any:
+        """1 if candidate k is readable at op t (kept, landed or recomputed); a constant at its producer."""
+        if t == self.problem.candidates[k].start:
+            return 1
+        return self.S[t, k] + self.R[t, k] if (t, k) in self.R else self.S[t, k]
+
     @property
     def num_vars(self) -> int:
         return self.m.num_cols
@@ -101,7 +112,6 @@ class StrModel:
 
 def check_backend(solver: str = "cbc") -> str:
     """The python-mip solver name for ``solver`` (``cbc`` or ``highs``); a clear error if unavailable."""
-    import mip
 
     key = solver.lower()
     if key == "highs":
@@ -118,7 +128,6 @@ def check_backend(solver: str = "cbc") -> str:
 
 
 def new_model(solver: str = "cbc", verbose: bool = False, name: str = "str"):
-    import mip
 
     m = mip.Model(name, sense=mip.MINIMIZE, solver_name=check_backend(solver))
     m.verbose = 1 if verbose else 0
@@ -260,10 +269,11 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
     stall is a variable bounded by its FIFO arrival time (big-M rows, one per earlier issue stage).
     ``"stage"`` (larger problems): a copy occupies every stage it overlaps alone, which needs one row per
     stage but wastes the rest of the stage in which a copy ends.
-    """
-    import mip
-    from mip import xsum
 
+    The model, block by block (one function each, below): variables on each candidate's lifetime, one
+    replay per stage and producer set, the objective, then the row families: uses, recompute sources,
+    residency, host checkpoint, host link, memory, memory during replays.
+    """
     t0 = time.perf_counter()
     fine = all(len(g) == 1 for g in p.groups)
     link = default_link(p, compact, relax) if link is None else link
@@ -271,36 +281,65 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
         raise ValueError(f"link model {link!r}: one of {', '.join(LINKS)}")
     if link == "exact" and not (fine and not compact):
         raise ValueError("link='exact' needs an uncoarsened problem and compact=False")
-    fifo, exact = link == "fifo", link == "exact"
-    m = new_model(solver, verbose, name)
-    vt = mip.CONTINUOUS if relax else mip.BINARY
-    sm = StrModel(p, m, link=link)
-    S, R, X, P, Y = sm.S, sm.R, sm.X, sm.P, sm.Y
-    C = p.candidates
-    T = p.T
+    sm = StrModel(p, new_model(solver, verbose, name), link=link)
+    vtype = mip.CONTINUOUS if relax else mip.BINARY
+    _add_variables(sm, vtype, swap=swap, recompute=recompute, compact=compact, window=window,
+                   max_stall_variants=max_stall_variants)
+    replay_cost = _add_replays(sm, vtype)
+    copies = _set_objective(sm, replay_cost)
+    _use_rows(sm)
+    _source_rows(sm)
+    _residency_rows(sm)
+    _host_checkpoint_rows(sm)
+    clock = None
+    if link == "exact":
+        clock = _exact_link(sm, sm.present, copies)
+    elif link == "fifo":
+        _fifo_link_rows(sm)
+    else:
+        _stage_link_rows(sm)
+    mem, rhs = _memory_rows(sm, clock)
+    if link == "exact":
+        _exact_memory_rows(sm, clock, _mib(sm.problem), _inflight(sm), rhs)
+    else:
+        _replay_memory_rows(sm, mem, rhs)
+    sm.build_s = time.perf_counter() - t0
+    return sm
 
-    # ---- variables: only on each candidate's natural lifetime --------------------------------------
+
+def _mib(p: Problem) -> list[float]:
+    """Each candidate's size in the model's memory unit."""
+    return [c.nbytes / BYTE_UNIT for c in p.candidates]
+
+
+def _add_variables(sm: StrModel, vtype: Any, *, swap: bool, recompute: bool, compact: bool, window: int | None,
+                   max_stall_variants: int | None) -> None:
+    """Variables, only on each candidate's natural lifetime: S (kept), R (recomputed), P (swap-out issued
+    after op t, ending by stage f), Y (swap-in issued at q, first read at u) and, fifo, its stall."""
+    p, m = sm.problem, sm.m
+    S, R, P, Y = sm.S, sm.R, sm.P, sm.Y
+    fifo, exact = sm.link == "fifo", sm.link == "exact"
     if compact:
         window = COMPACT_WINDOW if window is None else window
         max_stall_variants = 1 if max_stall_variants is None else max_stall_variants
         rec_at = read_closure(p)
         rec_src = replay_read_stages(p, rec_at)
-    for k, c in enumerate(C):
+    for k, c in enumerate(p.candidates):
         for t in range(c.start + 1, c.end + 1):
-            S[t, k] = m.add_var(f"S_{t}_{k}", var_type=vt, ub=1)
+            S[t, k] = m.add_var(f"S_{t}_{k}", var_type=vtype, ub=1)
         if recompute and c.can_recompute:
             stages = sorted(rec_at[k]) if compact else range(c.start + 1, c.end + 1)
             for t in stages:
                 if all(source_available(p, j, t) is not False for j in c.src):
-                    R[t, k] = m.add_var(f"R_{t}_{k}", var_type=vt, ub=1)
+                    R[t, k] = m.add_var(f"R_{t}_{k}", var_type=vtype, ub=1)
         if swap and exact:
             options = exact_swap_in_options(p, k)
             for t in range(c.start, c.end):
                 if any(q > t for q, _ in options):
-                    P[t, t, k] = m.add_var(f"P_{t}_{k}", var_type=vt, ub=1)
+                    P[t, t, k] = m.add_var(f"P_{t}_{k}", var_type=vtype, ub=1)
             for q, u in options:
                 if any(t < q for (t, _, kk) in P if kk == k):
-                    Y[q, u, k] = m.add_var(f"Y_{q}_{u}_{k}", var_type=vt, ub=1)
+                    Y[q, u, k] = m.add_var(f"Y_{q}_{u}_{k}", var_type=vtype, ub=1)
                     sm.stall[q, u, k] = 0.0
         elif swap:
             reads = (set(c.uses) | (p.source_stages(k) & rec_src[k])) if compact else None
@@ -308,13 +347,19 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
                                      max_stall_variants=max_stall_variants, reads=reads)
             for t, fs in outs.items():
                 for f in fs:
-                    P[t, f, k] = m.add_var(f"P_{t}_{f}_{k}", var_type=vt, ub=1)
+                    P[t, f, k] = m.add_var(f"P_{t}_{f}_{k}", var_type=vtype, ub=1)
             for q, u, st in ins:
-                Y[q, u, k] = m.add_var(f"Y_{q}_{u}_{k}", var_type=vt, ub=1)
+                Y[q, u, k] = m.add_var(f"Y_{q}_{u}_{k}", var_type=vtype, ub=1)
                 sm.stall[q, u, k] = st
                 if fifo:
                     sm.sigma[q, u, k] = m.add_var(f"stall_{q}_{u}_{k}", lb=0.0)
-    # one replay per (stage, producer set): outputs of the same producers recomputed together share it
+
+
+def _add_replays(sm: StrModel, vtype: Any) -> list[tuple[float, Any]]:
+    """One replay per (stage, producer set): outputs of the same producers recomputed together share it
+    (X, with a row per output it serves). Returns the replays as ``(seconds, variable)``."""
+    p, m, R, X = sm.problem, sm.m, sm.R, sm.X
+    C = p.candidates
     R_of: dict[int, list[int]] = {}
     for (t, k) in R:
         R_of.setdefault(k, []).append(t)
@@ -328,142 +373,167 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
             continue
         pid = prod[0]
         for t in sorted({t for kk in ks for t in R_of.get(kk, ())}):
-            X[t, pid] = m.add_var(f"X_{t}_{pid}", var_type=vt, ub=1)
+            X[t, pid] = m.add_var(f"X_{t}_{pid}", var_type=vtype, ub=1)
             replay_cost.append((C[ks[0]].recompute_s, X[t, pid]))
             # a replay of these producers serves every output recomputed at t
             for kk in ks:
                 if (t, kk) in R:
                     m += R[t, kk] <= X[t, pid], f"replay_{t}_{pid}_{kk}"
+    return replay_cost
 
-    def present(t: int, k: int):
-        """1 if candidate k is readable at op t (kept, landed or recomputed); a constant at its producer."""
-        if t == C[k].start:
-            return 1
-        return S[t, k] + R[t, k] if (t, k) in R else S[t, k]
 
-    # ---- objective: recompute + stalls (+ a tiny charge per transfer) -------------------------------
+def _set_objective(sm: StrModel, replay_cost: list[tuple[float, Any]]) -> Any:
+    """Objective: recompute + stalls (+ a tiny charge per transfer). Returns the copies' charge (the
+    exact link model sets its own objective, the step's end, and adds it there)."""
+    P, Y = sm.P, sm.Y
+    exact = sm.link == "exact"
     if exact:      # the step's end is a variable (solvers.exact_time); the objective is set there
         stall_terms = 0.0
-    elif fifo:     # stall seconds are variables (in microseconds), bounded below by FIFO arrival times
+    elif sm.link == "fifo":     # stall seconds are variables (in microseconds), bounded below by FIFO arrival times
         stall_terms = xsum(sm.sigma.values()) + xsum(COPY_CHARGE / TIME_UNIT * v for v in Y.values())
     else:
         stall_terms = xsum((sm.stall[key] + COPY_CHARGE) / TIME_UNIT * v for key, v in Y.items())
     copies = xsum(COPY_CHARGE / TIME_UNIT * v for v in (*P.values(), *(Y.values() if exact else ())))
     if not exact:
-        m.objective = xsum(cost / TIME_UNIT * v for cost, v in replay_cost) + stall_terms + copies
+        sm.m.objective = xsum(cost / TIME_UNIT * v for cost, v in replay_cost) + stall_terms + copies
+    return copies
 
-    # ---- dependencies: an op runs only with its candidate inputs on the device ----------------------
-    for k, c in enumerate(C):
+
+def _use_rows(sm: StrModel) -> None:
+    """Dependencies: an op runs only with its candidate inputs on the device."""
+    for k, c in enumerate(sm.problem.candidates):
         for t in c.uses:
-            m += present(t, k) >= 1, f"use_{t}_{k}"
+            sm.m += sm.present(t, k) >= 1, f"use_{t}_{k}"
 
-    # ---- recompute sources: a replay of p_i needs p_i's candidate inputs kept, landed or recomputed
-    #      first at the same stage (sources are replayed before their readers: list order)
-    for (t, k), r in R.items():
-        for j in C[k].src:
+
+def _source_rows(sm: StrModel) -> None:
+    """Recompute sources: a replay of p_i needs p_i's candidate inputs kept, landed or recomputed first at
+    the same stage (sources are replayed before their readers: list order)."""
+    p = sm.problem
+    for (t, k), r in sm.R.items():
+        for j in p.candidates[k].src:
             kj = p.index.get(j)
             if kj is not None and kj != k:
-                m += r <= present(t, kj), f"src_{t}_{k}_{kj}"
+                sm.m += r <= sm.present(t, kj), f"src_{t}_{k}_{kj}"
 
-    # ---- residency: kept at t only if on the device at t-1 or landed by a swap-in read first at t ---
+
+def _residency_rows(sm: StrModel) -> None:
+    """Residency: kept at t only if on the device at t-1 or landed by a swap-in read first at t."""
+    C = sm.problem.candidates
     arrivals: dict[tuple[int, int], list[Any]] = {}
-    for (q, u, k), y in Y.items():
+    for (q, u, k), y in sm.Y.items():
         arrivals.setdefault((u, k), []).append(y)
-    for (t, k), s in S.items():
+    for (t, k), s in sm.S.items():
         if t == C[k].start + 1:
             continue                       # produced at t-1: may be kept
-        m += s <= present(t - 1, k) + xsum(arrivals.get((t, k), [])), f"keep_{t}_{k}"
+        sm.m += s <= sm.present(t - 1, k) + xsum(arrivals.get((t, k), [])), f"keep_{t}_{k}"
 
-    # ---- host checkpoint: one swap-out per tensor, issued while it is on the device; it keeps its
-    #      device bytes until the copy ends; swap-ins (any number) only after the copy ended ----------
+
+def _host_checkpoint_rows(sm: StrModel) -> None:
+    """Host checkpoint: one swap-out per tensor, issued while it is on the device; it keeps its device
+    bytes until the copy ends; swap-ins (any number) only after the copy ended."""
+    m, C, S = sm.m, sm.problem.candidates, sm.S
     outs_of: dict[int, list[tuple[int, int, Any]]] = {}
-    for (t, f, k), v in P.items():
+    for (t, f, k), v in sm.P.items():
         outs_of.setdefault(k, []).append((t, f, v))
     for k, outs in outs_of.items():
         for t in sorted({t for t, _, _ in outs}):
             at_t = [v for tt, _, v in outs if tt == t]
             if t > C[k].start:
-                m += xsum(at_t) <= present(t, k), f"out_resident_{t}_{k}"
+                m += xsum(at_t) <= sm.present(t, k), f"out_resident_{t}_{k}"
         for t, f, v in outs:
             for s_ in range(t + 1, f + 1):
                 m += S[s_, k] >= v, f"out_inflight_{t}_{f}_{s_}_{k}"
         if len(outs) > 1:
             m += xsum(v for _, _, v in outs) <= 1, f"out_once_{k}"
     ins_by_issue: dict[tuple[int, int], list[Any]] = {}
-    for (q, u, k), y in Y.items():
+    for (q, u, k), y in sm.Y.items():
         ins_by_issue.setdefault((q, k), []).append(y)
     for (q, k), ys in ins_by_issue.items():
         done = [v for t, f, v in outs_of.get(k, []) if f < q]
         m += xsum(ys) <= xsum(done), f"in_after_out_{q}_{k}"
 
-    # ---- host link: one copy per direction at a time --------------------------------------------------
+
+def _inflight(sm: StrModel) -> dict[tuple[int, int], list[Any]]:
+    """The swap-ins whose device buffer is held at (stage, candidate): from issue to first read."""
     inflight: dict[tuple[int, int], list[Any]] = {}
-    for (q, u, k), y in Y.items():
+    for (q, u, k), y in sm.Y.items():
         for s_ in range(q, u):
             inflight.setdefault((s_, k), []).append(y)
-    cum = [float(x) for x in p.cum]
-    clock = None
-    if exact:
-        clock = _exact_link(sm, present, copies)
-    elif fifo:
-        # d2h, FIFO in issue order (after op t; same stage: candidate order): a copy ends by the end of
-        # its finish stage f if, for every earlier issue stage a, the copies issued from a on up to it
-        # fit between the end of op a and the end of stage f
-        order = sorted(P, key=lambda key: (key[0], key[2], key[1]))
-        big = sum(c.d2h_s for c in C) + cum[-1]
-        for j, (c_, f, k) in enumerate(order):
-            for a in sorted({t for t, _, _ in order if t <= c_}):
-                ahead = [(C[kk].d2h_s, P[t, ff, kk]) for (t, ff, kk) in order
-                         if a <= t and (t, kk) < (c_, k)]
-                m += (xsum(d / TIME_UNIT * v for d, v in ahead) + C[k].d2h_s / TIME_UNIT
-                      <= (cum[f + 1] - cum[a + 1]) / TIME_UNIT + big / TIME_UNIT * (1 - P[c_, f, k])), \
-                    f"d2h_fifo_{c_}_{f}_{k}_{a}"
-        # h2d, FIFO in issue order (start of stage q; same stage: candidate order): the stall at the
-        # first read u is at least the arrival time minus the start of u
-        order = sorted(Y, key=lambda key: (key[0], key[2], key[1]))
-        big = sum(c.h2d_s for c in C) + cum[-1]
-        for (q, u, k) in order:
-            for a in sorted({qq for qq, _, _ in order if qq <= q}):
-                ahead = [(C[kk].h2d_s, Y[qq, uu, kk]) for (qq, uu, kk) in order if a <= qq and (qq, kk) < (q, k)]
-                m += (sm.sigma[q, u, k] >= xsum(d / TIME_UNIT * v for d, v in ahead)
-                      + (cum[a] + C[k].h2d_s - cum[u]) / TIME_UNIT - big / TIME_UNIT * (1 - Y[q, u, k])), \
-                    f"h2d_fifo_{q}_{u}_{k}_{a}"
-    else:
-        # stage occupancy: a copy holds its direction during every stage it overlaps
-        d2h_busy: dict[int, list[Any]] = {}
-        for (t, f, k), v in P.items():
-            for s_ in range(t + 1, f + 1):
-                d2h_busy.setdefault(s_, []).append(v)
-        h2d_busy: dict[int, list[Any]] = {}
-        for (q, u, k), y in Y.items():
-            ready = p.in_ready(q, C[k].h2d_s)
-            for s_ in range(q, max(q, min(u, ready - 1)) + 1):
-                h2d_busy.setdefault(s_, []).append(y)
-        for s_, vs in d2h_busy.items():
-            if len(vs) > 1:
-                m += xsum(vs) <= 1, f"d2h_link_{s_}"
-        for s_, vs in h2d_busy.items():
-            if len(vs) > 1:
-                m += xsum(vs) <= 1, f"h2d_link_{s_}"
+    return inflight
 
-    # ---- memory: at every stage, everything on the device (kept, recomputed, swap-in buffers in
-    #      flight, swap-outs in flight via S) + the constant part (other tensors, the op's outputs and
-    #      workspace) <= budget ---------------------------------------------------------------------
-    mb = [c.nbytes / BYTE_UNIT for c in C]
+
+def _fifo_link_rows(sm: StrModel) -> None:
+    """Host link, ``link="fifo"``: one copy per direction at a time, in issue order as the simulator runs
+    them.
+
+    d2h (after op t; same stage: candidate order): a copy ends by the end of its finish stage f if, for
+    every earlier issue stage a, the copies issued from a on up to it fit between the end of op a and
+    the end of stage f. h2d (start of stage q; same stage: candidate order): the stall at the first read
+    u is at least the arrival time minus the start of u."""
+    p, m, P, Y = sm.problem, sm.m, sm.P, sm.Y
+    C = p.candidates
+    cum = [float(x) for x in p.cum]
+    order = sorted(P, key=lambda key: (key[0], key[2], key[1]))
+    big = sum(c.d2h_s for c in C) + cum[-1]
+    for j, (c_, f, k) in enumerate(order):
+        for a in sorted({t for t, _, _ in order if t <= c_}):
+            ahead = [(C[kk].d2h_s, P[t, ff, kk]) for (t, ff, kk) in order
+                     if a <= t and (t, kk) < (c_, k)]
+            m += (xsum(d / TIME_UNIT * v for d, v in ahead) + C[k].d2h_s / TIME_UNIT
+                  <= (cum[f + 1] - cum[a + 1]) / TIME_UNIT + big / TIME_UNIT * (1 - P[c_, f, k])), \
+                f"d2h_fifo_{c_}_{f}_{k}_{a}"
+    order = sorted(Y, key=lambda key: (key[0], key[2], key[1]))
+    big = sum(c.h2d_s for c in C) + cum[-1]
+    for (q, u, k) in order:
+        for a in sorted({qq for qq, _, _ in order if qq <= q}):
+            ahead = [(C[kk].h2d_s, Y[qq, uu, kk]) for (qq, uu, kk) in order if a <= qq and (qq, kk) < (q, k)]
+            m += (sm.sigma[q, u, k] >= xsum(d / TIME_UNIT * v for d, v in ahead)
+                  + (cum[a] + C[k].h2d_s - cum[u]) / TIME_UNIT - big / TIME_UNIT * (1 - Y[q, u, k])), \
+                f"h2d_fifo_{q}_{u}_{k}_{a}"
+
+
+def _stage_link_rows(sm: StrModel) -> None:
+    """Host link, ``link="stage"``: a copy holds its direction during every stage it overlaps, alone."""
+    p, m = sm.problem, sm.m
+    C = p.candidates
+    d2h_busy: dict[int, list[Any]] = {}
+    for (t, f, k), v in sm.P.items():
+        for s_ in range(t + 1, f + 1):
+            d2h_busy.setdefault(s_, []).append(v)
+    h2d_busy: dict[int, list[Any]] = {}
+    for (q, u, k), y in sm.Y.items():
+        ready = p.in_ready(q, C[k].h2d_s)
+        for s_ in range(q, max(q, min(u, ready - 1)) + 1):
+            h2d_busy.setdefault(s_, []).append(y)
+    for s_, vs in d2h_busy.items():
+        if len(vs) > 1:
+            m += xsum(vs) <= 1, f"d2h_link_{s_}"
+    for s_, vs in h2d_busy.items():
+        if len(vs) > 1:
+            m += xsum(vs) <= 1, f"h2d_link_{s_}"
+
+
+def _memory_rows(sm: StrModel, clock: Any) -> tuple[dict[int, Any], np.ndarray]:
+    """Memory: at every stage, everything on the device (kept, recomputed, swap-in buffers in flight,
+    swap-outs in flight via S) + the constant part (other tensors, the op's outputs and workspace) <=
+    budget. Returns each stage's expression and right-hand side (the replay rows reuse them)."""
+    p, m = sm.problem, sm.m
+    mb = _mib(p)
     # (variable, MiB) per stage, made into one LinExpr per stage: summing per-term expressions with
-    # xsum costs most of a large model's build, and the replay rows below reuse the stage's sum
-    terms: dict[int, list[tuple[Any, float]]] = {t: [] for t in range(T)}
-    for (t, k), s in S.items():
+    # xsum costs most of a large model's build, and the replay rows reuse the stage's sum
+    terms: dict[int, list[tuple[Any, float]]] = {t: [] for t in range(p.T)}
+    for (t, k), s in sm.S.items():
         terms[t].append((s, mb[k]))
-    for (t, k), r in R.items():
+    for (t, k), r in sm.R.items():
         terms[t].append((r, mb[k]))
-    for (s, k), ys in inflight.items():
+    for (s, k), ys in _inflight(sm).items():
         terms[s].extend((y, mb[k]) for y in ys)
     mem = {t: mip.LinExpr([v for v, _ in ts], [c for _, c in ts]) for t, ts in terms.items()}
     slack = p.budget - p.base_mem
     rhs = (slack - MEM_MARGIN) / BYTE_UNIT
     ghost_op = clock.ghost_op if clock else {}
-    for t in range(T):
+    for t in range(p.T):
         if ghost_op.get(t):
             m += mem[t] + xsum(mb[k] * g for k, g in ghost_op[t]) <= float(rhs[t]), f"mem_{t}"
         elif terms[t]:
@@ -471,20 +541,19 @@ def build_model(p: Problem, *, solver: str = "cbc", verbose: bool = False, relax
         elif slack[t] < 0:
             raise BudgetInfeasibleError(f"stage {t} needs {int(p.base_mem[t])} bytes without any candidate",
                                         int(p.base_mem.max()))
+    return mem, rhs
 
-    # ---- memory while a replay runs before op t: its other outputs and workspace are transient; only
-    #      rows where that can exceed what op t itself adds are needed (exact: each check of the stage)
+
+def _replay_memory_rows(sm: StrModel, mem: dict[int, Any], rhs: np.ndarray) -> None:
+    """Memory while a replay runs before op t: its other outputs and workspace are transient; only rows
+    where that can exceed what op t itself adds are needed (``link="exact"``: :func:`_exact_memory_rows`,
+    each check of the stage)."""
+    p = sm.problem
     op_extra = p.op_extra()
-    if exact:
-        _exact_memory_rows(sm, clock, mb, inflight, rhs)
-    else:
-        for (t, k), r in R.items():
-            extra = p.replay_extra(k)
-            if extra > op_extra[t]:
-                m += mem[t] + (extra - op_extra[t]) / BYTE_UNIT * r <= float(rhs[t]), f"mem_replay_{t}_{k}"
-
-    sm.build_s = time.perf_counter() - t0
-    return sm
+    for (t, k), r in sm.R.items():
+        extra = p.replay_extra(k)
+        if extra > op_extra[t]:
+            sm.m += mem[t] + (extra - op_extra[t]) / BYTE_UNIT * r <= float(rhs[t]), f"mem_replay_{t}_{k}"
 
 
 def exact_swap_in_options(p: Problem, k: int) -> list[tuple[int, int]]:
@@ -508,9 +577,6 @@ def _exact_memory_rows(sm: StrModel, clock: Any, mb: list[float], inflight: dict
     included, not those after), the ghosts at that instant, every output of the replayed stages and
     their largest workspace. A replay that does not run has no row (its ghosts are then free, and the
     rest is the op's row minus its outputs)."""
-    from mip import xsum
-
-    from .exact_time import replay_bytes
 
     m, p = sm.m, sm.problem
     pre_rhs = rhs + p.op_extra() / BYTE_UNIT
@@ -530,9 +596,6 @@ def _exact_memory_rows(sm: StrModel, clock: Any, mb: list[float], inflight: dict
 def _exact_link(sm: StrModel, present: Any, copies: Any) -> Any:
     """``link="exact"``: the simulator's clock (:mod:`solvers.exact_time`), the rules it needs of the
     copies, and the objective (the step's end, less the compute time)."""
-    from mip import xsum
-
-    from .exact_time import add_clock
 
     m, p, C = sm.m, sm.problem, sm.problem.candidates
     # the clock's big-M rows reach 1e4 us: a selector 1e-6 short of integral would give a release credit
@@ -675,7 +738,6 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
     ``deadline`` (a :func:`time.monotonic` instant) caps ``time_limit`` by the time left until then,
     so that time already spent (building the model) counts against the caller's limit.
     """
-    import mip
 
     m = sm.m
     if deadline is not None:
@@ -761,11 +823,6 @@ def _cut_plans_over_budget(sm: StrModel, status: Any, kw: dict[str, Any], t0: fl
     ``TOLERANCE_CUTS`` were added. A plan further over, or wrong for another reason, is left for the
     caller's own simulation to refuse.
     """
-    import mip
-    from mip import xsum
-
-    from ._common import make_plan, schedule_to_actions, simulate
-
     m, p = sm.m, sm.problem
     slack = max((c.nbytes for c in p.candidates), default=0) * 1e-6 + 16
     decisions = [*sm.S.values(), *sm.R.values(), *sm.X.values(), *sm.P.values(), *sm.Y.values()]
@@ -811,8 +868,6 @@ def solve_problem(p: Problem, *, time_limit: float | None = None, start: Schedul
     warm start); a child that died reports ``status="crashed"``. Where ``fork`` is unavailable the
     solve runs in-process and the limit is only CBC's own.
     """
-    import multiprocessing as mp
-
     check_backend(build_options.get("solver", "cbc"))
     t0 = time.monotonic()
     deadline = None if time_limit is None else t0 + max(float(time_limit), 0.0)
