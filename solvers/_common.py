@@ -29,6 +29,7 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable
 
 import numpy as np
@@ -86,6 +87,15 @@ class Problem:
     model: Any = None                      # the cost model itself (simulations use it)
     index: dict[int, int] = field(default_factory=dict)   # graph tensor id -> candidate position
     _readers: dict[int, set[int]] | None = field(default=None, repr=False)
+
+    @cached_property
+    def graph_hash(self) -> str:
+        """The graph's structure hash (what every plan records), computed once per problem."""
+        return self.graph.structure_hash()
+
+    @cached_property
+    def num_forward(self) -> int:
+        return self.graph.num_forward
 
     @property
     def first(self) -> list[int]:
@@ -395,7 +405,7 @@ def schedule_to_actions(p: Problem, sched: Schedule) -> list[Action]:
 
 
 def make_plan(p: Problem, actions: list[Action], solver: str, info: dict[str, Any] | None = None) -> Plan:
-    plan = Plan(actions=actions, graph_hash=p.graph.structure_hash(), device=p.device, budget_bytes=p.budget,
+    plan = Plan(actions=actions, graph_hash=p.graph_hash, device=p.device, budget_bytes=p.budget,
                 solver=solver, info=dict(info or {}))
     plan.actions = plan.sorted_actions()
     return plan

@@ -110,7 +110,7 @@ def _plan(p: Problem, sched: Schedule, name: str, info: dict[str, Any] | None = 
 def _backward_gap(p: Problem, k: int) -> tuple[int, int] | None:
     """(last forward read, first backward read) of candidate k: the gap eviction exploits."""
     c = p.candidates[k]
-    nf = p.graph.num_forward
+    nf = p.num_forward
     fwd = [u for u in (c.start, *c.uses) if u < nf]
     bwd = [u for u in c.uses if u >= nf]
     if not fwd or not bwd or bwd[0] - fwd[-1] < 2:

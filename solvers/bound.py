@@ -106,6 +106,8 @@ def lower_bound(graph: "Graph", budget: int, device: Any = DEFAULT_DEVICE) -> Lo
                                                            swapped * per_h2d)
 
         lo, hi = max(0.0, need - float(cum_b[-1])), float(need)
+        if min(total(lo), total(hi)) <= best.time_s:
+            continue        # the search below returns no more than either end: this stage cannot raise the bound
         x_best = _golden_min(total, lo, hi)
         value = total(x_best)
         if value > best.time_s:
