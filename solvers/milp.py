@@ -46,6 +46,9 @@ be read back). The objective is in microseconds and memory rows in MiB, so coeff
 Time limit (:func:`solve_problem`): wall time for building, solving and reading the solution. CBC gets
 what is left after the build, less a reserve for its overrun; a child still running a second past the
 deadline is stopped and reported as ``status="time limit"`` (the caller falls back to its warm start).
+
+One concern, the MILP, from its model (:func:`build_model`, one function per row family) to its solve,
+warm start and solution; hence its length.
 """
 from __future__ import annotations
 

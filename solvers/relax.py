@@ -18,6 +18,10 @@
 The same machinery without the LP (all gaps start as keeps) is the ``greedy`` planner used to warm-start
 the MILP. Everything runs on the discrete timing model of :mod:`solvers._common`; the simulator then
 judges the plan.
+
+One concern, integral schedules as one choice per gap (:class:`GapPlanner`: realise, repair, improve;
+its starts: Capuchin's construction, a plan's actions, the LP's mass), hence its length; the LP itself
+is :mod:`solvers.lp`.
 """
 from __future__ import annotations
 
