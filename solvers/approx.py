@@ -388,14 +388,8 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
     res = milp.solve_problem(p, time_limit=limit - (time.perf_counter() - t0), start=start,
                              isolate=options.get("isolate", True), solver=options.get("solver_backend", "cbc"),
                              verbose=verbose, compact=compact)
-    info = {"status": res.status, "milp_vars": res.num_vars, "milp_constraints": res.num_constraints,
-            "milp_s": round(time.perf_counter() - t0, 4), "compact": relax.is_large(p)}
-    if res.start_note:
-        info["warm_start"] = res.start_note
-    if res.objective is not None:
-        info["objective_s"] = p.compute_s + res.objective
+    info = milp.result_info(p, res, milp_s=round(time.perf_counter() - t0, 4), compact=relax.is_large(p))
     if res.bound is not None:
-        info["bound_s"] = p.compute_s + res.bound
         info["mip_gap"] = (res.objective - res.bound) / (p.compute_s + res.objective) if res.objective is not None else None
     if approx is not None:
         for k in ("lp_bound_s",):

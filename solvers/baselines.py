@@ -417,13 +417,7 @@ def _restricted_milp(name: str, graph: Graph, budget: int, model: Any, time_limi
         res = milp.solve_problem(p, time_limit=left, start=start, isolate=options.get("isolate", True),
                                  solver=options.get("solver_backend", "cbc"), verbose=verbose, swap=swap,
                                  recompute=recompute, compact=relax.is_large(p))
-        info: dict[str, Any] = {"status": res.status, "milp_vars": res.num_vars, "milp_constraints": res.num_constraints}
-        if res.start_note:
-            info["warm_start"] = res.start_note
-        if res.objective is not None:
-            info["objective_s"] = p.compute_s + res.objective
-        if res.bound is not None:
-            info["bound_s"] = p.compute_s + res.bound
+        info = milp.result_info(p, res)
         sched = res.schedule
         if sched is None and start is not None:
             sched = start

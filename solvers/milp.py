@@ -848,6 +848,20 @@ def _cut_plans_over_budget(sm: StrModel, status: Any, kw: dict[str, Any], t0: fl
     return status
 
 
+def result_info(p: Problem, res: SolveResult, **extra: Any) -> dict[str, Any]:
+    """What a MILP solve says in ``plan.info``: status and size (then ``extra``), whether the warm start
+    satisfied the model, objective and bound in seconds of step time."""
+    info: dict[str, Any] = {"status": res.status, "milp_vars": res.num_vars, "milp_constraints": res.num_constraints,
+                            **extra}
+    if res.start_note:
+        info["warm_start"] = res.start_note
+    if res.objective is not None:
+        info["objective_s"] = p.compute_s + res.objective
+    if res.bound is not None:
+        info["bound_s"] = p.compute_s + res.bound
+    return info
+
+
 # ---- a crash-proof solve that keeps its time limit -----------------------------------------------
 MIN_SOLVE_S = 0.05         # less time than this left after building the model: do not start the solver
 OVERRUN_RESERVE_S = 0.5    # of the time left after the build, kept back from CBC for its overrun: at least
