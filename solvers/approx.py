@@ -205,7 +205,8 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
             break
         seed_plan = pool.best[1]
         out = _solve_problem(p, solver, left, verbose, options, None if seed_plan is None else seed_plan.actions,
-                             lp_job if attempt == 0 else None)
+                             lp_job if attempt == 0 else None,
+                             _unfit_start(fine, seeds) if solver == "milp" and seed_plan is None else None)
         if out is None:
             notes.append(f"{solver} found no plan on the {'coarse ' if coarse else ''}problem at {inner} B")
             break
@@ -360,9 +361,20 @@ def _milp_fallback(pool: _Pool, p: Problem, str_plan: Plan | None, seeds: list[t
         notes.append(f"the MILP fallback found no plan ({out.info.get('status') if out else 'no solution'})")
 
 
+def _unfit_start(fine: Problem, seeds: list[tuple[float, str, Any]]) -> list | None:
+    """The actions of the best start that does not fit (Capuchin's construction, left over budget), for
+    a MILP that has no plan to start from: made to satisfy its rows and repaired, it may fit."""
+    for _, _, arg in sorted(seeds, key=lambda s: s[0]):
+        if isinstance(arg, relax.GapPlanner):
+            return schedule_to_actions(fine, arg.schedule(arg.realize()))
+        if isinstance(arg, list):
+            return arg
+    return None
+
+
 def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: bool,
                    options: dict[str, Any], seed_actions: list | None = None,
-                   lp_job: lp_relaxation.Background | None = None) -> Plan | None:
+                   lp_job: lp_relaxation.Background | None = None, unfit_actions: list | None = None) -> Plan | None:
     """The STR planner on ``p``; for the MILP, ``seed_actions`` (the best start's plan) is its warm start
     where the LP rounding finds none. ``lp_job``: the LP of ``p``, started in the background."""
     if solver == "greedy":
@@ -372,19 +384,30 @@ def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: b
     approx = None if sched is None else make_plan(p, schedule_to_actions(p, sched), "approx", info)
     if solver == "approx":
         return approx
-    return _solve_milp(p, approx, sched, time_limit, verbose, options, seed_actions)
+    return _solve_milp(p, approx, sched, time_limit, verbose, options, seed_actions, unfit_actions)
 
 
 def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float | None, verbose: bool,
-                options: dict[str, Any], seed_actions: list | None = None) -> Plan | None:
+                options: dict[str, Any], seed_actions: list | None = None,
+                unfit_actions: list | None = None) -> Plan | None:
     limit = DEFAULT_MILP_TIME_LIMIT if time_limit is None else time_limit
     t0 = time.perf_counter()
     compact = options.get("compact", relax.is_large(p))
-    actions = schedule_to_actions(p, start) if start is not None else seed_actions
-    if actions is not None and milp.default_link(p, compact) == "stage":
+    # starts to try, best first: the rounded LP schedule, the best plan so far, the best start that does
+    # not fit (the stage link start repairs its memory): CBC searches from a start that satisfies its rows
+    tries = [a for a in (schedule_to_actions(p, start) if start is not None else None, seed_actions, unfit_actions)
+             if a is not None]
+    if tries and milp.default_link(p, compact) == "stage":
         # the rounding queues copies FIFO, which the stage link rows refuse: a start CBC keeps
-        legal = relax.stage_link_start(p, actions, compact, time_budget=min(STAGE_START_S, 0.1 * limit))
-        start = legal if legal is not None else start
+        end = t0 + min(2 * STAGE_START_S, 0.2 * limit)
+        for i, actions in enumerate(tries):
+            left = (end - time.perf_counter()) / (len(tries) - i)
+            legal = relax.stage_link_start(p, actions, compact, time_budget=left) if left > 0.05 else None
+            if legal is not None:
+                start = legal
+                break
+    elif tries and start is None and p.T == p.graph.num_stages:
+        start = schedule_of_actions(p, tries[0])     # an uncoarsened problem: the plan is a schedule of it
     res = milp.solve_problem(p, time_limit=limit - (time.perf_counter() - t0), start=start,
                              isolate=options.get("isolate", True), solver=options.get("solver_backend", "cbc"),
                              verbose=verbose, compact=compact)

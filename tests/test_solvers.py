@@ -524,3 +524,17 @@ def test_the_background_lp_is_the_lp_solved_in_process() -> None:
     job = lp.Background(p, 30, compact=True)
     job.close()
     assert job.result().values is None and job.result().result.status == "stopped"
+
+
+def test_the_milp_without_a_plan_in_hand_starts_from_the_best_start_that_does_not_fit() -> None:
+    """Where no start fits, the MILP's warm start is made from the best one that does not (Capuchin's
+    construction, over budget): the stage link start repairs its memory where it can."""
+    from hybridmem.solvers import approx
+
+    g = random_graph(30, seed=5)
+    fine = build_problem(g, int(0.4 * g.peak_bytes()), "h100-80gb")
+    gp = relax.GapPlanner(fine)
+    gp.capuchin_fill()
+    actions = approx._unfit_start(fine, [(float("inf"), "capuchin", gp)])
+    assert actions == schedule_to_actions(fine, gp.schedule(gp.realize()))
+    assert approx._unfit_start(fine, []) is None
