@@ -91,6 +91,7 @@ def coarsen_groups(graph: Graph, target: int = TARGET) -> list[list[int]]:
 
 def coarse_graph(graph: Graph, groups: list[list[int]]) -> Graph:
     """The merged graph of ``groups`` (``hybridmem.capture.merge_stages``), for inspection and reports."""
+    # lazy: hybridmem.capture imports torch, which planning on a saved graph does not otherwise need
     from hybridmem.capture import merge_stages
 
     return merge_stages(graph, groups)

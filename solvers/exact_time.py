@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mip import BINARY, CONTINUOUS, xsum
+
 from ._common import Problem
 
 ROW_SCALE = 1e3            # ghost rows scaled up: CBC keeps rows to ~1e-6 whatever tolerance it is given, and
@@ -73,8 +75,6 @@ class Clock:
 def exact_max(m: Any, target: Any, terms: list[tuple[Any, list[Any]]], big: float, name: str) -> None:
     """Constrain ``target`` to equal the largest of the present ``terms`` (``(expression, conditions)``;
     a term is present when all its binary conditions are 1; at least one term has none)."""
-    from mip import BINARY, xsum
-
     if len(terms) == 1:
         m += target == terms[0][0], name
         return
@@ -102,8 +102,6 @@ def add_clock(sm: Any, present: Any, unit: float) -> Clock:
     ``sm.P`` keys are ``(t, t, k)`` (one swap-out option per issue stage), ``sm.Y`` keys ``(q, u, k)``
     with ``u`` the first stage reading the copy; ``present(t, k)`` is the model's presence expression.
     """
-    from mip import BINARY, CONTINUOUS, xsum
-
     m, p = sm.m, sm.problem
     C, T = p.candidates, p.T
     op = [float(x) / unit for x in p.op_s]

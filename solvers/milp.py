@@ -119,7 +119,7 @@ def check_backend(solver: str = "cbc") -> str:
     key = solver.lower()
     if key == "highs":
         try:
-            import highspy  # noqa: F401
+            import highspy  # noqa: F401  (lazy: the optional HiGHS backend, only asked for here)
         except ImportError:
             raise SolverUnavailableError(
                 "solver 'highs' needs the highspy package: pip install 'hybridmem[highs]' "
