@@ -14,10 +14,11 @@ planners and the MILP baselines, and the plan is written and validated on the fu
 
 Solvers (``SOLVERS``):
 
-- ``approx`` (default): a portfolio on the full graph: heuristic starts (DTR replay, Capuchin, Chen,
-  vDNN: never slower than those baselines), the rounding of Checkmate's recompute-only LP relaxation,
-  the STR LP relaxation + recursive source tracing rounding (:mod:`solvers.relax`) on the (coarsened)
-  problem, a gap-by-gap polish of the best of them, and on small uncoarsened problems
+- ``approx`` (default; :mod:`solvers.approx`): a portfolio on the full graph: heuristic starts (DTR
+  replay, Capuchin, Chen, vDNN: never slower than those baselines), the rounding of Checkmate's
+  recompute-only LP relaxation, the STR LP relaxation (:mod:`solvers.lp`, solved in a child process
+  beside the starts on large problems) + recursive source tracing rounding (:mod:`solvers.relax`) on the
+  (coarsened) problem, a gap-by-gap polish of the best of them, and on small uncoarsened problems
   (:func:`solvers.relax.is_large` false) the exact MILP warm-started from the best plan, with the time
   left (without a ``time_limit``, at most ``EXACT_IMPROVE_S`` once a plan is in hand;
   ``info["exact_status"]``, ``info["exact_improved"]``; option ``exact=False`` turns it off): there
@@ -32,7 +33,8 @@ Solvers (``SOLVERS``):
   does not); ``time_limit`` seconds (default 60); on timeout without a solution, or a solution the
   simulator rejects, the approx plan is returned with ``plan.info["fallback"]`` saying why.
 - ``greedy``: the source-tracing repair alone, from keep-everything (no LP).
-- baselines (:mod:`solvers.baselines`): ``keep-all``, ``chen`` (sqrt(n) checkpointing), ``checkmate``
+- baselines (:mod:`solvers.baselines`, each registered there with its name and description, which
+  ``DESCRIPTIONS`` and the CLI read): ``keep-all``, ``chen`` (sqrt(n) checkpointing), ``checkmate``
   (recompute-only MILP), ``swap-vdnn`` (swap conv/linear inputs, prefetch one layer ahead), ``swap-opt``
   (swap-only MILP), ``capuchin`` (hidden swaps first, then recompute by memory saved per second), ``dtr``
   (replay of a greedy online evictor).

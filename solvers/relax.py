@@ -779,7 +779,8 @@ def is_large(p: Problem) -> bool:
 
 def solve_relaxed(p: Problem, *, time_limit: float | None = None, verbose: bool = False,
                   variants: tuple[dict[str, Any], ...] = VARIANTS, rules: tuple[str, ...] = ("lp-drop", "lp", "keep"),
-                  lp_job: lp_relaxation.Background | None = None, **model_options: Any) -> tuple[Schedule | None, dict[str, Any]]:
+                  lp_job: lp_relaxation.Background | None = None,
+                  **model_options: Any) -> tuple[Schedule | None, dict[str, Any]]:
     """LP relaxation + source-tracing rounding. ``info`` has the LP bound (seconds of step time).
 
     ``model_options`` go to :func:`solvers.milp.build_model` (e.g. ``swap=False``: the relaxation of
