@@ -267,6 +267,10 @@ def build_variant(method: str, model: nn.Module, inputs: Any, *, budget: int | N
         kw: dict[str, Any] = {"budget": None if monitor_only else budget, "device": "cpu"}
         if method == "hybridmem-monitor-ops":
             kw["monitor"] = "ops"
+        if method in ("hybridmem-recompute", "hybridmem-recompute-mode"):
+            kw["policies"] = ("recompute",)
+        if method.endswith("-mode"):  # every step under the dispatch mode (no steady state): the comparison
+            kw["config"] = {"plugins": {"steady": False}}
         if method == "hybridmem-plan":
             if plan is None or isinstance(plan, str):  # a string says why there is no plan
                 raise Unavailable(plan or "no plan (planner or capture missing)")
@@ -531,7 +535,7 @@ def run_methods(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Te
                     s.result.alloc_peak_bytes = alloc_peak(lambda: _probe_step(v, loss_fn))
         except Exception as e:
             s.result.reason = f"peak not measured: {type(e).__name__}: {e}"
-        if budget is not None and s.result.peak_bytes is not None and s.result.method in ("hybridmem-online", "hybridmem-plan"):
+        if budget is not None and s.result.peak_bytes is not None and s.result.method.startswith(("hybridmem-online", "hybridmem-plan", "hybridmem-recompute")):
             s.result.budget_ok = s.result.peak_bytes <= budget
     return [s.result for s in states], source
 

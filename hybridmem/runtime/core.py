@@ -35,10 +35,11 @@ from .mode import RuntimeMode
 from .monitor import NOTE as MONITOR_NOTE, AllocatorMonitor
 from .prefetch import Prefetcher
 from .produced import ProducedTable
+from .program import ProgramRecorder, StepProgram, SteadyPack
 from .residency import NoMode, Residency
-from .saved import SavedStore
+from .saved import Saved, SavedStore
 from .stats import Stats, StatsRecorder
-from .steps import Clock, StepTracker
+from .steps import FORWARD, Clock, StepTracker
 from .threads import OwnerThread, drop_hooks, leave_mode
 
 
@@ -96,7 +97,7 @@ def cost_model_for(device: torch.device, cfg: Config) -> Any:
     return get_cost_model(name or "cpu")
 
 
-RUNTIME_EXTRA = ("cost_model", "cuda_cap", "light")  # keys of the 'plugins' section that are not policies
+RUNTIME_EXTRA = ("cost_model", "cuda_cap", "light", "steady")  # keys of the 'plugins' section that are not policies
 
 
 def check_extra(cfg: Config) -> None:
@@ -108,6 +109,8 @@ def check_extra(cfg: Config) -> None:
         if key not in RUNTIME_EXTRA and key not in policies:
             raise ValueError(f"{cfg.source('extra')}: unknown key {key!r}; accepted: the policies {policies} "
                              f"(each a mapping of its options) and {list(RUNTIME_EXTRA)}")
+        if key == "steady" and not isinstance(value, bool):
+            raise ValueError(f"{cfg.source('extra')}: steady: expected true or false, got {value!r}")
         if key in policies and value is not None and not isinstance(value, dict):
             raise ValueError(f"{cfg.source('extra')}: {key}: expected a mapping of the policy's options, "
                              f"got {value!r}")
@@ -217,6 +220,19 @@ class Runtime:
         self._pack = self.store.pack if manages else self.store.pack_counting
         # torch.utils.checkpoint regions run plainly under the online scorer's budget (runtime.ckpt)
         self.takes_regions = self.budget is not None and plan is None and book is None and not self.light
+        # Steady state (runtime.program): a step like the recorded one runs with the saved-tensor hooks
+        # alone. It needs the allocator to enforce the budget (the native device) and no per-stage work.
+        self.steady_possible = (self.native is not None and self.follower is None and self.buckets is None
+                                and self.prefetcher is None and cfg.extra.get("steady", True))
+        self.program: StepProgram | None = None
+        self._program_rec: ProgramRecorder | None = None
+        self._steady: SteadyPack | None = None
+        self._packfn: Any = self._pack
+        self._evicted_before: dict[str, int] = {}
+        self._registered_before = 0
+        self._refused_before = 0
+        self._divergences = 0
+        self.mode_on = False  # the dispatch mode is entered (off during steady-state steps)
 
     def _monitor_kind(self, cfg: Config, manages: bool) -> str:
         """``"allocator"`` or ``"ops"`` (see ``Config.monitor``); errors for what cannot be honoured."""
@@ -276,10 +292,11 @@ class Runtime:
                 self.meter.budget_bytes = self.budget
                 self.meter.apply_cuda_cap()
         self.mode.__enter__()
+        self.mode_on = True
         if self.buckets is not None:
             self.buckets.install()  # before FixedMarker's hook, where the step starts: it picks the plan
         self.fixed.install()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self.store.unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
         self._hooks.__enter__()
         if self.takes_regions and not ckpt.install(regions_runtime):
             self.stats.note("torch.utils.checkpoint regions are left to checkpoint (this torch lacks the "
@@ -295,15 +312,16 @@ class Runtime:
         if self.light or self.mode is None:
             return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and top[0] != self._pack:
+        if top is not None and top[0] != self._pack_hook:
             raise RuntimeError("hybridmem.disable() called inside another saved_tensors_hooks context "
                                "(e.g. torch.autograd.graph.save_on_cpu) opened after enable(): leave it first")
         from torch.utils._python_dispatch import _get_current_dispatch_mode
-        if _get_current_dispatch_mode() is not self.mode:
+        if self.mode_on and _get_current_dispatch_mode() is not self.mode:
             raise RuntimeError("hybridmem.disable() called inside another TorchDispatchMode entered after "
                                "enable(): leave it first")
         self._hooks.__exit__(None, None, None)
-        self.mode.__exit__(None, None, None)
+        if self.mode_on:
+            self.mode.__exit__(None, None, None)
         self._detach()
 
     def release(self) -> None:
@@ -317,8 +335,9 @@ class Runtime:
         if self.light or self.mode is None:
             return
         self.mode.quiet_depth += 1
-        drop_hooks(self._pack)
-        leave_mode(self.mode)
+        drop_hooks(self._pack_hook)
+        if self.mode_on:
+            leave_mode(self.mode)
         self._detach()
 
     def _detach(self) -> None:
@@ -327,6 +346,11 @@ class Runtime:
             self.buckets.uninstall()
         self._hooks = None
         self.mode = None
+        self.mode_on = False
+        if self.program is not None:
+            self.program.unbind()  # no tensor of the last step stays reachable from a disabled runtime
+        self._steady = None
+        self._packfn = self._pack
         self.residency.mode = NoMode()  # entries still alive regenerate unmetered from now on
         if self.native is not None:
             self.native.uninstall()
@@ -339,7 +363,133 @@ class Runtime:
         if not self.owner.here():
             self.owner.foreign_module_call()
             return
-        self.steps.module_called()
+        steps = self.steps
+        if self.steady_possible and steps.phase != FORWARD and torch.is_grad_enabled() \
+                and torch._C._current_graph_task_id() == -1:
+            self._choose_step()  # a step starts here: with the dispatch mode, or in the steady state
+        steps.module_called()
+
+    def _pack_hook(self, t: torch.Tensor) -> Any:
+        return self._packfn(t)
+
+    def _unpack_hook(self, h: Any) -> torch.Tensor:
+        if self._steady is not None:
+            if not self.steps.in_backward:
+                self.steps.backward_seen()  # no op is observed in the steady state: the first read says it
+            if self.store.pending:
+                # backward makes no saves: what the forward left pending, and entries rebuilt since, are
+                # registered here, as the dispatch mode does before an op that nears the budget (mode._cap)
+                self._steady_after()
+        return self.store.unpack(h)
+
+    def _choose_step(self) -> None:
+        """Before a step starts: steady state if a program is ready and the dispatch mode can be left
+        (nothing entered above it), else the dispatch mode, recording a program."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        prog, mode = self.program, self.mode
+        if mode is None:
+            return
+        if prog is not None and (not self.mode_on or _get_current_dispatch_mode() is mode):
+            if self.mode_on:
+                mode.__exit__(None, None, None)
+                self.mode_on = False
+            prog.start_step()
+            self._steady = SteadyPack(prog, self._pack, self._bind, self._steady_after, self._diverged,
+                                      self.store.keep, self._far, self.stats.saved)
+            self._packfn = self._steady
+            self._program_rec = None
+            return
+        if not self.mode_on:
+            mode.__enter__()
+            self.mode_on = True
+        self._steady = None
+        # The first step is not recorded: the optimizer's state appears after it, so later steps hold more.
+        if self._divergences < 3 and self.steps.steps >= 1:
+            self._program_rec = ProgramRecorder()
+            self._packfn = self._pack_recording
+        else:
+            self._program_rec = None
+            self._packfn = self._pack
+
+    def _pack_recording(self, t: torch.Tensor) -> Any:
+        h = self._pack(t)
+        rec = self._program_rec
+        if rec is not None:
+            rec.saved(t, h.entry.lineage if type(h) is Saved else None)
+        return h
+
+    def _bind(self, node: Any, st: torch.UntypedStorage) -> None:
+        slot = self.produced.add(st)
+        slot.node, node.storage = node, slot
+
+    def _far(self) -> bool:
+        """Whether the device is far from its budget (at least half of it free)."""
+        return self.budget is None or self.budget - self.meter.current_bytes >= self.budget // 2
+
+    def _steady_after(self) -> None:
+        store = self.store
+        if store.pending and self.budget is not None \
+                and self.budget - self.meter.current_bytes < self.budget // 4:
+            store.register_pending()  # near the budget: as the dispatch mode does before an op (mode._cap)
+
+    def _diverged(self, why: str) -> None:
+        self._divergences += 1
+        self.program = None
+        self.stats.note(f"steady state left at step {self.steps.steps + 1}: {why}; the dispatch mode runs "
+                        f"again from the next step" + ("" if self._divergences < 3 else
+                                                       " (and stays: the steps keep changing)"))
+
+    def _finish_program(self, stages: int) -> None:
+        """End of a recording step: keep its program if later steps may follow it."""
+        rec, self._program_rec = self._program_rec, None
+        self.residency.on_evicted = None
+        why = self._steady_refusal(rec)
+        prog = rec.finish(self._module_state()) if rec is not None and not why else None
+        pressure = self._pressure()
+        if prog is not None and rec is not None and prog.replays_random(rec.evicted):
+            why = ("what the step evicted is rebuilt through ops that draw random numbers: only the dispatch "
+                   "mode replays them (with the states they drew)")
+        if prog is None or why:
+            self.stats.note(f"steady state: not used ({why})")
+            return
+        prog.stages, prog.pressure = stages, pressure
+        self.program = prog
+        if self.recorder is not None:
+            self.recorder.keep = prog.keep
+
+    def _steady_refusal(self, rec: ProgramRecorder | None) -> str:
+        if rec is None or not rec.saves:
+            return "the step saved nothing"
+        if not self.steps.modules:
+            return "steps start at module calls only"
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return "distributed training keeps the dispatch mode"
+        others = [n for n, p in self.stats.policies.items()
+                  if n != "recompute" and p.evicted > self._evicted_before.get(n, 0)]
+        if others:
+            return f"the recorded step evicted by {', '.join(others)}, which only the dispatch mode drives"
+        refused = self.native.native.refused - self._refused_before if self.native is not None else 0
+        if refused:
+            # the allocator alone (all a steady-state step has) could not free enough there: the dispatch
+            # mode evicted the rest around the op it retried
+            return f"the allocator alone ran out {refused} time(s) in the recorded step; the dispatch mode made room"
+        return ""
+
+    def _pressure(self) -> bool:
+        """Whether the step that is ending came near its budget (entries registered or evicted)."""
+        rc = self.stats.policies.get("recompute")
+        return (self.store.registrations > self._registered_before
+                or (rc is not None and rc.evicted > self._evicted_before.get("recompute", 0)))
+
+    def _module_state(self) -> set[int]:
+        """Storage ids of the parameters and buffers of every module called so far."""
+        out: set[int] = set()
+        for r in self.fixed.modules():
+            for t in (*r._parameters.values(), *r._buffers.values()):
+                if t is not None:
+                    out.add(id(t.untyped_storage()))
+        return out
 
     def _step_started(self) -> None:
         self.store.epoch += 1
@@ -348,8 +498,28 @@ class Runtime:
         self.residency.forget_offers()
         if self.follower is not None:
             self.follower.step_started()
+        rec = self._program_rec
+        if rec is not None:
+            self._evicted_before = {n: p.evicted for n, p in self.stats.policies.items()}
+            self._registered_before = self.store.registrations
+            self._refused_before = self.native.native.refused if self.native is not None else 0
+            self.residency.on_evicted = lambda e: rec.evicted.append(e.lineage) if e.lineage is not None else None
+        else:
+            self.residency.on_evicted = None
 
     def _step_ended(self, stages: int) -> None:
+        steady = self._steady
+        if steady is not None:
+            self._steady = None
+            self._packfn = self._pack
+            stages = steady.program.stages
+            self.stats.steady_steps += 1
+            if self.program is not None:
+                if not steady.complete:
+                    self._diverged(f"the step saved {steady.k} tensors where the recorded step saved "
+                                   f"{len(steady.saves)}")
+        elif self._program_rec is not None:
+            self._finish_program(stages)
         self.store.drain()
         self.stats.step_done(stages)
         self.fsdp_sync.refresh()

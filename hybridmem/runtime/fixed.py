@@ -58,6 +58,10 @@ class FixedMarker:
                         slot.node = slot.entry = None
         self.meter.track(*fixed)
 
+    def modules(self) -> list[torch.nn.Module]:
+        """The modules called so far that are still alive."""
+        return [m for r in list(self._seen.values()) if (m := r()) is not None]
+
     def _forget(self, k: int) -> None:
         r = self._seen.get(k)
         if r is not None and r() is None:

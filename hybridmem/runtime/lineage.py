@@ -84,8 +84,9 @@ class FixedRef:
 
     __slots__ = ("alias", "version", "view")
 
-    def __init__(self, alias: Tensor, version: int, view: View):
-        self.alias, self.version, self.view = alias, version, view  # version -1: value not used
+    def __init__(self, alias: Tensor | None, version: int, view: View):
+        # version -1: value not used; alias None: not bound in this step (a step program's, runtime.program)
+        self.alias, self.version, self.view = alias, version, view
 
 
 class GenState:
@@ -93,12 +94,12 @@ class GenState:
 
     __slots__ = ("device", "state")
 
-    def __init__(self, device: torch.device, state: Tensor):
+    def __init__(self, device: torch.device, state: bytes):
         self.device, self.state = device, state
 
     def make(self) -> torch.Generator:
         g = torch.Generator(device=self.device)
-        g.set_state(self.state)
+        g.set_state(state_tensor(self.state))
         return g
 
 
@@ -260,6 +261,7 @@ class Recorder:
         self.cuda_deterministic = cuda_deterministic
         self.cost = cost
         self._step_nodes: list[Node] = []
+        self.keep: set[int] = set()  # ids of nodes a step program replays (runtime.program): never pruned
         self._gens: dict[int, Tensor] = {}  # generator states before the op being recorded
 
     # -- references ----------------------------------------------------------------------------
@@ -291,7 +293,7 @@ class Recorder:
             return type(v)(self.ref(b) if isinstance(b, Tensor) else b for b in v)
         if isinstance(v, torch.Generator):
             # replay draws from a copy in the state the op found; the user's generator stays put
-            return GenState(v.device, self._gens.get(id(v), v.get_state()))
+            return GenState(v.device, self._gens.get(id(v)) or host_state(v.get_state()))
         return v
 
     # -- ops -----------------------------------------------------------------------------------
@@ -354,7 +356,7 @@ class Recorder:
 
     def _prune(self) -> None:
         nodes, self._step_nodes = self._step_nodes, []
-        keep: set[int] = set()
+        keep: set[int] = set(self.keep)
         stack = [n for n in nodes if n.entry is not None]
         while stack:  # everything an entry's lineage may replay stays
             n = stack.pop()
@@ -455,33 +457,44 @@ class RngBefore:
 
     __slots__ = ("default", "generators")
 
-    def __init__(self, default: tuple[Tensor, Tensor | None], generators: dict[int, Tensor]):
+    def __init__(self, default: tuple[bytes, bytes | None], generators: dict[int, bytes]):
         self.default, self.generators = default, generators
 
 
-def rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+def rng_state(device: torch.device) -> tuple[bytes, bytes | None]:
     """The default generators' states an RNG op on ``device`` draws from (CPU, and CUDA if used)."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    cuda = host_state(torch.cuda.get_rng_state(device)) if device.type == "cuda" else None
+    return host_state(torch.get_rng_state()), cuda
+
+
+def host_state(t: Tensor) -> bytes:
+    """An RNG state as Python bytes: recorded states live outside the allocator the budget caps (a CPU
+    generator's state is 5 KB per random op; on the simulated CPU device it would count as device bytes)."""
+    return t.numpy().tobytes()
+
+
+def state_tensor(b: bytes) -> Tensor:
+    """The state tensor ``set_state`` takes, over a copy of ``b`` (no allocator bytes)."""
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
 
 
 class _ForkedRNG:
     """Run with a recorded RNG state, then put the current state back (a replay leaves the training
     run's RNG stream untouched)."""
 
-    def __init__(self, state: tuple[Tensor, Tensor | None], device: torch.device):
+    def __init__(self, state: tuple[bytes, bytes | None], device: torch.device):
         self.state, self.device = state, device
 
     def __enter__(self) -> None:
         self.saved = rng_state(self.device)
-        torch.set_rng_state(self.state[0])
+        torch.set_rng_state(state_tensor(self.state[0]))
         if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1], self.device)
+            torch.cuda.set_rng_state(state_tensor(self.state[1]), self.device)
 
     def __exit__(self, *exc: Any) -> None:
-        torch.set_rng_state(self.saved[0])
+        torch.set_rng_state(state_tensor(self.saved[0]))
         if self.saved[1] is not None:
-            torch.cuda.set_rng_state(self.saved[1], self.device)
+            torch.cuda.set_rng_state(state_tensor(self.saved[1]), self.device)
 
 
 # ---- replay --------------------------------------------------------------------------------------------
@@ -731,6 +744,8 @@ def _own_reason(n: Node, v: int) -> str:
         for r in rec.refs():
             if r is OPAQUE:
                 return "an input has no lineage (made outside the recorded forward pass)"
+            if isinstance(r, FixedRef) and r.alias is None:
+                return "an input of the recorded step is not bound in this step"
             if isinstance(r, FixedRef) and r.version >= 0 and r.alias._version != r.version:
                 return f"an input of shape {list(r.view.size)} was modified in place since"
     return ""

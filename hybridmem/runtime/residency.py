@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import numpy as np
 import torch
@@ -71,6 +71,7 @@ class Residency:
         store.discard = self.discard
         store.changed = self.forget_offers
         store.dropped = self.dropped
+        self.on_evicted: Callable[[Entry], None] | None = None  # the steady state's recording step listens
 
     # ---- eviction ------------------------------------------------------------------------------
     def evict(self, e: Entry, policy: Policy) -> int:
@@ -96,6 +97,8 @@ class Residency:
         self._record_eviction(e, policy, policy.evict(e))
 
     def _record_eviction(self, e: Entry, policy: Policy, handle: Any) -> None:
+        if self.on_evicted is not None:
+            self.on_evicted(e)
         self._touched[e.uid] = None
         self._offer_cache.pop(e.uid, None)
         self._track_kept(policy, handle)

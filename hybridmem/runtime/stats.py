@@ -48,6 +48,7 @@ class Stats:
     plan: str = "none"                  # "none", "following", "diverged", "refused"
     plan_note: str = ""                 # why the plan was left (stage, expected vs seen op)
     notes: tuple[str, ...] = ()         # other one-line facts worth knowing (e.g. lineage refused)
+    steady_steps: int = 0               # steps run without the dispatch mode (hybridmem.runtime.program)
     step_seconds: float | None = None   # mean wall time of the completed steps (forward + backward)
     tensors: tuple[dict[str, Any], ...] = ()  # evictions, one record each (hybridmem.report.TensorLog)
 
@@ -106,6 +107,7 @@ class StatsRecorder:
     saved_tensors: int = 0
     min_budget_bytes: int = 0
     cap_overruns: int = 0
+    steady_steps: int = 0
     plan: str = "none"
     plan_note: str = ""
     notes: list[str] = field(default_factory=list)
@@ -156,6 +158,7 @@ class StatsRecorder:
         self.policies = {k: PolicyStats() for k in self.policies}
         self.steps = 0
         self.cap_overruns = 0
+        self.steady_steps = 0
         self.step_time = 0.0
         if self.tensor_log is not None:
             self.tensor_log.clear()
@@ -165,7 +168,7 @@ class StatsRecorder:
                      policies={k: replace(v) for k, v in self.policies.items()}, steps=self.steps,
                      stages_last_step=self.stages_last_step, saved_bytes=self.saved_bytes,
                      saved_tensors=self.saved_tensors, min_budget_bytes=self.min_budget_bytes,
-                     cap_overruns=self.cap_overruns, plan=self.plan, plan_note=self.plan_note,
+                     cap_overruns=self.cap_overruns, steady_steps=self.steady_steps, plan=self.plan, plan_note=self.plan_note,
                      notes=tuple(self.notes),
                      step_seconds=self.step_time / self.steps if self.steps else None,
                      tensors=self.tensor_log.records() if self.tensor_log is not None else ())
