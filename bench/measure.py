@@ -326,7 +326,7 @@ def peak_probe() -> tuple[str, PeakFn]:
     allocates on top of what was live before it.
     """
     try:
-        from hybridmem.meter import Meter
+        from hybridmem.runtime.meter import Meter
     except ImportError:
         return "torch.profiler allocator events (step increment)", lambda v, step: _profiler_peak(step)
 
@@ -350,7 +350,7 @@ def alloc_peak(step: Callable[[], None]) -> int:
     """The CPU allocator's own peak during ``step`` above what was live before (torch.profiler events)."""
     with without_profiler_lines():
         try:
-            from hybridmem.meter import profiler_peak
+            from hybridmem.runtime.meter import profiler_peak
         except ImportError:
             return _profiler_peak(step)
         return int(profiler_peak(step))

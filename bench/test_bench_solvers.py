@@ -30,7 +30,7 @@ pytest.importorskip("torch")
 pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installed (pip install 'hybridmem[test]')")
 
 from hybridmem.errors import BudgetInfeasibleError  # noqa: E402
-from hybridmem.simulate import min_feasible_budget, simulate  # noqa: E402
+from hybridmem.graph.simulate import min_feasible_budget, simulate  # noqa: E402
 from hybridmem.solvers import SOLVERS, plan  # noqa: E402
 from hybridmem.solvers.bound import lower_bound  # noqa: E402
 
@@ -44,8 +44,8 @@ def captured(name: str, device: str = "h100-80gb") -> tuple[Any, float]:
     """The paper-size graph of a zoo model captured on meta (cached), and the capture seconds."""
     key = (name, device)
     if key not in _CACHE:
-        from bench.zoo import build
-        from hybridmem.capture import capture
+        from hybridmem.zoo import build
+        from hybridmem.graph.capture import capture
 
         t0 = time.perf_counter()
         e = build(name, "paper", device="meta")

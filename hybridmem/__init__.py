@@ -31,15 +31,15 @@ _API = {
     "enabled": ("hybridmem.runtime", "enabled"),
     "Stats": ("hybridmem.runtime", "Stats"),
     "Session": ("hybridmem.runtime", "Session"),
-    "capture": ("hybridmem.capture", "capture"),
-    "Graph": ("hybridmem.graph", "Graph"),
-    "Plan": ("hybridmem.plan", "Plan"),
-    "Action": ("hybridmem.plan", "Action"),
+    "capture": ("hybridmem.graph.capture", "capture"),
+    "Graph": ("hybridmem.graph.ir", "Graph"),
+    "Plan": ("hybridmem.graph.plan", "Plan"),
+    "Action": ("hybridmem.graph.plan", "Action"),
     "Config": ("hybridmem.config", "Config"),
-    "Meter": ("hybridmem.meter", "Meter"),
-    "get_cost_model": ("hybridmem.costs", "get_cost_model"),
-    "parse_bytes": ("hybridmem.units", "parse_bytes"),
-    "simulate": ("hybridmem.simulate", "simulate"),
+    "Meter": ("hybridmem.runtime.meter", "Meter"),
+    "get_cost_model": ("hybridmem.graph.costs", "get_cost_model"),
+    "parse_bytes": ("hybridmem.graph.units", "parse_bytes"),
+    "simulate": ("hybridmem.graph.simulate", "simulate"),
 }
 
 __all__ = sorted([*_API, "plan"]) + ["__version__"]

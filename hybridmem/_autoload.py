@@ -61,7 +61,7 @@ def _enable_from_env() -> None:
         print(f"hybridmem: cannot enable from the environment: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if os.environ.get("WORLD_SIZE") or os.environ.get("LOCAL_RANK"):  # torchrun and similar launchers
-        from .distributed import prepare_clean_exit
+        from .runtime.distributed import prepare_clean_exit
         prepare_clean_exit()  # the process group's threads joined before the interpreter finalizes
     if runtime._current is not None and runtime._current.cfg.verbose:
         atexit.register(_print_stats)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .factory import bench_module, cwd_importable
-from .units import fmt_bytes
+from .graph.units import fmt_bytes
 
 DEFAULT_DEVICE = "h100-80gb"
 DEVICE_HELP = (f"device cost model: v100-16gb, a100-80gb, h100-80gb, h200, or cpu (this machine) "
@@ -177,7 +177,7 @@ def _version() -> str:
 
 # ---- commands ----------------------------------------------------------------------------------------
 def _graph_from_args(args: argparse.Namespace) -> Any:
-    from .graph import Graph
+    from .graph.ir import Graph
 
     opt_text = getattr(args, "optimizer", None)
     if getattr(args, "graph", None):
@@ -185,7 +185,7 @@ def _graph_from_args(args: argparse.Namespace) -> Any:
             raise ValueError("--optimizer applies to --model: a graph file already holds its optimizer's state "
                              "(capture it with --optimizer)")
         return Graph.load(args.graph)
-    from .capture import capture
+    from .graph.capture import capture
     from .factory import load_model, make_optimizer, parse_optimizer
 
     if opt_text is not None:
@@ -210,12 +210,12 @@ def capture_device(args: argparse.Namespace) -> str:
 
 
 def _canonical_device(name: str) -> str:
-    from .costs import get_cost_model
+    from .graph.costs import get_cost_model
     return get_cost_model(name).name
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
-    from .costs import apply_costs
+    from .graph.costs import apply_costs
 
     _canonical_device(args.device)  # an unknown name fails before the capture, with the known ones
     g = apply_costs(_graph_from_args(args), args.device)
@@ -257,12 +257,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if given:  # the plan book planner takes no solver options yet: refuse rather than ignore them
             raise ValueError(f"{', '.join(given)} cannot be combined with --shapes (the plan book planner does "
                              "not take them yet); plan one shape at a time without --shapes to use them")
-        from .buckets import cli_plan
+        from .graph.planbook import cli_plan
         args.capture_device = capture_device(args)
         _check_zoo_shapes(args.model, args.size, args.shapes)
         return cli_plan(args)
-    from .costs import apply_costs, get_cost_model
-    from .simulate import simulate
+    from .graph.costs import apply_costs, get_cost_model
+    from .graph.simulate import simulate
     from .solvers import plan as solve
 
     g = apply_costs(_graph_from_args(args), get_cost_model(args.device))
@@ -288,7 +288,7 @@ def _check_zoo_shapes(model: str | None, size: str, shapes: Sequence[str]) -> No
     shape the model cannot take is refused before the first bucket is written into the plan book."""
     if not model or ":" in model:
         return  # a user's factory builds real tensors: it is called once per bucket, when planned
-    from .buckets import _dim_names, parse_dims, zoo_factory
+    from .graph.planbook import _dim_names, parse_dims, zoo_factory
 
     make = zoo_factory(model, size, device="meta")
     for shape in shapes:
@@ -394,10 +394,10 @@ def _print_table(summary: dict[str, Any]) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .costs import apply_costs, get_cost_model
-    from .plan import Plan
-    from .simulate import simulate
-    from .units import parse_bytes
+    from .graph.costs import apply_costs, get_cost_model
+    from .graph.plan import Plan
+    from .graph.simulate import simulate
+    from .graph.units import parse_bytes
 
     g = _graph_from_args(args)
     g = apply_costs(g, get_cost_model(args.device))

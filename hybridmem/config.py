@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from .units import parse_budget, parse_bytes
+from .graph.units import parse_budget, parse_bytes
 
 DEFAULT_POLICIES = ("swap", "recompute", "compress")
 

@@ -30,13 +30,13 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from .units import fmt_bytes
+from .graph.units import fmt_bytes
 
 if TYPE_CHECKING:
-    from .graph import Graph
-    from .plan import Plan
+    from .graph.ir import Graph
+    from .graph.plan import Plan
     from .runtime.stats import Stats
-    from .simulate import SimResult
+    from .graph.simulate import SimResult
 
 __all__ = ["Report", "TensorRow", "Reason", "TensorLog", "build_report", "save_run", "load_run", "is_run_file",
            "RUN_SCHEMA", "main"]
@@ -236,7 +236,7 @@ def build_report(stats: "Stats | Mapping[str, Any] | None" = None, plan: "Plan |
     if plan is not None and graph is None:
         raise ValueError("a plan is judged on the graph it was made for: pass graph= too")
     if graph is not None and sim is None:
-        from .simulate import simulate
+        from .graph.simulate import simulate
 
         dev = device if device is not None else (plan.device if plan is not None and plan.device else None)
         sim = simulate(graph, plan, device=dev, budget=None, strict=False)
@@ -272,7 +272,7 @@ def _predicted(sim: "SimResult", plan: "Plan | None", graph: "Graph | None") -> 
            "device": sim.device, "feasible": sim.feasible,
            "budget_bytes": plan.budget_bytes if plan is not None else None}
     if graph is not None:
-        from .simulate import min_feasible_budget
+        from .graph.simulate import min_feasible_budget
 
         out["keep_all_peak_bytes"] = graph.peak_bytes()
         out["min_budget_bytes"] = min_feasible_budget(graph)
@@ -301,7 +301,7 @@ def _measured(sd: Mapping[str, Any], step_time_s: float | None) -> dict[str, Any
 
 def _plan_rows(graph: "Graph", plan: "Plan | None", sim: "SimResult | None") -> list[TensorRow]:
     """One row per saved activation of the graph, with the plan's decision and predicted regeneration."""
-    from .simulate import _resolve_model
+    from .graph.simulate import _resolve_model
 
     model = None
     if sim is not None:
@@ -507,7 +507,7 @@ def _reasons(sd: Mapping[str, Any], graph: "Graph | None", plan: "Plan | None", 
 def _min_feasible(graph: "Graph | None") -> int:
     if graph is None:
         return 0
-    from .simulate import min_feasible_budget
+    from .graph.simulate import min_feasible_budget
     return min_feasible_budget(graph)
 
 
@@ -565,8 +565,8 @@ def is_run_file(path: str | Path) -> bool:
 def load_run(path: str | Path) -> Report:
     """Read a run file and build its report."""
     from .errors import PlanFormatError
-    from .graph import Graph
-    from .plan import Plan
+    from .graph.ir import Graph
+    from .graph.plan import Plan
 
     p = Path(path)
     try:

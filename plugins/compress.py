@@ -275,7 +275,7 @@ class CompressPolicy:
 def _resolve_cost_model(spec: Any) -> Any:
     if spec is None or not isinstance(spec, str):
         return spec
-    from hybridmem.costs import get_cost_model  # written by the cost-model work; names checked there
+    from hybridmem.graph.costs import get_cost_model  # written by the cost-model work; names checked there
 
     return get_cost_model(spec)
 

@@ -469,6 +469,6 @@ def _hand_over(entry: Entry, t: torch.Tensor, version: int) -> None:
 def _resolve_cost_model(spec: Any) -> Any:
     if spec is None or not isinstance(spec, str):
         return spec
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
 
     return get_cost_model(spec)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridmem.graph import Graph, Stage, TensorInfo, link_consumers
+from hybridmem.graph.ir import Graph, Stage, TensorInfo, link_consumers
 from hybridmem.plugins.base import Entry
 from hybridmem.plugins.codecs import bits_dtype
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from hybridmem.errors import BudgetInfeasibleError
-from hybridmem.simulate import simulate
+from hybridmem.graph.simulate import simulate
 from hybridmem.solvers import plan
 from hybridmem.solvers._synth import random_graph
 from hybridmem.solvers.bound import lower_bound

@@ -41,7 +41,7 @@ import pytest
 import torch
 
 import hybridmem
-from hybridmem.meter import profiler_peak
+from hybridmem.runtime.meter import profiler_peak
 from hybridmem.plugins.compress import compressible_share as compressible_share_of
 from tests.test_runtime_common import Case, run, train
 from tests.test_runtime_zoo import FAST, OPTIM, SLOW, _case

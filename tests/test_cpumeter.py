@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybridmem import cpumeter
-from hybridmem.meter import profiler_peak
+from hybridmem.runtime import cpumeter
+from hybridmem.runtime.meter import profiler_peak
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in the root conftest.py
 
@@ -302,7 +302,7 @@ def test_training_step_bit_identical_and_peak_bounds(native, case):
 def test_disabled_and_build_failure_give_none_with_reason(tmp_path):
     script = textwrap.dedent("""
         import os
-        from hybridmem import cpumeter
+        from hybridmem.runtime import cpumeter
         os.environ["HYBRIDMEM_NATIVE"] = "0"
         assert cpumeter.load() is None
         print("disabled:", cpumeter.unavailable_reason())

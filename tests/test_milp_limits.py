@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridmem.graph import Graph
-from hybridmem.simulate import simulate
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.simulate import simulate
 from hybridmem.solvers import milp, plan
 from hybridmem.solvers._common import build_problem
 from hybridmem.solvers._synth import random_graph

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import hybridmem
-from hybridmem.cpumeter import load, unavailable_reason
+from hybridmem.runtime.cpumeter import load, unavailable_reason
 from hybridmem.runtime.monitor import NOTE
 from tests.test_runtime_common import Case, run
 from tests.test_runtime_zoo import FAST, OPTIM, SLOW, _case

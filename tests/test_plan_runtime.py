@@ -39,7 +39,7 @@ import torch
 
 import hybridmem
 from hybridmem.errors import BudgetInfeasibleError
-from hybridmem.plan import Plan
+from hybridmem.graph.plan import Plan
 from hybridmem.runtime import Stats
 from tests.test_runtime_common import Case, train
 
@@ -69,8 +69,8 @@ class Captured:
 
 def _capture(case: Case, inputs: Any, optimizer: str) -> Any:
     """The case's step on the CPU, costed with the ``cpu`` model; with ``optimizer=`` where it has state."""
-    from hybridmem.capture import capture
-    from hybridmem.costs import apply_costs, get_cost_model
+    from hybridmem.graph.capture import capture
+    from hybridmem.graph.costs import apply_costs, get_cost_model
 
     model = copy.deepcopy(case.model)
     opt = OPTIMIZERS[optimizer](model.parameters()) if optimizer != "sgd" else None
@@ -79,9 +79,9 @@ def _capture(case: Case, inputs: Any, optimizer: str) -> Any:
 
 @lru_cache(maxsize=None)
 def _captured(name: str, optimizer: str = "sgd") -> Captured:
-    pytest.importorskip("bench.zoo")
-    from bench.zoo import build
-    from hybridmem.simulate import min_feasible_budget
+    pytest.importorskip("hybridmem.zoo")
+    from hybridmem.zoo import build
+    from hybridmem.graph.simulate import min_feasible_budget
 
     e = build(name, "tiny", batch=8)
     args, kwargs = e.args_kwargs()
@@ -162,7 +162,7 @@ def _stack(optimizer: str = "sgd") -> Captured:
     """Six Conv-BN-ReLU6(inplace) blocks: each ReLU6 saves a clone made right before it, packed after
     the clone's op returns."""
     from torch import nn
-    from hybridmem.simulate import min_feasible_budget
+    from hybridmem.graph.simulate import min_feasible_budget
 
     gen = torch.Generator().manual_seed(0)
     with torch.random.fork_rng():

@@ -17,7 +17,7 @@ from functools import lru_cache
 import pytest
 import torch
 
-from hybridmem.meter import profiler_peak
+from hybridmem.runtime.meter import profiler_peak
 from tests.test_runtime_common import Case, budget_for, run, run_feasible
 
 torch.set_num_threads(1)
@@ -33,7 +33,7 @@ OPTIM = "sgd-plain"  # momentum buffers would only add a constant to every numbe
 
 
 def _zoo():
-    pytest.importorskip("bench.zoo")
+    pytest.importorskip("hybridmem.zoo")
     from bench import zoo
     return zoo
 

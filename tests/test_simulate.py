@@ -10,11 +10,11 @@ import json
 import numpy as np
 import pytest
 
-from hybridmem.costs import DeviceModel, apply_costs, get_cost_model
+from hybridmem.graph.costs import DeviceModel, apply_costs, get_cost_model
 from hybridmem.errors import InfeasiblePlanError, StalePlanError, UnknownNameError
-from hybridmem.graph import Graph, Stage, TensorInfo, link_consumers
-from hybridmem.plan import Action, Plan
-from hybridmem.simulate import min_feasible_budget, simulate
+from hybridmem.graph.ir import Graph, Stage, TensorInfo, link_consumers
+from hybridmem.graph.plan import Action, Plan
+from hybridmem.graph.simulate import min_feasible_budget, simulate
 
 SLOW_LINK = DeviceModel("toy", {"float32": 1e12}, hbm_bw=1e12, h2d_bw=1000.0, d2h_bw=1000.0,
                         memory_bytes=10**9, launch_s=0.0)

@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from hybridmem.errors import BudgetInfeasibleError, UnknownNameError
-from hybridmem.graph import Graph
-from hybridmem.plan import Plan
-from hybridmem.simulate import min_feasible_budget, simulate
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.plan import Plan
+from hybridmem.graph.simulate import min_feasible_budget, simulate
 from hybridmem.solvers import SOLVERS, plan, planning_problem
 from hybridmem.solvers import coarsen, milp, relax
 from hybridmem.solvers._common import build_problem, make_plan, schedule_to_actions
@@ -206,7 +206,7 @@ def test_large_graphs_are_planned_coarse_and_validated_on_the_full_graph() -> No
 
 
 def test_schedule_of_a_coarse_problem_maps_to_fine_stages() -> None:
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
 
     g = random_graph(200, seed=5, readers=(1, 2))
     budget = int(0.8 * g.peak_bytes())
@@ -249,8 +249,8 @@ def test_hybrid_plan_is_no_slower_than_any_baseline(seed: int) -> None:
 def test_zoo_vgg16_tiny_hybrid_beats_baselines() -> None:
     pytest.importorskip("torch")
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    zoo = pytest.importorskip("bench.zoo")
-    from hybridmem.capture import capture
+    zoo = pytest.importorskip("hybridmem.zoo")
+    from hybridmem.graph.capture import capture
 
     e = zoo.build("vgg16", "tiny", device="meta")
     g = capture(e.model, e.inputs, e.loss_fn, device="meta", cost_model=DEVICE)
@@ -285,8 +285,8 @@ def test_chain_graph_from_helpers_plans() -> None:
 def _zoo_graph(name: str, size: str = "tiny") -> Graph:
     pytest.importorskip("torch")
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    zoo = pytest.importorskip("bench.zoo")
-    from hybridmem.capture import capture
+    zoo = pytest.importorskip("hybridmem.zoo")
+    from hybridmem.graph.capture import capture
 
     e = zoo.build(name, size, device="meta")
     return capture(e.model, e.inputs, e.loss_fn, device="meta", cost_model=DEVICE)
@@ -387,7 +387,7 @@ def test_infeasible_approx_reports_the_lower_bound_and_what_starts_reached(graph
 def test_recompute_only_lp_rounded_by_dropped_mass_gives_a_recompute_plan(vgg16_tiny: Graph) -> None:
     """Checkmate's LP relaxation rounded by dropped mass: a valid plan with recomputes only (the
     repair without swaps), no faster than its LP bound says a recompute-only plan can be."""
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
     from hybridmem.solvers._common import make_plan
 
     g = vgg16_tiny
@@ -406,7 +406,7 @@ def test_recompute_only_lp_rounded_by_dropped_mass_gives_a_recompute_plan(vgg16_
 
 def test_approx_offers_the_recompute_only_lp_start(vgg16_tiny: Graph) -> None:
     """The start runs in the portfolio (off with ``recompute_lp=False``), and approx is never slower than it."""
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
     from hybridmem.solvers._common import make_plan
 
     g = vgg16_tiny
@@ -448,7 +448,7 @@ def resnet50_tiny() -> Graph:
 def test_stage_link_start_satisfies_the_rows_the_rounding_breaks(resnet50_tiny: Graph) -> None:
     """The rounded STR schedule queues copies FIFO, which the coarse model's one-copy-per-stage link
     rows refuse (CBC then drops the start); the start made from it satisfies every row."""
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
 
     g = resnet50_tiny
     budget = int(0.5 * (g.peak_bytes() + min_feasible_budget(g)))

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from hybridmem.errors import BudgetInfeasibleError, InfeasiblePlanError
-from hybridmem.plan import Action, Plan
-from hybridmem.simulate import simulate
+from hybridmem.graph.plan import Action, Plan
+from hybridmem.graph.simulate import simulate
 from hybridmem.solvers import plan
 from hybridmem.solvers._common import Candidate, build_problem
 from hybridmem.solvers._synth import random_graph

@@ -335,7 +335,7 @@ def test_checkpoint_survives_the_runtimes_rewrapping():
 
 
 def test_swap_cost_from_the_shared_cost_model():
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
 
     m = get_cost_model("h100")
     e = entry_of(torch.ones(1 << 10))

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ..config import DEFAULT_POLICIES, Config
-from ..plan import Plan
+from ..graph.plan import Plan
 from .stats import PolicyStats, Stats
 
 __all__ = ["enable", "disable", "session", "stats", "reset_stats", "enabled", "Session", "Stats", "PolicyStats"]

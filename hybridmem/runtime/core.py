@@ -17,14 +17,14 @@ import torch
 
 from hybridmem.plugins.base import Policy, get_policy, known_policy_names
 
-from ..buckets import BucketSwitch, PlanBook, is_book
+from ..graph.planbook import BucketSwitch, PlanBook, is_book
 from ..config import Config
-from ..distributed import FsdpStorageSync
+from .distributed import FsdpStorageSync
 from ..errors import UnknownNameError
-from ..meter import Meter
-from ..plan import Plan
+from .meter import Meter
+from ..graph.plan import Plan
 from ..report import TensorLog
-from ..units import BUDGET_FORMS, check_capacity, parse_budget
+from ..graph.units import BUDGET_FORMS, check_capacity, parse_budget
 from . import ckpt
 from .estimate import OutputEstimator
 from .device import native_device
@@ -87,7 +87,7 @@ def host_memory() -> int | None:
 def cost_model_for(device: torch.device, cfg: Config) -> Any:
     """The cost model recompute costs come from: ``plugins: {cost_model: NAME}`` in the config, else
     the CPU model, or on CUDA the model named like the GPU (H100, H200, A100, V100; else H100)."""
-    from ..costs import get_cost_model
+    from ..graph.costs import get_cost_model
 
     name = cfg.extra.get("cost_model")
     if name is None and device.type == "cuda":
@@ -208,7 +208,7 @@ class Runtime:
         if kind == "allocator" and self.device.type == "cuda":
             self.light = True
         elif kind == "allocator":
-            from ..cpumeter import load
+            from .cpumeter import load
             self.allocator = AllocatorMonitor(load(), self.stats)  # _monitor_kind checked it loads
             self.stats.note(MONITOR_NOTE)
         # The budget caps what the allocator holds, enforced at allocation time (runtime.device).
@@ -229,7 +229,7 @@ class Runtime:
             return "allocator" if cfg.monitor == "allocator" or cfg.extra.get("light", False) else "ops"
         if cfg.monitor == "ops":
             return "ops"
-        from ..cpumeter import load, unavailable_reason
+        from .cpumeter import load, unavailable_reason
         if load() is not None:
             return "allocator"
         why = unavailable_reason() or "unknown reason"

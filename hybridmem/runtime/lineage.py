@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from .._trace import op_info
-from ..distributed import collective_writes
+from ..graph.ops import op_info
+from .distributed import collective_writes
 
 if TYPE_CHECKING:
     from hybridmem.plugins.base import Entry

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..cpumeter import CpuAllocatorMeter
-from ..distributed import is_parameter_view, is_traceable_wrapper_subclass, plain_storages
+from .cpumeter import CpuAllocatorMeter
+from .distributed import is_parameter_view, is_traceable_wrapper_subclass, plain_storages
 from .saved import Kept, _modified
 from .stats import StatsRecorder
 from .steps import BACKWARD, IDLE, StepTracker, _task_id

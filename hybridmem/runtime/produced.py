@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..meter import Meter, StorageRef
+from .meter import Meter, StorageRef
 
 
 class Slot(StorageRef):

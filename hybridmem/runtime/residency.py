@@ -21,9 +21,9 @@ import torch
 
 from hybridmem.plugins.base import Entry, Policy
 
-from ..meter import Meter
-from ..units import fmt_bytes
-from ..scorer import select_victims
+from .meter import Meter
+from ..graph.units import fmt_bytes
+from .scorer import select_victims
 from .saved import SavedStore
 from .stats import StatsRecorder
 

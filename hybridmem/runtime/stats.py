@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..units import fmt_bytes
+from ..graph.units import fmt_bytes
 
 
 @dataclass

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .errors import HybridMemError, PlanFormatError, StalePlanError
-from .graph import load_mapping, save_mapping
+from ..errors import HybridMemError, PlanFormatError, StalePlanError
+from .ir import load_mapping, save_mapping
 
 if TYPE_CHECKING:
-    from .graph import Graph
+    from .ir import Graph
     from .plan import Plan
 
 __all__ = ["ShapeKey", "TensorSpec", "PlanBook", "BookEntry", "BookFormatError", "RootCallWatcher", "BucketSwitch",
@@ -257,7 +257,7 @@ class PlanBook:
 
     def graph(self, key: "ShapeKey | str | Any") -> "Graph | None":
         """The graph a bucket's plan was made for, or None if the book does not keep it."""
-        from .graph import Graph
+        from .ir import Graph
 
         k = _as_key(key)
         e = self.entries[k]
@@ -494,7 +494,7 @@ class BucketSwitch:
         counts[how] = counts.get(how, 0) + 1
 
     def _follower(self, key: ShapeKey, plan: "Plan") -> Any:
-        from .runtime.follow import PlanFollower
+        from ..runtime.follow import PlanFollower
 
         book, rt = self.book, self.rt
 
@@ -542,7 +542,7 @@ def zoo_factory(name: str, size: str = "tiny", *, device: str = "cpu", seed: int
     """``dims -> (model, inputs, loss_fn)`` for a zoo model: ``batch``, and ``seq`` (transformer, gpt)
     or ``image`` (CNNs, U-Net) override the size's configuration. The weights do not depend on the
     dims (same seed), so every bucket plans the same model."""
-    from .factory import zoo
+    from ..factory import zoo
 
     z = zoo()
 
@@ -581,7 +581,7 @@ def spec_factory(spec: str, size: str = "tiny", *, device: str = "cpu") -> Facto
         return zoo_factory(spec, size, device=device)
     import importlib
 
-    from .factory import bind_loss, unpack_factory
+    from ..factory import bind_loss, unpack_factory
 
     module_name, _, attr = spec.partition(":")
     fn = getattr(importlib.import_module(module_name), attr, None)
@@ -611,7 +611,7 @@ def plan_buckets(source: "str | Factory", shapes: Iterable[str | Mapping[str, in
     """
     from .capture import capture
     from .costs import apply_costs, get_cost_model
-    from .solvers import plan as solve
+    from ..solvers import plan as solve
 
     if isinstance(source, str):
         names = dim_names or _dim_names(source)
@@ -641,7 +641,7 @@ def plan_buckets(source: "str | Factory", shapes: Iterable[str | Mapping[str, in
             raise
         p.info = {**p.info, "shape_key": str(key), "dims": dims}
         if "runtime" not in p.info:  # what the runtime's follower needs (op signature, tensor positions)
-            from .runtime.follow import annotate
+            from ..runtime.follow import annotate
             annotate(p, g)
         book.add(key, p, g)
         book.save()

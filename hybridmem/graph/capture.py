@@ -51,9 +51,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._trace import is_stage_op, op_info, uses_rng, written_tensors
-from .errors import HybridMemError
-from .graph import Graph, Stage, TensorInfo, link_consumers
+from .ops import is_stage_op, op_info, uses_rng, written_tensors
+from ..errors import HybridMemError
+from .ir import Graph, Stage, TensorInfo, link_consumers
 
 __all__ = ["capture", "merge_stages", "module_groups", "run_step", "is_stage_op", "optimizer_state", "StateTensor",
            "CaptureError", "GRANULARITIES"]
@@ -718,7 +718,7 @@ def _add_optimizer_state(tensors: list[TensorInfo], optimizer: torch.optim.Optim
 def _scratch_meter(stack: ExitStack) -> tuple[Any, str]:
     """The native allocator device for a CPU capture (each op's scratch: ``Stage.workspace``), installed
     for the capture and exempt from any budget, and where the workspace figures come from."""
-    from .cpumeter import load, unavailable_reason
+    from ..runtime.cpumeter import load, unavailable_reason
 
     native = load()
     if native is None:

@@ -57,9 +57,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._trace import op_info, written_tensors
+from ..graph.ops import op_info, written_tensors
 from .distributed import plain_storages
-from .units import fmt_bytes, parse_bytes
+from ..graph.units import fmt_bytes, parse_bytes
 
 Tensor = torch.Tensor
 PressureHook = Callable[[int], int]

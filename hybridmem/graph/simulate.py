@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .costs import DEFAULT_DEVICE, DEVICES, CostModel, MeasuredCostModel, _canonical, get_cost_model
-from .errors import InfeasiblePlanError, PlanFormatError, StalePlanError
+from ..errors import InfeasiblePlanError, PlanFormatError, StalePlanError
 from .plan import ACTION_KINDS
 from .units import fmt_bytes, is_percentage, parse_bytes
 
 if TYPE_CHECKING:
-    from .graph import Graph
+    from .ir import Graph
     from .plan import Action, Plan
 
 # residency states of a managed tensor

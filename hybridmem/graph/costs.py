@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from .errors import UnknownNameError
+from ..errors import UnknownNameError
 
 if TYPE_CHECKING:
-    from .graph import Graph, Stage
+    from .ir import Graph, Stage
 
 TFLOPS = 1e12
 GBPS = 1e9

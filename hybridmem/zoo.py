@@ -54,7 +54,7 @@ from the global RNG at forward time, as it does in any training loop: seed it fo
 VGG-16 and MobileNetV2 keep torchvision's classifier dropout (0.5 and 0.2); ResNets and U-Net have
 none; the transformer and GPT use 0.1 (embeddings, attention, residual branches).
 
-``python -m bench.zoo`` prints this table from the code; ``--time`` adds one forward+backward per
+``python -m hybridmem.zoo`` prints this table from the code; ``--time`` adds one forward+backward per
 size on one CPU thread (measured on the project's shared 2-core machine: tiny 5-80 ms, small 0.07-0.32 s,
 bench 0.8-2.8 s). On meta, a paper-size forward+backward takes 0.1-1.2 s (ResNet-152 the longest),
 plus about 2 s once per process while torch loads its meta kernels.
@@ -841,7 +841,7 @@ def build(
 
 
 # --------------------------------------------------------------------------------------------
-# `python -m bench.zoo`: the size table (and CPU timings of one training step)
+# `python -m hybridmem.zoo`: the size table (and CPU timings of one training step)
 # --------------------------------------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .errors import GraphFormatError
+from ..errors import GraphFormatError
 
 SCHEMA_VERSION = 1
 # "optimizer": an optimizer's state (momentum, moments), resident for the whole step (producer -1, never freed)
