@@ -10,7 +10,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridmem.graph.ops import is_stage_op, op_info
-from hybridmem.graph.capture import CaptureError, capture, merge_stages, module_groups, run_step
+from hybridmem.graph.capture import CaptureError, capture, run_step
+from hybridmem.graph.merge import merge_stages, module_groups
 from hybridmem.graph.ir import Graph
 from hybridmem.runtime.meter import Meter, profiler_peak
 
