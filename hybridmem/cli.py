@@ -257,7 +257,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if given:  # the plan book planner takes no solver options yet: refuse rather than ignore them
             raise ValueError(f"{', '.join(given)} cannot be combined with --shapes (the plan book planner does "
                              "not take them yet); plan one shape at a time without --shapes to use them")
-        from .graph.planbook import cli_plan
+        from .graph.multishape import cli_plan
         args.capture_device = capture_device(args)
         _check_zoo_shapes(args.model, args.size, args.shapes)
         return cli_plan(args)
@@ -288,12 +288,12 @@ def _check_zoo_shapes(model: str | None, size: str, shapes: Sequence[str]) -> No
     shape the model cannot take is refused before the first bucket is written into the plan book."""
     if not model or ":" in model:
         return  # a user's factory builds real tensors: it is called once per bucket, when planned
-    from .graph.planbook import _dim_names, parse_dims, zoo_factory
+    from .graph.multishape import dim_names_of, parse_dims, zoo_factory
 
     make = zoo_factory(model, size, device="meta")
     for shape in shapes:
         try:
-            make(parse_dims(shape, _dim_names(model)))
+            make(parse_dims(shape, dim_names_of(model)))
         except ValueError as e:
             raise ValueError(f"--shapes {shape}: {e}; nothing was planned or written") from None
 

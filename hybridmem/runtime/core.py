@@ -17,7 +17,8 @@ import torch
 
 from hybridmem.plugins.base import Policy, get_policy, known_policy_names
 
-from ..graph.planbook import BucketSwitch, PlanBook, is_book
+from ..graph.planbook import PlanBook, is_book
+from .buckets import BucketSwitch
 from ..config import Config
 from .distributed import FsdpStorageSync
 from ..errors import UnknownNameError
