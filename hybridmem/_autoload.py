@@ -13,7 +13,7 @@ own ``import torch`` completes (a program that never imports torch never loads i
 A malformed setting stops the program with a one-line message (exit status 2) rather than training
 without the budget the user asked for. ``HYBRIDMEM_VERBOSE=1`` prints ``hybridmem.stats()`` at exit;
 ``HYBRIDMEM_REPORT=run.json`` saves the run's stats and tensor log there at exit
-(:func:`hybridmem.report.save_run`), for ``hybridmem report run.json``.
+(:func:`hybridmem.runfile.save_run`), for ``hybridmem report run.json``.
 """
 from __future__ import annotations
 
@@ -106,11 +106,11 @@ def _save_report(path: str) -> None:
     if multiprocessing.parent_process() is not None:
         return  # a spawned worker (DataLoader, ...) re-enabled from the environment: the parent reports
     from . import runtime
-    from .report import save_run
+    from .runfile import save_run
 
     if not runtime.enabled():
         print(f"hybridmem: HYBRIDMEM_REPORT={path}: not written, hybridmem was disabled before exit "
-              "(save it with hybridmem.report.save_run(path, hybridmem.stats()) before disable())",
+              "(save it with hybridmem.runfile.save_run(path, hybridmem.stats()) before disable())",
               file=sys.stderr)
         return
     try:

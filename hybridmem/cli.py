@@ -471,7 +471,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import is_run_file, main as run_report
+    from .runfile import is_run_file, main as run_report
     if is_run_file(args.results):  # schema hybridmem-run/1; anything else is a bench results file
         return run_report(args)
     return bench_module("report").main(args)

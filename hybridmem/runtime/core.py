@@ -24,7 +24,7 @@ from .distributed import FsdpStorageSync
 from ..errors import UnknownNameError
 from .meter import Meter
 from ..graph.plan import Plan
-from ..report import TensorLog
+from .ledger import TensorLog
 from ..graph.units import BUDGET_FORMS, check_capacity, parse_budget
 from . import ckpt
 from .estimate import OutputEstimator
