@@ -34,7 +34,7 @@ OPTIM = "sgd-plain"  # momentum buffers would only add a constant to every numbe
 
 def _zoo():
     pytest.importorskip("hybridmem.zoo")
-    from bench import zoo
+    from hybridmem import zoo
     return zoo
 
 
