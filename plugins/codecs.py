@@ -89,7 +89,7 @@ class Geometry:
 
 
 def entry_version(entry: Any) -> int:
-    """The version counter the entry's packs saw: ``tensor._version + vshift`` (see base.Entry).
+    """The version counter the entry's packs saw: ``tensor._version + vshift`` (see base.EntryView).
 
     The runtime re-wraps a regenerated storage in its own tensor (a new version counter) and sets
     ``vshift`` so that this stays continuous; a policy that hands a tensor over does the same.

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Entry
+from .base import EntryView as Entry  # the policy's view of the runtime's record
 from .codecs import Geometry, Stamp, entry_version, flat_view, supported
 
 # Copy-time estimates when no cost model is given: (bytes/s, latency s). CPU: allocate + copy on the

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from hybridmem.graph.ir import Graph, Stage, TensorInfo, link_consumers
-from hybridmem.plugins.base import Entry
+from hybridmem.runtime.entry import Entry
 from hybridmem.plugins.codecs import bits_dtype
 
 

@@ -312,7 +312,7 @@ def test_swap_plan_is_followed() -> None:
 
 
 def test_prefetcher_follows_the_previous_steps_read_order() -> None:
-    from hybridmem.plugins.base import Entry
+    from hybridmem.runtime.entry import Entry
     from hybridmem.runtime.prefetch import Prefetcher
 
     class Steps:

@@ -9,7 +9,8 @@ import weakref
 import pytest
 import torch
 
-from hybridmem.plugins.base import Entry, Policy
+from hybridmem.plugins.base import Policy
+from hybridmem.runtime.entry import Entry
 from hybridmem.plugins.codecs import bits_dtype
 from hybridmem.plugins.swap import PinnedPool, SwapPolicy, _CudaTransport
 from tests.helpers import bit_equal, entry_of

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridmem.plugins.base import Entry
+from .entry import Entry
 
 if TYPE_CHECKING:
     from .core import Runtime

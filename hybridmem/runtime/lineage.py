@@ -31,7 +31,7 @@ from ..graph.ops import op_info
 from .distributed import collective_writes
 
 if TYPE_CHECKING:
-    from hybridmem.plugins.base import Entry
+    from .entry import Entry
 
 Tensor = torch.Tensor
 MAX_OPS_PER_NODE = 64   # a storage written in place more often than this (an accumulator) is not replayed

@@ -19,8 +19,9 @@ from typing import Any, Iterable, Protocol
 import numpy as np
 import torch
 
-from hybridmem.plugins.base import Entry, Policy
+from hybridmem.plugins.base import Policy
 
+from .entry import Entry
 from .meter import Meter
 from ..graph.units import fmt_bytes
 from .scorer import select_victims
