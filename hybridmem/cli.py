@@ -397,7 +397,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .graph.costs import apply_costs, get_cost_model
     from .graph.plan import Plan
     from .graph.simulate import simulate
-    from .graph.units import parse_bytes
+    from .graph.units import plan_budget_bytes
 
     g = _graph_from_args(args)
     g = apply_costs(g, get_cost_model(args.device))
@@ -406,7 +406,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plan.check_graph(g)
     budget = None
     if args.budget is not None:
-        budget = parse_bytes(args.budget, what="budget", total=g.peak_bytes())
+        budget = plan_budget_bytes(args.budget, g.peak_bytes())
     res = simulate(g, plan, device=args.device, budget=budget)
     if args.json:
         print(json.dumps(res.to_dict(), default=str))

@@ -17,13 +17,13 @@ The numbers and their sources are in ``docs/devices.md``. Names are looked up wi
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from ..errors import UnknownNameError
+from .units import host_memory
 
 if TYPE_CHECKING:
     from .ir import Graph, Stage
@@ -255,10 +255,7 @@ def stage_dtype(graph: "Graph", stage: "Stage") -> str:
 
 
 def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * GIB
+    return host_memory() or 16 * GIB  # a platform that does not say: a small machine
 
 
 # Datasheet numbers (peak, dense) and achieved host-link assumptions: see docs/devices.md for sources.

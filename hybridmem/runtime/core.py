@@ -8,7 +8,6 @@ and :class:`~.mode.RuntimeMode`, which calls them around every op.
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,8 +24,8 @@ from ..errors import UnknownNameError
 from .meter import Meter
 from ..graph.plan import Plan
 from .ledger import TensorLog
-from ..graph.units import BUDGET_FORMS, check_capacity, parse_budget
 from . import ckpt
+from .budget import device_budget_bytes
 from .estimate import OutputEstimator
 from .device import native_device
 from .fixed import FixedMarker
@@ -59,30 +58,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     elif dev.type != "cpu":
         raise ValueError(f"device {device!r} is not supported: expected 'cpu', 'cuda' or 'cuda:N'")
     return dev
-
-
-def resolve_budget(value: Any, device: torch.device) -> int | None:
-    """Budget in bytes, at most the device's memory (on the simulated CPU device, the host's); on CUDA
-    a percentage is of the device's total memory."""
-    if value is None:
-        return None
-    if device.type == "cuda":
-        capacity, of = torch.cuda.get_device_properties(device).total_memory, str(device)
-        return check_capacity(int(parse_budget(value, total=capacity)), capacity, of, value)
-    n = parse_budget(value)
-    if isinstance(n, str):
-        raise ValueError(f"invalid budget {value!r}: a percentage is of CUDA device memory; on the CPU "
-                         f"expected {', '.join(BUDGET_FORMS[:2])}")
-    capacity = host_memory()
-    return n if capacity is None else check_capacity(n, capacity, "host", value)
-
-
-def host_memory() -> int | None:
-    """Physical memory of this machine in bytes (None where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def cost_model_for(device: torch.device, cfg: Config) -> Any:
@@ -157,7 +132,7 @@ class Runtime:
         with named(cfg, "device"):
             self.device = resolve_device(cfg.device)
         with named(cfg, "budget"):
-            self.budget = resolve_budget(cfg.budget, self.device)
+            self.budget = device_budget_bytes(cfg.budget, self.device)
         if self.budget is None and plan is not None and plan.budget_bytes:
             self.budget = plan.budget_bytes  # the online scorer keeps the plan's budget where it is left
         self.plan = plan
