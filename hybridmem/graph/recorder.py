@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .flops import op_flops
 from .ir import Stage, TensorInfo
 from .ops import op_info, uses_rng, written_tensors
+from .outputs import output_tensors
 
 Tensor = torch.Tensor
 
@@ -140,7 +141,7 @@ class Recorder:
             out = func(*args, **kwargs)
             for t in arg_tensors(args, kwargs):
                 self.tid(t, -1)
-            for t in out_tensors(out):  # a view allocates nothing; anything new goes to the last stage
+            for t in output_tensors(out):  # a view allocates nothing; anything new goes to the last stage
                 i, new = self.tid(t, len(self.stages) - 1)
                 if new and self.stages:
                     self.stages[-1].outputs.append(i)
@@ -171,7 +172,7 @@ class Recorder:
             dt = 0.0
         outputs: list[int] = []
         out_bytes = 0
-        for t in out_tensors(out):
+        for t in output_tensors(out):
             i, new = self.tid(t, index)
             if new:
                 outputs.append(i)
@@ -230,20 +231,6 @@ def arg_tensors(args: tuple, kwargs: dict) -> list[Tensor]:
         elif isinstance(a, (list, tuple)):
             out.extend(b for b in a if isinstance(b, Tensor))
     return out
-
-
-def out_tensors(out: Any) -> list[Tensor]:
-    if isinstance(out, Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        res: list[Tensor] = []
-        for o in out:
-            if isinstance(o, Tensor):
-                res.append(o)
-            elif isinstance(o, (list, tuple)):
-                res.extend(p for p in o if isinstance(p, Tensor))
-        return res
-    return []
 
 
 def tensor_bytes(t: Tensor) -> int:

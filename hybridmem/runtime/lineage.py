@@ -28,6 +28,7 @@ import torch
 
 from ..graph.flops import op_flops
 from ..graph.ops import op_info
+from ..graph.outputs import flat_outputs as _flat_outputs
 from .distributed import collective_writes
 
 if TYPE_CHECKING:
@@ -725,19 +726,6 @@ def flat(st: torch.UntypedStorage, dtype: torch.dtype, device: torch.device) -> 
         dtype, item = torch.uint8, 1
     with torch._C._DisableTorchDispatch():
         return torch.empty((0,), dtype=dtype, device=device).set_(st, 0, (n // item,), (1,))
-
-
-def _flat_outputs(out: Any) -> list[Any]:
-    """Outputs flattened in schema order (one level of lists): the positions a Node records."""
-    if isinstance(out, Tensor):
-        return [out]
-    res: list[Any] = []
-    for o in out if isinstance(out, (list, tuple)) else ():
-        if isinstance(o, (list, tuple)):
-            res.extend(o)
-        else:
-            res.append(o)
-    return res
 
 
 def _device_of(args: list[Any]) -> torch.device:

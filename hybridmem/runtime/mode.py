@@ -23,7 +23,8 @@ import torch
 
 from ..graph.ops import op_info, uses_rng
 from .distributed import is_collective
-from .meter import Meter, MeterMode, _register, _register_inputs, _reread_written, _storage
+from ..graph.outputs import storage_of as _storage
+from .meter import Meter, MeterMode, _register, _register_inputs, _reread_written
 from .lineage import RngBefore, replay_info, rng_state
 
 if TYPE_CHECKING:
