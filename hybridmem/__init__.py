@@ -63,7 +63,7 @@ sys.modules[__name__].__class__ = _Package
 
 def plan(*args: Any, **kwargs: Any) -> Any:
     """Solve an eviction Plan for a Graph: see :func:`hybridmem.solvers.plan`."""
-    from .solvers import plan as solve
+    from .solvers import plan as solve  # lazy: the start-up hook imports this package (no torch, no numpy)
 
     return solve(*args, **kwargs)
 

@@ -17,13 +17,17 @@ without the budget the user asked for. ``HYBRIDMEM_VERBOSE=1`` prints ``hybridme
 """
 from __future__ import annotations
 
+import atexit
 import importlib.machinery
 import os
+import runpy
 import sys
 TYPE_CHECKING = False  # typing costs every process start milliseconds: annotations only
 if TYPE_CHECKING:
     from typing import Any, Mapping, Sequence
 
+# The rest of hybridmem (and so torch) is imported inside the functions that need it: this module runs
+# at interpreter start, before the program's own `import torch`.
 TRIGGERS = ("HYBRIDMEM_BUDGET", "HYBRIDMEM_PLAN", "HYBRIDMEM_CONFIG")
 
 
@@ -46,8 +50,6 @@ def maybe_enable(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def _enable_from_env() -> None:
-    import atexit
-
     from .errors import HybridMemError
 
     try:
@@ -176,7 +178,6 @@ def run_script(argv: Sequence[str], settings: Mapping[str, str] | None = None) -
     """Run ``argv[0]`` as ``__main__`` with ``sys.argv = argv`` and hybridmem enabled from
     ``settings`` (``HYBRIDMEM_*`` names, placed in the environment so child processes inherit them)
     and the environment. Used by ``hybridmem run [options] script.py args...``; returns the exit status."""
-    import runpy
 
     if not argv:
         raise ValueError("hybridmem run: give the script to run, e.g. hybridmem run --budget 8GiB train.py")

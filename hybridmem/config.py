@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+import yaml
+
 from .graph.units import parse_budget, parse_bytes
 
 DEFAULT_POLICIES = ("swap", "recompute", "compress")
@@ -75,8 +77,6 @@ class Config:
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:
-    import yaml
-
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as e:

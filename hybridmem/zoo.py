@@ -62,6 +62,8 @@ plus about 2 s once per process while torch loads its meta kernels.
 
 from __future__ import annotations
 
+import argparse
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -855,7 +857,6 @@ def size_table(timed: bool = False) -> str:
     With ``timed``, a third line per model gives one forward+backward on the CPU (after a warm-up)
     for every size but "paper"; set ``torch.set_num_threads(1)`` first to match the size targets.
     """
-    import time
 
     rule = "  ".join(["=" * 12] + ["=" * 16] * len(SIZES))
     lines = [rule, "  ".join([f"{'model':12s}"] + [f"{s:16s}" for s in SIZES]).rstrip(), rule]
@@ -879,8 +880,6 @@ def size_table(timed: bool = False) -> str:
 
 
 def _main() -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(description="Print the zoo's size table.")
     parser.add_argument("--time", action="store_true", help="time forward+backward on one CPU thread")
     args = parser.parse_args()

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from importlib.metadata import entry_points
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
 from hybridmem.errors import UnknownNameError
+
 
 class EntryView(Protocol):
     """What a policy sees of one saved storage the runtime manages (the runtime's record is
@@ -121,6 +123,4 @@ def _check_options(name: str, factory: Callable[..., Policy], options: dict[str,
 
 
 def _entry_points() -> list[Any]:
-    from importlib.metadata import entry_points
-
     return [ep for ep in entry_points(group="hybridmem.plugins") if ep.name not in _BUILTIN]

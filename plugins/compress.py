@@ -13,6 +13,7 @@ decision is cached per entry and reused while the storage and its version counte
 """
 from __future__ import annotations
 
+import copy
 import time
 import weakref
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Any, Iterable
 import torch
 
 from hybridmem.errors import UnknownNameError
+from hybridmem.graph.costs import get_cost_model
 from hybridmem.runtime.entry import Entry
 
 from .base import EntryView
@@ -276,8 +278,6 @@ class CompressPolicy:
 def _resolve_cost_model(spec: Any) -> Any:
     if spec is None or not isinstance(spec, str):
         return spec
-    from hybridmem.graph.costs import get_cost_model  # written by the cost-model work; names checked there
-
     return get_cost_model(spec)
 
 
@@ -296,7 +296,6 @@ def compressible_share(model: torch.nn.Module, loss_of: Any, exclude: Iterable[t
     Returns ``(saved_bytes, {codec: bytes it would save})``. Used for issue 3's compress-only budget
     (the monitor peak minus a share of this) by the tests and ``bench/gpu_check.py``.
     """
-    import copy
 
     policy = policy or CompressPolicy()
     model = copy.deepcopy(model)

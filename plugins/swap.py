@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridmem.graph.costs import get_cost_model
+
 from .base import EntryView as Entry  # the policy's view of the runtime's record
 from .codecs import Geometry, Stamp, entry_version, flat_view, supported
 
@@ -469,6 +471,4 @@ def _hand_over(entry: Entry, t: torch.Tensor, version: int) -> None:
 def _resolve_cost_model(spec: Any) -> Any:
     if spec is None or not isinstance(spec, str):
         return spec
-    from hybridmem.graph.costs import get_cost_model
-
     return get_cost_model(spec)

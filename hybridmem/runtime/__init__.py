@@ -84,7 +84,7 @@ def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFA
     policy.
     """
     global _current
-    from .core import Runtime, resolve_plan
+    from .core import Runtime, resolve_plan  # here, not at the top: core reads this package's _current
 
     plan_obj = plan if isinstance(plan, Plan) else None
     cfg = Config.resolve(config, budget=budget, device=device, monitor=monitor,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from hybridmem.plugins.base import Policy, get_policy, known_policy_names
 
@@ -22,10 +23,12 @@ from ..config import Config
 from .distributed import FsdpStorageSync
 from ..errors import UnknownNameError
 from .meter import Meter
+from ..graph.costs import get_cost_model
 from ..graph.plan import Plan
 from .ledger import TensorLog
 from . import ckpt
 from .budget import device_budget_bytes
+from .cpumeter import load, unavailable_reason
 from .estimate import OutputEstimator
 from .device import native_device
 from .fixed import FixedMarker
@@ -63,7 +66,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def cost_model_for(device: torch.device, cfg: Config) -> Any:
     """The cost model recompute costs come from: ``plugins: {cost_model: NAME}`` in the config, else
     the CPU model, or on CUDA the model named like the GPU (H100, H200, A100, V100; else H100)."""
-    from ..graph.costs import get_cost_model
 
     name = cfg.extra.get("cost_model")
     if name is None and device.type == "cuda":
@@ -106,7 +108,7 @@ def named(cfg: Config, key: str) -> Iterator[None]:
 
 def regions_runtime() -> "Runtime | None":
     """The runtime that takes ``torch.utils.checkpoint`` regions over on the calling thread, if any."""
-    from . import _current
+    from . import _current  # the package's state, read per call (the package imports core lazily)
 
     rt = _current
     if rt is not None and rt.takes_regions and rt.mode is not None and rt.owner.here():
@@ -184,7 +186,6 @@ class Runtime:
         if kind == "allocator" and self.device.type == "cuda":
             self.light = True
         elif kind == "allocator":
-            from .cpumeter import load
             self.allocator = AllocatorMonitor(load(), self.stats)  # _monitor_kind checked it loads
             self.stats.note(MONITOR_NOTE)
         # The budget caps what the allocator holds, enforced at allocation time (runtime.device).
@@ -205,7 +206,6 @@ class Runtime:
             return "allocator" if cfg.monitor == "allocator" or cfg.extra.get("light", False) else "ops"
         if cfg.monitor == "ops":
             return "ops"
-        from .cpumeter import load, unavailable_reason
         if load() is not None:
             return "allocator"
         why = unavailable_reason() or "unknown reason"
@@ -274,7 +274,6 @@ class Runtime:
         if top is not None and top[0] != self._pack:
             raise RuntimeError("hybridmem.disable() called inside another saved_tensors_hooks context "
                                "(e.g. torch.autograd.graph.save_on_cpu) opened after enable(): leave it first")
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
         if _get_current_dispatch_mode() is not self.mode:
             raise RuntimeError("hybridmem.disable() called inside another TorchDispatchMode entered after "
                                "enable(): leave it first")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .cpumeter import cuda_note, load, unavailable_reason
 from .entry import Entry
 
 if TYPE_CHECKING:
@@ -83,7 +84,6 @@ def native_device(rt: "Runtime", manages: bool) -> NativeDevice | None:
     note in the stats saying what the budget then counts)."""
     if not manages or rt.budget is None:
         return None
-    from .cpumeter import cuda_note, load, unavailable_reason
 
     native = load()
     if native is None:

@@ -55,6 +55,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..graph.ops import op_info, written_tensors
@@ -509,7 +510,6 @@ def profiler_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     meter: ``torch.profiler`` with ``profile_memory=True`` records every allocation and free
     (``[memory]`` events, kernel workspaces included); their bytes summed in time order give the live
     total, whose maximum (relative to the start, so never below 0) is returned."""
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn(*args, **kwargs)

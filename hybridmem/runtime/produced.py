@@ -9,7 +9,6 @@ reference and one callback per new storage instead of two.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch

@@ -13,7 +13,7 @@ meters and caps one by one.
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Iterable, Protocol
 
 import numpy as np
@@ -43,7 +43,6 @@ class NoMode:
     """Contexts when no dispatch mode is active (the runtime was disabled while entries live on)."""
 
     def quiet(self) -> AbstractContextManager[None]:
-        from contextlib import nullcontext
         return nullcontext()
 
     metered = quiet
