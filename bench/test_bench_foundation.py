@@ -15,7 +15,7 @@ from hybridmem.graph.capture import capture
 from hybridmem.graph.costs import get_cost_model
 from hybridmem.runtime.meter import Meter
 from hybridmem.graph.simulate import simulate
-from tests.test_simulate import big_graph
+from tests.helpers import big_graph
 
 
 def _best(benchmark) -> float:

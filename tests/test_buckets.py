@@ -16,7 +16,7 @@ from hybridmem.runtime.buckets import RootCallWatcher
 from hybridmem.errors import StalePlanError
 from hybridmem.graph.plan import Action, Plan
 
-from helpers import chain_graph
+from tests.helpers import chain_graph
 
 
 # ---- keys ------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ import hybridmem
 from hybridmem.errors import BudgetInfeasibleError
 from hybridmem.graph.plan import Plan
 from hybridmem.runtime import Stats
-from tests.test_runtime_common import Case, train
+from tests.helpers.runtime import Case, train
 
 torch.set_num_threads(1)
 

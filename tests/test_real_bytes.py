@@ -25,7 +25,7 @@ import hybridmem
 from bench.gpu_check import compressible_bytes
 from hybridmem.zoo import build
 from hybridmem.runtime import cpumeter
-from tests.test_runtime_common import min_budget_of
+from tests.helpers.runtime import min_budget_of
 
 # The acceptance tool lies in shared/tools beside the checkout; without it, the same measurement from
 # hybridmem.meter.profiler_peak (torch.profiler's memory events) and the state's storages.

@@ -19,7 +19,7 @@ from hybridmem.runfile import is_run_file, load_run, main, save_run
 from hybridmem.runtime.ledger import TensorLog
 from hybridmem.graph.simulate import min_feasible_budget, simulate
 
-from helpers import chain_graph
+from tests.helpers import chain_graph
 
 
 # ---- a zoo run, end to end -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from torch import nn
 import hybridmem
 from hybridmem.errors import PlanFormatError, StalePlanError, UnknownNameError
 from hybridmem.graph.plan import Action, Plan
-from tests.test_runtime_common import Case, budget_for, run, snapshot
+from tests.helpers.runtime import Case, budget_for, run, snapshot
 
 torch.set_num_threads(1)
 

@@ -123,11 +123,11 @@ def test_a_crashing_milp_solver_costs_only_its_child_process(monkeypatch: pytest
 def test_milp_reports_status_objective_bound_and_gap(graph24: Graph) -> None:
     budget = int(0.7 * graph24.peak_bytes())
     p = plan(graph24, budget, solver="milp", time_limit=20)
-    for key in ("status", "milp_vars", "milp_constraints"):
+    for key in ("status", "milp_vars", "milp_constraints", "objective_s", "bound_s", "mip_gap"):
         assert key in p.info
-    if "fallback" not in p.info:
-        assert p.info["objective_s"] >= p.info["bound_s"] - 1e-9
-        assert p.info["mip_gap"] >= 0
+    # the MILP's own figures: recorded also when the simulator prefers approx's plan (info["fallback"])
+    assert p.info["objective_s"] >= p.info["bound_s"] - 1e-9
+    assert p.info["mip_gap"] >= 0
 
 
 def test_approx_reports_the_lp_bound_and_a_valid_lower_bound(graph24: Graph) -> None:
@@ -365,10 +365,10 @@ def test_refine_improves_a_start_and_keeps_it_valid(graph24: Graph) -> None:
         res = simulate(graph24, Plan(actions=schedule_to_actions(p, sched)), device=DEVICE, budget=budget, strict=True)
         assert res.peak_bytes <= budget
         costs[name] = cost
-    for name, cost in costs.items():
-        base = name.split("+")[0]
-        if base in costs:
-            assert cost <= costs[base] + 1e-12
+    refined = {name: cost for name, cost in costs.items() if "+" in name}  # "start+refinement" vs "start"
+    assert refined
+    for name, cost in refined.items():
+        assert cost <= costs[name.split("+")[0]] + 1e-12
 
 
 def test_infeasible_approx_reports_the_lower_bound_and_what_starts_reached(graph24: Graph) -> None:
@@ -378,9 +378,8 @@ def test_infeasible_approx_reports_the_lower_bound_and_what_starts_reached(graph
     with pytest.raises(BudgetInfeasibleError) as e:
         plan(graph24, budget)
     assert e.value.minimum_bytes > budget
-    reached = getattr(e.value, "reached_bytes", None)
-    if reached is not None:
-        assert reached > budget and str(reached) in str(e.value)
+    # below the memory floor no start runs, so none reached a peak (the message names the floor alone)
+    assert getattr(e.value, "reached_bytes", None) is None and "memory floor" not in str(e.value)
 
 
 # ---- the recompute-only LP start -------------------------------------------------------------------
@@ -416,11 +415,11 @@ def test_approx_offers_the_recompute_only_lp_start(vgg16_tiny: Graph) -> None:
     assert "recompute-lp" in mine.info["phases_s"]
     pb = planning_problem(g, budget, get_cost_model(DEVICE), **COARSE)
     sched, _ = relax.solve_relaxed(pb, swap=False, rules=("lp-drop",), variants=({"allow_swap": False}, {}))
-    if sched is not None:
-        res = simulate(g, make_plan(pb, schedule_to_actions(pb, sched), "test"), device=DEVICE, budget=None,
-                       strict=False)
-        if not res.violations and res.peak_bytes <= budget:
-            assert mine.predicted_time_s <= res.time_s * (1 + 1e-9)
+    assert sched is not None
+    res = simulate(g, make_plan(pb, schedule_to_actions(pb, sched), "test"), device=DEVICE, budget=None,
+                   strict=False)
+    assert not res.violations and res.peak_bytes <= budget
+    assert mine.predicted_time_s <= res.time_s * (1 + 1e-9)
     off = plan(g, budget, solver="approx", time_limit=10, recompute_lp=False, **COARSE)
     assert "recompute-lp" not in off.info["phases_s"]
 
