@@ -52,6 +52,10 @@ SOLVERS = ("approx", "capuchin", "checkmate")
 FAST = {("transformer", "approx", "tight"), ("transformer", "capuchin", "tight")}
 MODELS = ("transformer", "vgg16", "unet", "mobilenet", "resnet50")
 LEVELS = ("tight", "80%")
+# No plan exists for these (checked 2026-12-01): VGG-16's peak is its first convolution's backward, where
+# no saved activation is left to evict, so 80 % of its keep-all peak is below what any plan needs; Checkmate
+# recomputes only and cannot meet the transformer's tight budget (swap can).
+INFEASIBLE = {("transformer", "checkmate", "tight"), *(("vgg16", s, "80%") for s in SOLVERS)}
 # The training step's optimizer, by name: "sgd" has no state; "momentum" one buffer per parameter.
 OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.05),
               "momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)}
@@ -122,12 +126,7 @@ def _plan(c: Captured, budget: int, solver: str) -> Plan:
     from hybridmem.runtime.follow import annotate
     from hybridmem.solvers import plan as solve
 
-    try:
-        p = solve(c.graph, budget, device="cpu", solver=solver)
-    except BudgetInfeasibleError as e:
-        if solver == "approx":
-            raise
-        pytest.skip(f"{solver} has no plan for {c.case.name} at {budget} B: {str(e)[:120]}")
+    p = solve(c.graph, budget, device="cpu", solver=solver)
     if "runtime" not in p.info:
         annotate(p, c.graph)
     return p
@@ -147,6 +146,10 @@ def _cases() -> list[Any]:
 def test_plan_followed_on_cpu_matches_simulator(name: str, solver: str, level: str) -> None:
     c = _captured(name)
     budget = _budget(c, level)
+    if (name, solver, level) in INFEASIBLE:
+        with pytest.raises(BudgetInfeasibleError):
+            _plan(c, budget, solver)
+        return
     assert budget >= c.minimum, f"{name}: the {level} budget {budget} is below the lower bound {c.minimum}"
     p = _plan(c, budget, solver)
     pred = p.predicted_peak_bytes
