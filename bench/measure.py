@@ -318,7 +318,7 @@ PeakFn = Callable[[Variant, Callable[[], None]], int]
 def peak_probe() -> tuple[str, PeakFn]:
     """``(source name, fn)`` where ``fn(variant, step)`` runs ``step`` once and returns the peak bytes.
 
-    One meter measures every method, so peaks compare like for like: ``hybridmem.meter.Meter`` on the
+    One meter measures every method, so peaks compare like for like: ``hybridmem.runtime.meter.Meter`` on the
     simulated CPU device, counting the weights, gradients and inputs too (what a device would hold). For
     hybridmem's managed methods the runtime's meter is read instead (``hybridmem.stats().peak_bytes``, the
     same counting rules), since only it knows which copies the runtime moved to the host. Without the

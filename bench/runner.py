@@ -567,7 +567,7 @@ def monitor_peak(model: Any, inputs: Any, loss_fn: Any, run: Any) -> int | None:
             loss_fn(m(*args, **kwargs)).backward()
             return int(hybridmem.stats().peak_bytes)
     except Exception as e:
-        run.notes.append(f"monitor-only peak from hybridmem.meter (runtime unavailable: {type(e).__name__})")
+        run.notes.append(f"monitor-only peak from hybridmem.runtime.meter (runtime unavailable: {type(e).__name__})")
     try:
         from hybridmem.runtime.meter import Meter
 

@@ -3,7 +3,7 @@
     pytest bench/test_bench_scorer.py                       # timings (about a minute on 2 cores)
     pytest bench/test_bench_scorer.py --benchmark-disable   # a plain, quick correctness test
 
-- ``test_scorer_latency``: :func:`hybridmem.scorer.select_victims` over 10k candidates when a few victims
+- ``test_scorer_latency``: :func:`hybridmem.runtime.scorer.select_victims` over 10k candidates when a few victims
   cover the need (the runtime's common case), Numba kernel against the numpy fallback. The issue's target
   is <= 30 us; set ``HYBRIDMEM_BENCH_MAX_SCORER_US=30`` to assert it on the best round (off by default:
   a timing threshold on a busy shared machine makes a flaky suite).

@@ -46,7 +46,7 @@ __all__ = sorted([*_API, "plan"]) + ["__version__"]
 
 
 class _Package(types.ModuleType):
-    """``plan`` and ``simulate`` are both public functions and submodules (hybridmem/plan.py, simulate.py).
+    """``plan`` and ``simulate`` are both public functions and submodules (hybridmem/graph/plan.py, simulate.py).
     Importing a submodule sets the package attribute to the module, which would shadow the function:
     this package keeps the functions instead. Neither is imported before it is used (the start-up hook
     imports this package, and the plan module pulls in numpy)."""

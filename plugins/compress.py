@@ -41,7 +41,7 @@ _THROUGHPUT = {
              "bf16": (2e11, 2e11), "fp16": (1e11, 2e11), "fp8": (5e10, 2e11),
              "int8": (5e10, 2e11)},
 }
-# hybridmem.costs knows codecs by the kind of work: a cast, zero-value compression, a plain transform
+# hybridmem.graph.costs knows codecs by the kind of work: a cast, zero-value compression, a plain transform
 _COST_MODEL_CODEC = {"sparse": "zvc", "bitmask": "", "binary": "", "narrow": "", "bf16": "bf16", "fp16": "fp16",
                      "fp8": "fp8", "int8": "fp8"}
 _LATENCY = {"cpu": 20e-6, "cuda": 50e-6}   # per call: a few kernel launches / Python overhead
@@ -70,7 +70,7 @@ class CompressPolicy:
     ``lossy``: names of lossy codecs allowed (default none; the policy is then lossless).
     ``lossless_codecs``: which lossless codecs to try. ``max_ratio``: a codec is applicable only if its
     encoding is at most this fraction of the storage. ``prefer_lossless``: a lossless codec that pays
-    wins over a smaller lossy one. ``cost_model``: a :mod:`hybridmem.costs` model or its name
+    wins over a smaller lossy one. ``cost_model``: a :mod:`hybridmem.graph.costs` model or its name
     (``compress_time`` / ``decompress_time(nbytes, codec, ratio)``); default: the measured table above.
     ``force_torch``: use the torch kernels on the CPU too (tests; they are the CUDA kernels).
     """

@@ -646,7 +646,7 @@ def test_factory_optimizer_reaches_capture_and_plan(capsys):
 
 
 # ---- bench zoo -------------------------------------------------------------------------------------------
-zoo = pytest.importorskip("hybridmem.zoo", reason="bench/zoo.py not available")
+zoo = pytest.importorskip("hybridmem.zoo", reason="hybridmem/zoo.py not available")
 
 
 @pytest.mark.parametrize("name", zoo.MODELS)

@@ -1,4 +1,4 @@
-"""Native CPU allocator meter (hybridmem/cpumeter.py + _cpumeter.cpp): exact byte counts, lookup by
+"""Native CPU allocator meter (hybridmem/runtime/cpumeter.py + _cpumeter.cpp): exact byte counts, lookup by
 data pointer, install/uninstall, threads, bit-identical training steps, and the unavailable paths."""
 from __future__ import annotations
 

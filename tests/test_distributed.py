@@ -2,7 +2,7 @@
 guard, FSDP's resized storages in the meter, and activation under torchrun (env variables and
 ``hybridmem run``).
 
-Ranks are forked (:func:`hybridmem.distributed.launch`): children inherit the imported torch, so a
+Ranks are forked (:func:`hybridmem.runtime.distributed.launch`): children inherit the imported torch, so a
 2-rank job starts in well under a second; each test's ranks compare their own runs and return plain
 data. Each rank trains fresh copies of the model three times (unmanaged, monitor only, capped) so
 nothing has to cross process boundaries but numbers.

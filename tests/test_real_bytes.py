@@ -28,7 +28,7 @@ from hybridmem.runtime import cpumeter
 from tests.helpers.runtime import min_budget_of
 
 # The acceptance tool lies in shared/tools beside the checkout; without it, the same measurement from
-# hybridmem.meter.profiler_peak (torch.profiler's memory events) and the state's storages.
+# hybridmem.runtime.meter.profiler_peak (torch.profiler's memory events) and the state's storages.
 _TOOLS = Path(__file__).resolve().parents[2] / "shared" / "tools"
 if (_TOOLS / "real_peak.py").is_file():
     sys.path.insert(0, str(_TOOLS))

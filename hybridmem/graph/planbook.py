@@ -96,7 +96,7 @@ class ShapeKey:
     @classmethod
     def of_inputs(cls, inputs: Any) -> "ShapeKey":
         """The key of zoo/factory-style inputs: a tensor, a tuple of positional arguments or a dict
-        of keyword arguments (the convention of :func:`hybridmem.capture.capture`)."""
+        of keyword arguments (the convention of :func:`hybridmem.graph.capture.capture`)."""
         if isinstance(inputs, dict):
             return cls.of(**inputs)
         if isinstance(inputs, (tuple, list)):

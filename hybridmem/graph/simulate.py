@@ -109,7 +109,7 @@ def simulate(graph: "Graph", plan: "Plan | None" = None, device: "str | CostMode
              check_hash: bool = True) -> SimResult:
     """Replay ``plan`` (``None``: keep everything) on ``graph`` under ``device``'s cost model.
 
-    ``device``: a name from ``hybridmem.costs.DEVICES``, a cost model, ``"measured"`` (per-stage seconds in
+    ``device``: a name from ``hybridmem.graph.costs.DEVICES``, a cost model, ``"measured"`` (per-stage seconds in
     ``graph.meta["measured_cost_s"]``), or ``None``/``"graph"``: op times from ``Stage.cost_s`` and copies
     from the model named in ``graph.meta["cost_model"]`` (else ``h100-80gb``). ``use_graph_costs=True``
     also takes op times from ``Stage.cost_s``. ``budget``: bytes, ``"8GiB"`` or ``"60%"`` of the keep-all

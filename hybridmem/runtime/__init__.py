@@ -78,7 +78,7 @@ def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFA
     ``config``: YAML file or mapping. Precedence: arguments > ``HYBRIDMEM_*`` variables > YAML > defaults
     (``policies`` left at its default does not override ``HYBRIDMEM_POLICIES``). ``monitor`` (without a
     budget or plan): ``"allocator"`` reads the allocator's counters, nothing per op (on the CPU the native
-    meter of :mod:`hybridmem.cpumeter`); ``"ops"`` meters every op (the cap's units, stages,
+    meter of :mod:`hybridmem.runtime.cpumeter`); ``"ops"`` meters every op (the cap's units, stages,
     ``min_budget_bytes``); ``"auto"`` (default): allocator on the CPU where the native meter builds, else
     ops. Raises ValueError on a malformed budget or setting, UnknownNameError (a ValueError) on an unknown
     policy.

@@ -1,7 +1,7 @@
 """The budget caps what the allocator holds: the native allocator device, wired into a runtime.
 
 On the CPU, with a budget or a plan, the runtime installs hybridmem's wrapper around PyTorch's CPU
-allocator (:mod:`hybridmem.cpumeter`) as the managed device:
+allocator (:mod:`hybridmem.runtime.cpumeter`) as the managed device:
 
 - its bytes are every allocation of the process made through the allocator (kernel scratch and oneDNN
   buffers included) plus the training state from before it was installed: the parameters, buffers and

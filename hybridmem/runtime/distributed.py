@@ -141,7 +141,7 @@ class _Resizable:
 
 
 class FsdpStorageSync:
-    """Keeps a simulated-device :class:`~hybridmem.meter.Meter` right about storages FSDP resizes.
+    """Keeps a simulated-device :class:`~hybridmem.runtime.meter.Meter` right about storages FSDP resizes.
 
     FSDP2 frees an unsharded parameter with ``storage.resize_(0)`` after use and brings it back with
     ``resize_(full)`` before the next all-gather: neither is an op, so the meter (which counts a

@@ -1,6 +1,6 @@
 """Monitor-only on the CPU with nothing per op in Python: the native allocator meter instead of a dispatch mode.
 
-``enable(budget=None)`` on the CPU measures through :mod:`hybridmem.cpumeter` (a C++ wrapper around
+``enable(budget=None)`` on the CPU measures through :mod:`hybridmem.runtime.cpumeter` (a C++ wrapper around
 PyTorch's CPU allocator) when it builds here: no dispatch mode, so an op costs what it costs without
 hybridmem. What Python still does is per saved tensor and per module call, not per op:
 
