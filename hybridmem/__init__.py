@@ -13,8 +13,6 @@ The module imports nothing heavy until an attribute is used, so the start-up hoo
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 TYPE_CHECKING = False  # typing costs every process start milliseconds: annotations only
 if TYPE_CHECKING:
     from typing import Any
@@ -43,22 +41,6 @@ _API = {
 }
 
 __all__ = sorted([*_API, "plan"]) + ["__version__"]
-
-
-class _Package(types.ModuleType):
-    """``plan`` and ``simulate`` are both public functions and submodules (hybridmem/graph/plan.py, simulate.py).
-    Importing a submodule sets the package attribute to the module, which would shadow the function:
-    this package keeps the functions instead. Neither is imported before it is used (the start-up hook
-    imports this package, and the plan module pulls in numpy)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _FUNCTIONS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-_FUNCTIONS = ("plan", "simulate")
-sys.modules[__name__].__class__ = _Package
 
 
 def plan(*args: Any, **kwargs: Any) -> Any:
