@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing bench
 
 import hybridmem  # noqa: E402
-from bench.zoo import build  # noqa: E402
+from hybridmem.zoo import build  # noqa: E402
 
 POLICY_SETS = (("swap",), ("recompute",), ("compress",), ("swap", "recompute", "compress"))
 STEPS = 3
@@ -166,13 +166,13 @@ def check_model(name: str, size: str, device: torch.device) -> list[Row]:
 
 
 def _native():
-    from hybridmem import cpumeter
+    from hybridmem.runtime import cpumeter
     return cpumeter.load()
 
 
 def hook_lines(device: torch.device) -> list[str]:
     """What enforces the budget on this device: the native library, the CUDA hook, or why not."""
-    from hybridmem import cpumeter
+    from hybridmem.runtime import cpumeter
 
     native = cpumeter.load()
     if native is None:

@@ -322,7 +322,7 @@ PeakFn = Callable[[Variant, Callable[[], None]], int]
 def peak_probe() -> tuple[str, PeakFn]:
     """``(source name, fn)`` where ``fn(variant, step)`` runs ``step`` once and returns the peak bytes.
 
-    One meter measures every method, so peaks compare like for like: ``hybridmem.meter.Meter`` on the
+    One meter measures every method, so peaks compare like for like: ``hybridmem.runtime.meter.Meter`` on the
     simulated CPU device, counting the weights, gradients and inputs too (what a device would hold). For
     hybridmem's managed methods the runtime's meter is read instead (``hybridmem.stats().peak_bytes``, the
     same counting rules), since only it knows which copies the runtime moved to the host. Without the
@@ -330,7 +330,7 @@ def peak_probe() -> tuple[str, PeakFn]:
     allocates on top of what was live before it.
     """
     try:
-        from hybridmem.meter import Meter
+        from hybridmem.runtime.meter import Meter
     except ImportError:
         return "torch.profiler allocator events (step increment)", lambda v, step: _profiler_peak(step)
 
@@ -354,7 +354,7 @@ def alloc_peak(step: Callable[[], None]) -> int:
     """The CPU allocator's own peak during ``step`` above what was live before (torch.profiler events)."""
     with without_profiler_lines():
         try:
-            from hybridmem.meter import profiler_peak
+            from hybridmem.runtime.meter import profiler_peak
         except ImportError:
             return _profiler_peak(step)
         return int(profiler_peak(step))

@@ -46,9 +46,9 @@ import time
 from typing import Any
 
 from hybridmem.errors import BudgetInfeasibleError, UnknownNameError
-from hybridmem.graph import Graph
-from hybridmem.plan import Plan
-from hybridmem.units import fmt_bytes, parse_bytes
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.plan import Plan
+from hybridmem.graph.units import fmt_bytes, parse_bytes
 
 from . import baselines, coarsen, milp, relax
 from .baselines import NO_BUDGET
@@ -92,7 +92,7 @@ def memory_floor(graph: Graph, model: Any, min_bytes: int | None = None) -> int:
     """The least budget any plan of these planners can fit: what some stage needs with every evictable
     tensor the planners may move off the device (:func:`hybridmem.simulate.min_feasible_budget`, and
     the planning problem's own per-stage need)."""
-    from hybridmem.simulate import min_feasible_budget
+    from hybridmem.graph.simulate import min_feasible_budget
 
     need = build_problem(graph, graph.peak_bytes(), model, min_bytes=min_bytes).min_bytes()
     return max(min_feasible_budget(graph), int(need.max()) if need.size else 0)
@@ -117,8 +117,8 @@ def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", sol
     :class:`~hybridmem.errors.BudgetInfeasibleError` (with ``minimum_bytes``) when no plan of this solver
     fits, :class:`~hybridmem.errors.UnknownNameError` for an unknown solver or device.
     """
-    from hybridmem.costs import get_cost_model
-    from hybridmem.simulate import min_feasible_budget
+    from hybridmem.graph.costs import get_cost_model
+    from hybridmem.graph.simulate import min_feasible_budget
 
     t0 = time.perf_counter()
     if solver not in SOLVERS:
@@ -214,7 +214,7 @@ def sweep(graph: Graph, device: Any = "h100-80gb", solver: str = "approx", point
     the curve never rises."""
     import copy
 
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
 
     if not isinstance(points, int) or points < 2:
         raise ValueError(f"points {points!r}: expected an int of at least 2 (the least budget and the peak)")
@@ -238,7 +238,7 @@ def sweep(graph: Graph, device: Any = "h100-80gb", solver: str = "approx", point
 
 
 def _finish(graph: Graph, out: Plan, model: Any, budget_b: int, t0: float) -> Plan:
-    from hybridmem.simulate import simulate
+    from hybridmem.graph.simulate import simulate
 
     res = simulate(graph, out, device=model, budget=budget_b, strict=True)
     out.graph_hash = graph.structure_hash()
@@ -290,7 +290,7 @@ class _Pool:
 
     def offer(self, name: str, plan: Plan) -> float | None:
         """Simulate ``plan``; keep it if it fits and is the fastest yet. Its time if it fits, else None."""
-        from hybridmem.simulate import simulate
+        from hybridmem.graph.simulate import simulate
 
         res = simulate(self.graph, plan, device=self.model, budget=NO_BUDGET, strict=False)
         if res.violations:
@@ -411,7 +411,7 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
     ``time_limit`` (default ``DEFAULT_TIME``) bounds the whole for approx/greedy, as wall time; for milp
     it is the MILP's own limit.
     """
-    from hybridmem.simulate import simulate
+    from hybridmem.graph.simulate import simulate
 
     t0 = time.perf_counter()
     total = time_limit if time_limit is not None else DEFAULT_TIME.get(solver)
@@ -521,7 +521,7 @@ def _hybrid(graph: Graph, budget: int, model: Any, solver: str, time_limit: floa
 
 def _fine_floor(graph: Graph, p: Problem, model: Any, options: dict[str, Any]) -> int:
     """The memory floor of the full graph (a coarse problem's own floor is higher than the graph's)."""
-    from hybridmem.simulate import min_feasible_budget
+    from hybridmem.graph.simulate import min_feasible_budget
 
     if p.T == graph.num_stages:
         return max(int(p.min_bytes().max()), min_feasible_budget(graph))
@@ -618,7 +618,7 @@ def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: b
 
 def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float | None, verbose: bool,
                 options: dict[str, Any], seed_actions: list | None = None) -> Plan | None:
-    from hybridmem.simulate import simulate
+    from hybridmem.graph.simulate import simulate
 
     limit = DEFAULT_MILP_TIME_LIMIT if time_limit is None else time_limit
     t0 = time.perf_counter()

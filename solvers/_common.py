@@ -33,8 +33,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from hybridmem.graph import Graph
-from hybridmem.plan import Action, Plan
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.plan import Action, Plan
 
 EPS_TIME = 1e-12
 
@@ -187,7 +187,7 @@ def build_problem(graph: Graph, budget: int, device: Any = "h100-80gb", *, min_b
     keeps its natural lifetime, except that it is freed right after its last reader when the graph keeps
     it longer.
     """
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
 
     model = get_cost_model(device)
     fine_op = np.asarray(model.op_times(graph), dtype=np.float64)
@@ -381,7 +381,7 @@ def make_plan(p: Problem, actions: list[Action], solver: str, info: dict[str, An
 
 
 def simulate(p: Problem, plan: Plan, *, strict: bool = True, budget: int | None | str = "problem"):
-    from hybridmem.simulate import simulate as sim
+    from hybridmem.graph.simulate import simulate as sim
 
     b = p.budget if budget == "problem" else budget
     return sim(p.graph, plan, device=p.model if p.model is not None else p.device, budget=b, strict=strict)

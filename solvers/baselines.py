@@ -29,9 +29,9 @@ from typing import Any, Callable
 import numpy as np
 
 from hybridmem.errors import BudgetInfeasibleError
-from hybridmem.graph import Graph
-from hybridmem.plan import Action, Plan
-from hybridmem.units import fmt_bytes
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.plan import Action, Plan
+from hybridmem.graph.units import fmt_bytes
 
 from ._common import Problem, Schedule, TensorSchedule, build_problem, make_plan, schedule_to_actions, source_available
 
@@ -58,7 +58,7 @@ NO_BUDGET = 1 << 62   # simulate without the budget check: callers compare the p
 
 
 def _sim(p: Problem, plan: Plan, budget: int | None = None):
-    from hybridmem.simulate import simulate
+    from hybridmem.graph.simulate import simulate
 
     return simulate(p.graph, plan, device=p.model, budget=NO_BUDGET, strict=False)
 
@@ -261,7 +261,7 @@ def numpy_victims(costs: np.ndarray, nbytes: np.ndarray, last_access: np.ndarray
 
 def _dtr_replay(p: Problem, budget: int, select: Callable[..., np.ndarray] | None = None) -> list[Action] | None:
     if select is None:
-        from hybridmem.scorer import select_victims as select
+        from hybridmem.runtime.scorer import select_victims as select
     select_victims = select
 
     C = p.candidates

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import heapq
 
-from hybridmem.graph import Graph
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.merge import merge_stages
 
 THRESHOLD = 150      # graphs with more stages are coarsened
 TARGET = 100         # super-stages to aim for (STR: 80-120)
@@ -91,6 +92,5 @@ def coarsen_groups(graph: Graph, target: int = TARGET) -> list[list[int]]:
 
 def coarse_graph(graph: Graph, groups: list[list[int]]) -> Graph:
     """The merged graph of ``groups`` (``hybridmem.capture.merge_stages``), for inspection and reports."""
-    from hybridmem.capture import merge_stages
 
     return merge_stages(graph, groups)

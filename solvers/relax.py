@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridmem.plan import Action
+from hybridmem.graph.plan import Action
 
 from ._common import Problem, Schedule, TensorSchedule, source_available
 

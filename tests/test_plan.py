@@ -1,7 +1,7 @@
 import pytest
 
 from hybridmem.errors import PlanFormatError, StalePlanError
-from hybridmem.plan import Action, Plan
+from hybridmem.graph.plan import Action, Plan
 from tests.helpers import chain_graph
 
 

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import hybridmem
-from bench.zoo import build
-from hybridmem import cpumeter
-from hybridmem.meter import profiler_peak
+from hybridmem.zoo import build
+from hybridmem.runtime import cpumeter
+from hybridmem.runtime.meter import profiler_peak
 from hybridmem.runtime.stats import PolicyStats
 
 torch.set_num_threads(1)

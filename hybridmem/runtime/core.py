@@ -8,24 +8,27 @@ and :class:`~.mode.RuntimeMode`, which calls them around every op.
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from hybridmem.plugins.base import Policy, get_policy, known_policy_names
 
-from ..buckets import BucketSwitch, PlanBook, is_book
+from ..graph.planbook import PlanBook, is_book
+from .buckets import BucketSwitch
 from ..config import Config
-from ..distributed import FsdpStorageSync
+from .distributed import FsdpStorageSync
 from ..errors import UnknownNameError
-from ..meter import Meter
-from ..plan import Plan
-from ..report import TensorLog
-from ..units import BUDGET_FORMS, check_capacity, parse_budget
+from .meter import Meter
+from ..graph.costs import get_cost_model
+from ..graph.plan import Plan
+from .ledger import TensorLog
 from . import ckpt
+from .budget import device_budget_bytes
+from .cpumeter import load, unavailable_reason
 from .estimate import OutputEstimator
 from .device import native_device
 from .fixed import FixedMarker
@@ -61,34 +64,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def resolve_budget(value: Any, device: torch.device) -> int | None:
-    """Budget in bytes, at most the device's memory (on the simulated CPU device, the host's); on CUDA
-    a percentage is of the device's total memory."""
-    if value is None:
-        return None
-    if device.type == "cuda":
-        capacity, of = torch.cuda.get_device_properties(device).total_memory, str(device)
-        return check_capacity(int(parse_budget(value, total=capacity)), capacity, of, value)
-    n = parse_budget(value)
-    if isinstance(n, str):
-        raise ValueError(f"invalid budget {value!r}: a percentage is of CUDA device memory; on the CPU "
-                         f"expected {', '.join(BUDGET_FORMS[:2])}")
-    capacity = host_memory()
-    return n if capacity is None else check_capacity(n, capacity, "host", value)
-
-
-def host_memory() -> int | None:
-    """Physical memory of this machine in bytes (None where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
 def cost_model_for(device: torch.device, cfg: Config) -> Any:
     """The cost model recompute costs come from: ``plugins: {cost_model: NAME}`` in the config, else
     the CPU model, or on CUDA the model named like the GPU (H100, H200, A100, V100; else H100)."""
-    from ..costs import get_cost_model
 
     name = cfg.extra.get("cost_model")
     if name is None and device.type == "cuda":
@@ -133,7 +111,7 @@ def named(cfg: Config, key: str) -> Iterator[None]:
 
 def regions_runtime() -> "Runtime | None":
     """The runtime that takes ``torch.utils.checkpoint`` regions over on the calling thread, if any."""
-    from . import _current
+    from . import _current  # the package's state, read per call (the package imports core lazily)
 
     rt = _current
     if rt is not None and rt.takes_regions and rt.mode is not None and rt.owner.here():
@@ -159,7 +137,7 @@ class Runtime:
         with named(cfg, "device"):
             self.device = resolve_device(cfg.device)
         with named(cfg, "budget"):
-            self.budget = resolve_budget(cfg.budget, self.device)
+            self.budget = device_budget_bytes(cfg.budget, self.device)
         if self.budget is None and plan is not None and plan.budget_bytes:
             self.budget = plan.budget_bytes  # the online scorer keeps the plan's budget where it is left
         self.plan = plan
@@ -211,7 +189,6 @@ class Runtime:
         if kind == "allocator" and self.device.type == "cuda":
             self.light = True
         elif kind == "allocator":
-            from ..cpumeter import load
             self.allocator = AllocatorMonitor(load(), self.stats)  # _monitor_kind checked it loads
             self.stats.note(MONITOR_NOTE)
         # The budget caps what the allocator holds, enforced at allocation time (runtime.device).
@@ -245,7 +222,6 @@ class Runtime:
             return "allocator" if cfg.monitor == "allocator" or cfg.extra.get("light", False) else "ops"
         if cfg.monitor == "ops":
             return "ops"
-        from ..cpumeter import load, unavailable_reason
         if load() is not None:
             return "allocator"
         why = unavailable_reason() or "unknown reason"
@@ -315,7 +291,6 @@ class Runtime:
         if top is not None and top[0] != self._pack_hook:
             raise RuntimeError("hybridmem.disable() called inside another saved_tensors_hooks context "
                                "(e.g. torch.autograd.graph.save_on_cpu) opened after enable(): leave it first")
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
         if self.mode_on and _get_current_dispatch_mode() is not self.mode:
             raise RuntimeError("hybridmem.disable() called inside another TorchDispatchMode entered after "
                                "enable(): leave it first")
@@ -385,8 +360,6 @@ class Runtime:
     def _choose_step(self) -> None:
         """Before a step starts: steady state if a program is ready and the dispatch mode can be left
         (nothing entered above it), else the dispatch mode, recording a program."""
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
         prog, mode = self.program, self.mode
         if mode is None:
             return

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..meter import Meter
+from .meter import Meter
 from .produced import ProducedTable
 
 

@@ -24,14 +24,14 @@ import hashlib
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanFormatError, StalePlanError
-from ..plan import Plan
+from ..graph.plan import Plan
+from ..graph.merge import MAX_OP_CHARS as _MAX_OP_CHARS  # merged stage names
 from .mode import _FACTS, facts
 
 if TYPE_CHECKING:
-    from ..graph import Graph
+    from ..graph.ir import Graph
     from .core import Runtime
 
-_MAX_OP_CHARS = 96  # merged stage names: the rule of hybridmem.capture.merge_stages
 _BEFORE = ("recompute", "decompress", "swap_in")
 
 

@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from .._trace import op_info
-from ..distributed import collective_writes
+from ..graph.flops import op_flops
+from ..graph.ops import op_info
+from ..graph.outputs import flat_outputs as _flat_outputs
+from .distributed import collective_writes
 
 if TYPE_CHECKING:
-    from hybridmem.plugins.base import Entry
+    from .entry import Entry
 
 Tensor = torch.Tensor
 MAX_OPS_PER_NODE = 64   # a storage written in place more often than this (an accumulator) is not replayed
@@ -419,27 +421,7 @@ class OpCost:
                     for t in a:
                         if isinstance(t, Tensor):
                             nbytes += t.numel() * t.element_size()
-        return float(self.model.op_time(_Work(matmul_flops(func, args, out), nbytes)))
-
-
-def matmul_flops(func: Any, args: tuple, out: Any) -> float:
-    """FLOPs of the compute-bound ops (matrix products, convolutions, attention); 0 for the rest,
-    which the cost model then prices by bytes. (torch.utils.flop_counter has them all, but importing
-    it pulls in torch._dynamo: seconds at the first recorded op.)"""
-    name = getattr(func, "_opname", "")
-    o = out[0] if isinstance(out, (tuple, list)) else out
-    if not isinstance(o, Tensor):
-        return 0.0
-    if name in ("mm", "addmm", "bmm", "baddbmm", "matmul"):
-        a = args[1] if name in ("addmm", "baddbmm") else args[0]
-        return 2.0 * o.numel() * (a.shape[-1] if isinstance(a, Tensor) else 1)
-    if name == "convolution" and isinstance(args[1], Tensor):
-        w = args[1]  # (out_channels, in_channels / groups, *kernel): each output element sums over that
-        return 2.0 * o.numel() * (w.numel() // max(w.shape[0], 1))
-    if name.startswith("_scaled_dot_product") and isinstance(args[0], Tensor) and isinstance(args[1], Tensor):
-        q, k = args[0], args[1]  # (..., L, E) x (..., S, E): QK^T and the product with V
-        return 4.0 * q.numel() * k.shape[-2]
-    return 0.0
+        return float(self.model.op_time(_Work(op_flops(func, args, kwargs, out), nbytes)))
 
 
 class _Work:
@@ -759,19 +741,6 @@ def flat(st: torch.UntypedStorage, dtype: torch.dtype, device: torch.device) -> 
         dtype, item = torch.uint8, 1
     with torch._C._DisableTorchDispatch():
         return torch.empty((0,), dtype=dtype, device=device).set_(st, 0, (n // item,), (1,))
-
-
-def _flat_outputs(out: Any) -> list[Any]:
-    """Outputs flattened in schema order (one level of lists): the positions a Node records."""
-    if isinstance(out, Tensor):
-        return [out]
-    res: list[Any] = []
-    for o in out if isinstance(out, (list, tuple)) else ():
-        if isinstance(o, (list, tuple)):
-            res.extend(o)
-        else:
-            res.append(o)
-    return res
 
 
 def _device_of(args: list[Any]) -> torch.device:

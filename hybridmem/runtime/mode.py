@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import torch
 
-from .._trace import op_info, uses_rng
-from ..distributed import is_collective
-from ..meter import Meter, MeterMode, _register, _register_inputs, _reread_written, _storage
+from ..graph.ops import op_info, uses_rng
+from .distributed import is_collective
+from ..graph.outputs import storage_of as _storage
+from .meter import Meter, MeterMode, _register, _register_inputs, _reread_written
 from .lineage import RngBefore, host_state, replay_info, rng_state
 
 if TYPE_CHECKING:

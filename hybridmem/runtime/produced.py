@@ -9,12 +9,11 @@ reference and one callback per new storage instead of two.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
-from ..meter import Meter, StorageRef
+from .meter import Meter, StorageRef
 
 
 class Slot(StorageRef):

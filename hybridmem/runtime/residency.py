@@ -13,17 +13,18 @@ meters and caps one by one.
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Iterable, Protocol
 
 import numpy as np
 import torch
 
-from hybridmem.plugins.base import Entry, Policy
+from hybridmem.plugins.base import Policy
 
-from ..meter import Meter
-from ..units import fmt_bytes
-from ..scorer import select_victims
+from .entry import Entry
+from .meter import Meter
+from ..graph.units import fmt_bytes
+from .scorer import select_victims
 from .saved import SavedStore
 from .stats import StatsRecorder
 
@@ -42,7 +43,6 @@ class NoMode:
     """Contexts when no dispatch mode is active (the runtime was disabled while entries live on)."""
 
     def quiet(self) -> AbstractContextManager[None]:
-        from contextlib import nullcontext
         return nullcontext()
 
     metered = quiet

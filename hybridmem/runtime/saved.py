@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 import torch
 
-from hybridmem.plugins.base import Entry
+from .entry import Entry
 
-from ..distributed import is_parameter_view, is_traceable_wrapper_subclass
+from .distributed import is_parameter_view, is_traceable_wrapper_subclass
 from .lineage import View, flat
 from .produced import ProducedTable
 from .stats import StatsRecorder

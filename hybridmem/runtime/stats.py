@@ -7,10 +7,11 @@ runs on the training thread and the autograd engine thread, never both at once).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..units import fmt_bytes
+from ..graph.units import fmt_bytes
+from ..report import build_report
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Stats:
     notes: tuple[str, ...] = ()         # other one-line facts worth knowing (e.g. lineage refused)
     steady_steps: int = 0               # steps run without the dispatch mode (hybridmem.runtime.program)
     step_seconds: float | None = None   # mean wall time of the completed steps (forward + backward)
-    tensors: tuple[dict[str, Any], ...] = ()  # evictions, one record each (hybridmem.report.TensorLog)
+    tensors: tuple[dict[str, Any], ...] = ()  # evictions, one record each (hybridmem.runtime.ledger.TensorLog)
 
     @property
     def evicted_bytes(self) -> int:
@@ -69,7 +70,6 @@ class Stats:
         return sum(p.regen_seconds for p in self.policies.values())
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
         d = asdict(self)
         d["notes"] = list(self.notes)
         return d
@@ -77,7 +77,6 @@ class Stats:
     def report(self, plan: Any = None, graph: Any = None, device: Any = None, **kwargs: Any) -> Any:
         """The decision report (:func:`hybridmem.report.build_report`); give the plan and its graph for
         the per-tensor table and the simulator's predictions."""
-        from ..report import build_report
         return build_report(self, plan, graph, device, **kwargs)
 
     def __str__(self) -> str:
@@ -111,7 +110,7 @@ class StatsRecorder:
     plan: str = "none"
     plan_note: str = ""
     notes: list[str] = field(default_factory=list)
-    tensor_log: Any = None              # hybridmem.report.TensorLog, or None
+    tensor_log: Any = None              # hybridmem.runtime.ledger.TensorLog, or None
     step_time: float = 0.0              # wall seconds of the completed steps
     step_t0: float | None = None
 
