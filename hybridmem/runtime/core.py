@@ -8,6 +8,7 @@ and :class:`~.mode.RuntimeMode`, which calls them around every op.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -33,7 +34,7 @@ from .estimate import OutputEstimator
 from .device import native_device
 from .fixed import FixedMarker
 from .follow import PlanFollower
-from .lineage import OpCost, Recorder, Replayer
+from .lineage import OpCost, Recorder, Replayer, rng_state
 from .mode import RuntimeMode
 from .monitor import NOTE as MONITOR_NOTE, AllocatorMonitor
 from .prefetch import Prefetcher
@@ -209,6 +210,12 @@ class Runtime:
         self._registered_before = 0
         self._refused_before = 0
         self._divergences = 0
+        self._calls = 0                      # module calls in this step (random ops' states are read at them)
+        self._last_random_call = -1          # the module call after which the last random op ran
+        self._module: torch.nn.Module | None = None
+        self._root_hook: Any = None  # the pre-hook that reads the step's inputs (_watch_inputs)
+        if self.recorder is not None:
+            self.recorder.on_random = self._random_recorded
         self.mode_on = False  # the dispatch mode is entered (off during steady-state steps)
 
     def _monitor_kind(self, cfg: Config, manages: bool) -> str:
@@ -333,7 +340,7 @@ class Runtime:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
     # ---- steps ---------------------------------------------------------------------------------
-    def _module_called(self) -> None:
+    def _module_called(self, module: torch.nn.Module) -> None:
         """Global module pre-hook (every thread): steps start on the installing thread only."""
         if not self.owner.here():
             self.owner.foreign_module_call()
@@ -343,6 +350,47 @@ class Runtime:
                 and torch._C._current_graph_task_id() == -1:
             self._choose_step()  # a step starts here: with the dispatch mode, or in the steady state
         steps.module_called()
+        self._calls += 1
+        self._module = module
+        if self._calls == 1 and self._root_hook is None:
+            self._watch_inputs(module)
+        steady = self._steady
+        if steady is not None and self._calls in steady.program.random_at and not steady.off:
+            why = steady.program.module_called(self._calls, module, self._rng_now)
+            if why:
+                steady.leave(why)
+
+    def _watch_inputs(self, module: torch.nn.Module) -> None:
+        """A pre-hook with keyword arguments on the module that starts steps (global pre-hooks see no
+        keywords): from the next step on, its tensor arguments (the batch) are given to the program."""
+        me = weakref.ref(self)
+
+        def hook(m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            rt = me()
+            if rt is not None and rt.mode is not None and rt._calls == 1:
+                rt._step_inputs([*(a for a in args if isinstance(a, torch.Tensor)),
+                                 *(kwargs[k] for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor))])
+
+        self._root_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def _step_inputs(self, tensors: list[torch.Tensor]) -> None:
+        if self._program_rec is not None:
+            self._program_rec.step_inputs(tensors)
+        steady = self._steady
+        if steady is not None and not steady.off:
+            why = steady.program.bind_inputs(tensors)
+            if why:
+                steady.leave(why)
+
+    def _rng_now(self) -> Any:
+        return rng_state(self.device)
+
+    def _random_recorded(self, rec: Any, explicit: bool) -> None:
+        """The recorder recorded a random op: note after which module call it was the first one."""
+        first = not explicit and self._last_random_call != self._calls
+        self._last_random_call = self._calls
+        if self._program_rec is not None:
+            self._program_rec.random_at(rec, self._calls if first else 0, self._module)
 
     def _pack_hook(self, t: torch.Tensor) -> Any:
         return self._packfn(t)
@@ -420,9 +468,8 @@ class Runtime:
         why = self._steady_refusal(rec)
         prog = rec.finish(self._module_state()) if rec is not None and not why else None
         pressure = self._pressure()
-        if prog is not None and rec is not None and prog.replays_random(rec.evicted):
-            why = ("what the step evicted is rebuilt through ops that draw random numbers: only the dispatch "
-                   "mode replays them (with the states they drew)")
+        if prog is not None and rec is not None:
+            why = prog.cannot_rebuild(rec.evicted)
         if prog is None or why:
             self.stats.note(f"steady state: not used ({why})")
             return
@@ -465,6 +512,7 @@ class Runtime:
         return out
 
     def _step_started(self) -> None:
+        self._calls, self._last_random_call, self._module = 0, -1, None
         self.store.epoch += 1
         self.stats.step_started()
         self.estimator.new_step()

@@ -24,7 +24,7 @@ from .produced import ProducedTable
 class FixedMarker:
     """Global module pre-hook that un-marks module parameters and buffers as activations."""
 
-    def __init__(self, produced: ProducedTable, meter: Meter, on_call: Callable[[], None]):
+    def __init__(self, produced: ProducedTable, meter: Meter, on_call: Callable[[torch.nn.Module], None]):
         self.produced = produced
         self.meter = meter
         self.on_call = on_call  # every module call (the step tracker starts steps here)
@@ -41,7 +41,7 @@ class FixedMarker:
             self._handle = None
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        self.on_call()
+        self.on_call(module)
         seen = self._seen
         r = seen.get(id(module))
         if r is not None and r() is module:

@@ -264,7 +264,9 @@ class Recorder:
         self.cost = cost
         self._step_nodes: list[Node] = []
         self.keep: set[int] = set()  # ids of nodes a step program replays (runtime.program): never pruned
-        self._gens: dict[int, Tensor] = {}  # generator states before the op being recorded
+        self._gens: dict[int, bytes] = {}  # generator states before the op being recorded
+        # called with each recorded op that draws random numbers, and whether it has explicit generators
+        self.on_random: Callable[[OpRecord, bool], None] | None = None
 
     # -- references ----------------------------------------------------------------------------
     def ref(self, t: Tensor, value_unused: bool = False) -> Any:
@@ -315,6 +317,8 @@ class Recorder:
         rkw = {k: self._refs(v) for k, v in kwargs.items()} if kwargs else {}
         rec = OpRecord(func, rargs, rkw, rng.default if rng is not None else None,
                        why or _fixed_write_reason(info, rargs, unused))
+        if rng is not None and self.on_random is not None:
+            self.on_random(rec, bool(rng.generators))
         if self.cost is not None:
             rec.cost_s = self.cost(func, args, kwargs, out, out_bytes)
         for i in info.written:

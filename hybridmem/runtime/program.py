@@ -16,9 +16,13 @@ a recorded step. The first pack that does not match (another shape, dtype or siz
 recorded) ends the steady state: the rest of the step keeps what it saves, and the next step runs under
 the dispatch mode again, which records a new program; ``stats().notes`` says where it diverged.
 
-What a program does not replay: ops that draw random numbers (their recorded states belong to the
-recording step; their outputs are kept or rebuilt from a kept copy), and ops reading a tensor of the
-recording step that later steps do not save (no way to find its counterpart). A program holds no
+Random ops (dropout) replay with the generator state they drew from. The recording step notes, for each,
+the module call after which it was the first random op (the *n*-th call of a module forward in the
+step); a later step reads the default generators' state when that call comes (the same module, checked),
+which is the state the op draws from, and gives it to the op's record. A random op that is not the first
+since a module call, or draws from an explicit ``generator=``, is not replayed in the steady state (its
+output is kept, or rebuilt from a kept copy); nor is an op reading a tensor of the recording step that
+later steps do not save (no way to find its counterpart). A program holds no
 tensor of a step once the runtime is disabled (only module state, which the module holds anyway).
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ from .lineage import FixedRef, GenState, Node, NodeRef
 
 Tensor = torch.Tensor
 RNG_REASON = "it draws random numbers (replayed with recorded RNG states only in steps run under the dispatch mode)"
+RNG_PENDING = "it draws random numbers, and the state it draws from is read when its module is called"
 UNBOUND_REASON = "it reads a tensor of the recorded step that later steps do not save"
 
 
@@ -52,18 +57,38 @@ class ProgramRecorder:
 
     def __init__(self) -> None:
         self.saves: list[Save] = []
-        self.roots: dict[int, int] = {}  # id(storage) of a saved tensor -> first ordinal saving it
+        # id(storage) of a saved tensor -> (first ordinal saving it, the storage, weakly: ids are reused)
+        self.roots: dict[int, tuple[int, weakref.ref]] = {}
+        # id(storage) of a tensor argument of the step's first module call -> (its position, the storage)
+        self.inputs: dict[int, tuple[int, weakref.ref]] = {}
+        self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []
+        # id(record) of a random op -> (the module call it was the first random op after, that module)
+        self.random_calls: dict[int, tuple[int, weakref.ref]] = {}
         self.evicted: list[Node] = []    # lineage of the entries the step evicted by recompute
 
     def saved(self, t: Tensor, node: Node | None) -> None:
         root = t._base if t._base is not None else t
         try:
-            k = id(t.untyped_storage())
+            st = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
-            k = -1
-        if k != -1 and k not in self.roots:
-            self.roots[k] = len(self.saves)
+            st = None
+        if st is not None:
+            got = self.roots.get(id(st))
+            if got is None or got[1]() is not st:
+                self.roots[id(st)] = (len(self.saves), weakref.ref(st))
         self.saves.append(Save(t.shape, t.dtype, node, root._version, []))
+
+    def step_inputs(self, tensors: list[Tensor]) -> None:
+        """The tensor arguments of the step's first module call (the batch), in order."""
+        self.input_shapes = [(t.shape, t.dtype) for t in tensors]
+        for i, t in enumerate(tensors):
+            st = t.untyped_storage()
+            self.inputs.setdefault(id(st), (i, weakref.ref(st)))
+
+    def random_at(self, rec: Any, call: int, module: torch.nn.Module | None) -> None:
+        """``rec`` draws random numbers and is the first to since module call ``call`` (0: not the first)."""
+        if call > 0 and module is not None:
+            self.random_calls[id(rec)] = (call, weakref.ref(module))
 
     def finish(self, persistent: set[int]) -> "StepProgram":
         """The program of the recorded step. ``persistent``: storage ids of module parameters and buffers
@@ -73,6 +98,7 @@ class ProgramRecorder:
         refresh: list[tuple[FixedRef, int]] = []
         random: list[Any] = []
         temporaries: list[FixedRef] = []
+        inputs: list[list[tuple[FixedRef, int]]] = [[] for _ in self.input_shapes]
         seen: set[int] = set()
         for n in nodes:
             for rec, _ in n.ops:
@@ -84,7 +110,7 @@ class ProgramRecorder:
                 for r in rec.refs():
                     if isinstance(r, FixedRef) and r.alias is not None and id(r) not in seen:
                         seen.add(id(r))
-                        self._classify(r, persistent, refresh, temporaries)
+                        self._classify(r, persistent, refresh, temporaries, inputs)
         # The recorded step's own tensors are not kept: saved ones are bound again at their packs, the
         # others (temporaries) have no counterpart in a later step.
         for s in self.saves:
@@ -92,18 +118,35 @@ class ProgramRecorder:
                 r.alias = None
         for r in temporaries:
             r.alias = None
-        return StepProgram(self.saves, nodes, refresh, random, temporaries)
+        for refs in inputs:
+            for r, _ in refs:
+                r.alias = None
+        at: dict[int, tuple[weakref.ref, list[Any]]] = {}
+        fixed: list[Any] = []
+        for rec in random:
+            where = self.random_calls.get(id(rec))
+            if where is None or any(isinstance(a, GenState) for a in (*rec.args, *rec.kwargs.values())):
+                fixed.append(rec)
+            else:
+                at.setdefault(where[0], (where[1], []))[1].append(rec)
+        prog = StepProgram(self.saves, nodes, refresh, fixed, temporaries, at)
+        prog.inputs, prog.input_shapes = inputs, self.input_shapes
+        return prog
 
     def _classify(self, r: FixedRef, persistent: set[int], refresh: list[tuple[FixedRef, int]],
-                  temporaries: list[FixedRef]) -> None:
+                  temporaries: list[FixedRef], inputs: list[list[tuple[FixedRef, int]]]) -> None:
         assert r.alias is not None
-        st = id(r.alias.untyped_storage())
-        k = self.roots.get(st)
-        if k is not None:  # saved by the step: bound again at that pack
-            s = self.saves[k]
-            s.rebind.append((r, -1 if r.version < 0 else r.version - s.root_version))
-        elif st in persistent:  # module state: read as it is, at the version it has when the step starts
+        storage = r.alias.untyped_storage()
+        st = id(storage)
+        got = self.roots.get(st)
+        given = self.inputs.get(st)
+        if st in persistent:  # module state: read as it is, at the version it has when the step starts
             refresh.append((r, -1 if r.version < 0 else r.version - r.alias._version))
+        elif given is not None and given[1]() is storage:  # the batch: bound again at the step's first call
+            inputs[given[0]].append((r, -1 if r.version < 0 else r.version - r.alias._version))
+        elif got is not None and got[1]() is storage:  # saved by the step: bound again at that pack
+            s = self.saves[got[0]]
+            s.rebind.append((r, -1 if r.version < 0 else r.version - s.root_version))
         else:
             temporaries.append(r)  # a temporary of the recorded step: nothing in a later step stands for it
 
@@ -128,23 +171,65 @@ class StepProgram:
     """A recorded step's saves and replay program (see the module docstring)."""
 
     def __init__(self, saves: list[Save], nodes: list[Node], refresh: list[tuple[FixedRef, int]],
-                 random: list[Any], temporaries: list[FixedRef]):
+                 random: list[Any], temporaries: list[FixedRef],
+                 random_at: dict[int, tuple[weakref.ref, list[Any]]] | None = None):
         self.saves = saves
         self.nodes = nodes
         self.keep = {id(n) for n in nodes}  # the recorder must not prune them at step ends
         self.refresh = [(r, delta, weakref.ref(r.alias)) for r, delta in refresh]
-        self.random = random            # records of ops that draw random numbers
+        self.random = random            # records of random ops not replayed in the steady state
+        self.random_at = random_at or {}  # module call -> (its module, random ops given the state read there)
         self.temporaries = temporaries  # references to tensors no later step has
         self.stages = 0                 # stage ops the recorded step counted (reported for steady-state steps)
         self.pressure = False           # the recorded step came near its budget
+        # per tensor argument of the step's first module call: the references bound to it, and its signature
+        self.inputs: list[list[tuple[FixedRef, int]]] = []
+        self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []
         self._armed = False
 
-    def replays_random(self, evicted: list[Node]) -> bool:
-        """Whether rebuilding ``evicted`` may run an op that draws random numbers (ancestors included)."""
-        if not self.random:
-            return False
+    def bind_inputs(self, tensors: list[Tensor]) -> str:
+        """The step's first module call: bind the references to its tensor arguments. Returns why not ("" when
+        done): the arguments differ from the recorded step's."""
+        got = [(t.shape, t.dtype) for t in tensors]
+        if got != self.input_shapes:
+            return (f"the step's inputs are {[(list(s), str(d)) for s, d in got]} where the recorded step's were "
+                    f"{[(list(s), str(d)) for s, d in self.input_shapes]}")
+        for t, refs in zip(tensors, self.inputs):
+            root = t._base if t._base is not None else t
+            for r, delta in refs:
+                r.alias = root
+                if delta >= 0:
+                    r.version = root._version + delta
+        return ""
+
+    def module_called(self, call: int, module: torch.nn.Module, state: Callable[[], Any]) -> str:
+        """Module call ``call`` of a steady-state step: give the random ops noted there the generator state
+        they will draw from (``state()``). Returns why not ("" when done): another module is called."""
+        ref, recs = self.random_at[call]
+        expected = ref()
+        if expected is not module:
+            return (f"module call #{call} is {type(module).__name__} where the recorded step called "
+                    f"{type(expected).__name__ if expected is not None else 'a module that is gone'}")
+        got = state()
+        for rec in recs:
+            rec.rng = got if rec.rng is None or rec.rng[1] is not None else (got[0], None)
+            rec.why_not = ""
+        return ""
+
+    def cannot_rebuild(self, evicted: list[Node]) -> str:
+        """Why rebuilding ``evicted`` (what the recorded step evicted) may need an op the steady state does
+        not replay ("" if it cannot): a random op it gives no state, or one reading a temporary."""
         random = {id(r) for r in self.random}
-        return any(id(rec) in random for n in _closure(evicted) for rec, _ in n.ops)
+        temporaries = {id(r) for r in self.temporaries}
+        for n in _closure(evicted):
+            for rec, _ in n.ops:
+                if id(rec) in random:
+                    return ("what the step evicted is rebuilt through random ops that draw from an explicit "
+                            "generator or after another random op in the same module call")
+                if temporaries and any(id(r) in temporaries for r in rec.refs()):
+                    return ("what the step evicted is rebuilt from a tensor of the step that autograd does not "
+                            "save (an input read but not saved, e.g. an attention mask)")
+        return ""
 
     def start_step(self) -> None:
         """Unbind every node (their storages belong to an earlier step) and read module state anew."""
@@ -152,6 +237,9 @@ class StepProgram:
             self._armed = True
             for rec in self.random:
                 rec.why_not = rec.why_not or RNG_REASON
+        for _, recs in self.random_at.values():
+            for rec in recs:
+                rec.why_not = RNG_PENDING  # until its module call gives it this step's state
         self.unbind()
         for r, delta, ref in self.refresh:
             a = r.alias = ref()  # None once the module is gone: what reads it is not replayed
@@ -170,6 +258,9 @@ class StepProgram:
                 r.alias = None
         for r, _, _ in self.refresh:
             r.alias = None
+        for refs in self.inputs:
+            for r, _ in refs:
+                r.alias = None
 
 
 class SteadyPack:
@@ -241,9 +332,13 @@ class SteadyPack:
         return h
 
     def _leave(self, why: str, t: Tensor) -> Any:
+        self.leave(why)
+        return self.store_pack(t)
+
+    def leave(self, why: str) -> None:
+        """The step left the program: the rest of it keeps what it saves."""
         self.off = True
         self.diverged(why)
-        return self.store_pack(t)
 
     @property
     def complete(self) -> bool:
