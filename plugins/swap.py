@@ -299,7 +299,7 @@ class SwapPolicy:
 
     ``hidden_fraction``: share of a swap-in expected to hide behind compute, for :meth:`cost`
     (default: measured so far on CUDA, 0 on the CPU where copies are synchronous); the runtime may
-    pass its own per call. ``cost_model``: a :mod:`hybridmem.costs` model (``copy_time(nbytes,
+    pass its own per call. ``cost_model``: a :mod:`hybridmem.graph.costs` model (``copy_time(nbytes,
     direction)``) or its name; default: the local estimates above. ``timing``: CUDA
     timing events for hidden/exposed statistics. ``pool``: a shared :class:`PinnedPool`.
     """

@@ -331,6 +331,7 @@ class Runtime:
         self.mode_on = False
         if self.program is not None:
             self.program.unbind()  # no tensor of the last step stays reachable from a disabled runtime
+        self._module = None
         self._steady = None
         self._packfn = self._pack
         self.residency.mode = NoMode()  # entries still alive regenerate unmetered from now on
@@ -450,9 +451,14 @@ class Runtime:
 
     def _steady_after(self) -> None:
         store = self.store
-        if store.pending and self.budget is not None \
-                and self.budget - self.meter.current_bytes < self.budget // 4:
-            store.register_pending()  # near the budget: as the dispatch mode does before an op (mode._cap)
+        if not store.pending or self.budget is None:
+            return
+        steady = self._steady
+        # A step whose recording came near the budget registers each entry as it is made: the dispatch mode
+        # registers before each op that nears the budget (mode._cap), and no op is seen here.
+        if (steady is not None and steady.program.pressure) \
+                or self.budget - self.meter.current_bytes < self.budget // 4:
+            store.register_pending()
 
     def _diverged(self, why: str) -> None:
         self._divergences += 1
@@ -529,6 +535,7 @@ class Runtime:
             self.residency.on_evicted = None
 
     def _step_ended(self, stages: int) -> None:
+        self._module = None
         steady = self._steady
         if steady is not None:
             self._steady = None

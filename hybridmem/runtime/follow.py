@@ -11,7 +11,7 @@ first step even while the online scorer is evicting to stay under the budget.
   the signature and the sizes of the plan's tensors are compared: a difference (another model, other
   input shapes) refuses the plan (:class:`~hybridmem.errors.StalePlanError`, raised from ``backward()``
   once the step's gradients are complete; caught, training goes on with the online scorer). From step 2 the plan's actions run at their stages (timing rules in
-  :mod:`hybridmem.plan`): ``recompute``/``decompress`` before op t regenerate at once, ``swap_in``
+  :mod:`hybridmem.graph.plan`): ``recompute``/``decompress`` before op t regenerate at once, ``swap_in``
   starts a prefetch; after op t ``compress`` evicts by compress, ``swap_out`` marks a swap and
   ``free`` evicts (by swap after a ``swap_out``, else by recompute).
 - Each stage op is checked against step 1's; at the first mismatch the plan is left for the rest of

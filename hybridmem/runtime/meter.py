@@ -36,7 +36,7 @@ disables a dispatch mode while its handler runs), so call :meth:`Meter.track` fo
 allocated there.
 
 **CPU: the allocator as the device** (:meth:`Meter.attach_native`). The runtime gives the meter the native
-allocator device (:mod:`hybridmem.cpumeter`) when it builds: ``current_bytes``/``peak_bytes`` are then
+allocator device (:mod:`hybridmem.runtime.cpumeter`) when it builds: ``current_bytes``/``peak_bytes`` are then
 what PyTorch's CPU allocator holds (kernel scratch included) plus the training state allocated before it
 was installed (:meth:`Meter.count_external`: module state passed to :meth:`Meter.track`, saved inputs;
 counted once each while they live), and the allocator itself enforces the budget at allocation time. The
@@ -119,7 +119,7 @@ class Meter:
         self.on_exhausted: Callable[[int, str, int | None], BaseException] | None = None
 
     def attach_native(self, native: Any) -> None:
-        """Read bytes from the native allocator device (:class:`hybridmem.cpumeter.CpuAllocatorMeter`),
+        """Read bytes from the native allocator device (:class:`hybridmem.runtime.cpumeter.CpuAllocatorMeter`),
         counting the storages from before its install that this meter has seen (again, after a detach)."""
         self.native = native
         self._native_current = native.current_fn  # read once or twice per op: the C function itself

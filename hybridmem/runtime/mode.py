@@ -42,7 +42,7 @@ class OpFacts(NamedTuple):
     any_fresh: bool
     writes: bool                # writes some argument in place
     maybe_rng: bool             # may draw random numbers (checked per call only then)
-    collective: bool = False    # c10d / fsdp op (hybridmem.distributed.is_collective)
+    collective: bool = False    # c10d / fsdp op (hybridmem.runtime.distributed.is_collective)
     may_resize: bool = False    # may resize a storage it writes (the meter re-reads its size)
 
 
