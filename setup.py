@@ -11,7 +11,16 @@ from setuptools.command.editable_wheel import editable_wheel
 PTH = "hybridmem_autoload.pth"
 
 
+BENCH_TESTS = ("test_", "conftest")  # bench/'s pytest suites: run from a checkout, not shipped
+
+
 class BuildPyWithPth(build_py):
+    def find_package_modules(self, package: str, package_dir: str) -> list[tuple[str, str, str]]:
+        modules = super().find_package_modules(package, package_dir)
+        if package != "hybridmem.bench":
+            return modules
+        return [m for m in modules if not m[1].startswith(BENCH_TESTS)]
+
     def run(self) -> None:
         super().run()
         self.copy_file(PTH, str(Path(self.build_lib) / PTH), preserve_mode=0)

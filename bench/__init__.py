@@ -1,1 +1,1 @@
-"""Benchmarks for hybridmem: the model zoo (``bench.zoo``) and the benchmark scripts built on it."""
+"""Benchmarks for hybridmem: the model zoo (``hybridmem.zoo``) and the benchmark scripts built on it."""

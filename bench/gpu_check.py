@@ -3,7 +3,7 @@
     python bench/gpu_check.py                 # on a machine with CUDA (the default device)
     python bench/gpu_check.py --device cpu    # the same checks on the CPU's simulated device (dry run)
 
-For each model: 3 SGD steps unmanaged, then 3 steps under hybridmem per policy set at a budget of the
+For each model: 4 SGD steps unmanaged, then 4 steps under hybridmem per policy set at a budget of the
 monitor-only peak minus 30 % of the saved-activation bytes (where the runtime says that cannot work, the
 smallest budget it names + 1 %). A row passes when the losses, every gradient
 and every BatchNorm buffer are bit-identical to the unmanaged run (lossless policies) and the peak of
@@ -11,7 +11,8 @@ and every BatchNorm buffer are bit-identical to the unmanaged run (lossless poli
 ``torch.cuda.max_memory_allocated`` (reset at each step), the allocator's own number. The first lines say
 whether the CUDA caching-allocator hook (hybridmem's free-memory callback) was built and registered; each
 row shows how often the caching allocator called it and what it freed, and the swap rows the copy time
-hidden behind compute vs exposed (stall). Exit status 1 if a row fails.
+hidden behind compute vs exposed (stall), and ``steady`` the steps that ran without the dispatch mode
+(recompute rows: steps 3 and 4 when the steady state applies). Exit status 1 if a row fails.
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing bench
 
 import hybridmem  # noqa: E402
-from bench.zoo import build  # noqa: E402
+from hybridmem.zoo import build  # noqa: E402
 
 POLICY_SETS = (("swap",), ("recompute",), ("compress",), ("swap", "recompute", "compress"))
-STEPS = 3
+STEPS = 4  # steps 1-2 under the dispatch mode (2 records the program), 3-4 in the steady state where it applies
 CUT = 0.3  # of the saved-activation bytes (compress alone: of what its codecs save)
 TRIES = 8  # budgets tried per row: the first, then the minimum each OOM names + 1 %
 
@@ -50,6 +51,7 @@ class Row:
     hook_calls: int = 0
     hook_freed: int = 0
     hidden_ms: float = 0.0
+    steady: int = 0  # steps run without the dispatch mode (hybridmem.runtime.program)
 
     @property
     def peak(self) -> int:
@@ -161,18 +163,19 @@ def check_model(name: str, size: str, device: torch.device) -> list[Row]:
         rows.append(Row(name, "+".join(policies), budget, peaks, same,
                         ms, base_ms, st.stall_seconds * 1e3, st.regen_seconds * 1e3,
                         (native.cuda_calls - calls0) if native is not None else 0,
-                        (native.cuda_freed_bytes - freed0) if native is not None else 0, hidden * 1e3))
+                        (native.cuda_freed_bytes - freed0) if native is not None else 0, hidden * 1e3,
+                        st.steady_steps))
     return rows
 
 
 def _native():
-    from hybridmem import cpumeter
+    from hybridmem.runtime import cpumeter
     return cpumeter.load()
 
 
 def hook_lines(device: torch.device) -> list[str]:
     """What enforces the budget on this device: the native library, the CUDA hook, or why not."""
-    from hybridmem import cpumeter
+    from hybridmem.runtime import cpumeter
 
     native = cpumeter.load()
     if native is None:
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"{'model':12s} {'policies':26s} {'budget MiB':>10s} {'peak MiB (per step)':>22s} {'bit-equal':>9s} "
           f"{'step ms':>8s} {'base ms':>8s} {'regen ms':>9s} {'stall ms':>9s} {'hidden ms':>9s} "
-          f"{'hook calls':>10s} {'hook MiB':>8s}  ok")
+          f"{'hook calls':>10s} {'hook MiB':>8s} {'steady':>6s}  ok")
     failed = 0
     for model in args.models.split(","):
         for r in check_model(model, args.size, device):
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             peaks = "/".join(f"{p / 2**20:.1f}" for p in r.peaks)
             print(f"{r.model:12s} {r.policies:26s} {r.budget / 2**20:10.1f} {peaks:>22s} "
                   f"{'yes' if r.identical else 'NO':>9s} {r.step_ms:8.1f} {r.base_ms:8.1f} {r.regen_ms:9.1f} "
-                  f"{r.stall_ms:9.1f} {r.hidden_ms:9.1f} {r.hook_calls:10d} {r.hook_freed / 2**20:8.1f}  "
+                  f"{r.stall_ms:9.1f} {r.hidden_ms:9.1f} {r.hook_calls:10d} {r.hook_freed / 2**20:8.1f} {r.steady:6d}  "
                   f"{'ok' if r.ok else 'FAIL'}")
     print(f"{failed} row(s) failed")
     return 1 if failed else 0

@@ -267,6 +267,10 @@ def build_variant(method: str, model: nn.Module, inputs: Any, *, budget: int | N
         kw: dict[str, Any] = {"budget": None if monitor_only else budget, "device": "cpu"}
         if method == "hybridmem-monitor-ops":
             kw["monitor"] = "ops"
+        if method in ("hybridmem-recompute", "hybridmem-recompute-mode"):
+            kw["policies"] = ("recompute",)
+        if method.endswith("-mode"):  # every step under the dispatch mode (no steady state): the comparison
+            kw["config"] = {"plugins": {"steady": False}}
         if method == "hybridmem-plan":
             if plan is None or isinstance(plan, str):  # a string says why there is no plan
                 raise Unavailable(plan or "no plan (planner or capture missing)")
@@ -318,7 +322,7 @@ PeakFn = Callable[[Variant, Callable[[], None]], int]
 def peak_probe() -> tuple[str, PeakFn]:
     """``(source name, fn)`` where ``fn(variant, step)`` runs ``step`` once and returns the peak bytes.
 
-    One meter measures every method, so peaks compare like for like: ``hybridmem.meter.Meter`` on the
+    One meter measures every method, so peaks compare like for like: ``hybridmem.runtime.meter.Meter`` on the
     simulated CPU device, counting the weights, gradients and inputs too (what a device would hold). For
     hybridmem's managed methods the runtime's meter is read instead (``hybridmem.stats().peak_bytes``, the
     same counting rules), since only it knows which copies the runtime moved to the host. Without the
@@ -326,7 +330,7 @@ def peak_probe() -> tuple[str, PeakFn]:
     allocates on top of what was live before it.
     """
     try:
-        from hybridmem.meter import Meter
+        from hybridmem.runtime.meter import Meter
     except ImportError:
         return "torch.profiler allocator events (step increment)", lambda v, step: _profiler_peak(step)
 
@@ -350,7 +354,7 @@ def alloc_peak(step: Callable[[], None]) -> int:
     """The CPU allocator's own peak during ``step`` above what was live before (torch.profiler events)."""
     with without_profiler_lines():
         try:
-            from hybridmem.meter import profiler_peak
+            from hybridmem.runtime.meter import profiler_peak
         except ImportError:
             return _profiler_peak(step)
         return int(profiler_peak(step))
@@ -531,7 +535,7 @@ def run_methods(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Te
                     s.result.alloc_peak_bytes = alloc_peak(lambda: _probe_step(v, loss_fn))
         except Exception as e:
             s.result.reason = f"peak not measured: {type(e).__name__}: {e}"
-        if budget is not None and s.result.peak_bytes is not None and s.result.method in ("hybridmem-online", "hybridmem-plan"):
+        if budget is not None and s.result.peak_bytes is not None and s.result.method.startswith(("hybridmem-online", "hybridmem-plan", "hybridmem-recompute")):
             s.result.budget_ok = s.result.peak_bytes <= budget
     return [s.result for s in states], source
 

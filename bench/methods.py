@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 # measured on this CPU (bench.measure runs them)
-METHODS: tuple[str, ...] = ("unmanaged", "hybridmem-monitor", "hybridmem-online", "hybridmem-plan",
+METHODS: tuple[str, ...] = ("unmanaged", "hybridmem-monitor", "hybridmem-online", "hybridmem-recompute",
+                            "hybridmem-recompute-mode", "hybridmem-plan",
                             "ckpt-sqrt", "ckpt-block", "save-on-cpu")
 LABELS: dict[str, str] = {
     "unmanaged": "unmanaged (plain PyTorch)",
     "hybridmem-monitor": "hybridmem monitor-only (budget=None)",
     "hybridmem-monitor-ops": "hybridmem monitor-only, every op metered (monitor='ops')",
     "hybridmem-online": "hybridmem online",
+    "hybridmem-recompute": "hybridmem online, recompute only",
+    "hybridmem-recompute-mode": "hybridmem online, recompute only, every step under the dispatch mode",
     "hybridmem-plan": "hybridmem with plan",
     "ckpt-sqrt": "torch checkpoint_sequential sqrt(n)",
     "ckpt-block": "torch checkpoint per block",

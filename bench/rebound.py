@@ -41,7 +41,7 @@ def rebound_run(run: dict[str, Any], graph: Any) -> dict[str, Any]:
     and ``below_valid_bound`` (``[{method, budget_bytes, time_s, valid_bound_s}]``: plans faster than the
     valid bound, which should not exist).
     """
-    from hybridmem.costs import apply_costs, get_cost_model
+    from hybridmem.graph.costs import apply_costs, get_cost_model
     from hybridmem.solvers.bound import lower_bound
 
     device = run["device"]

@@ -116,7 +116,7 @@ class Settings:
             s.devices = _split(args.devices)
             if s.devices == ["all"]:
                 s.devices = list(DEVICES_ALL)
-            from hybridmem.costs import get_cost_model
+            from hybridmem.graph.costs import get_cost_model
 
             for d in s.devices:
                 get_cost_model(d)  # unknown names fail here, with the list of known ones
@@ -167,7 +167,7 @@ def _zoo() -> Any:
 # ---- simulated -------------------------------------------------------------------------------------
 def capture_graph(name: str, size: str = "paper", device: str = "meta", batch: int | None = None) -> Any:
     """Capture one training step of a zoo model into a Graph (on meta: no memory, paper size is fine)."""
-    from hybridmem.capture import capture
+    from hybridmem.graph.capture import capture
 
     e = _zoo().build(name, size, batch=batch, device=device)
     g = capture(e.model, e.inputs, e.loss_fn, device=device)
@@ -218,8 +218,8 @@ def simulate_model(graph: Any, device: str, methods: Sequence[str], points: int,
     lowest point of the sweep has a plan. ``fractions`` of the keep-all peak replace the sweep (not
     below the lower bound).
     """
-    from hybridmem.costs import apply_costs, get_cost_model
-    from hybridmem.simulate import min_feasible_budget, simulate
+    from hybridmem.graph.costs import apply_costs, get_cost_model
+    from hybridmem.graph.simulate import min_feasible_budget, simulate
 
     cm = get_cost_model(device)
     g = apply_costs(graph, cm)
@@ -331,7 +331,7 @@ def find_minimum(g: Any, device: str, lower: int, peak: int, *, solvers: Sequenc
 
 def _one_plan(g: Any, device: str, method: str, budget: int, keep_all_s: float, time_limit: float) -> dict[str, Any]:
     from hybridmem.errors import BudgetInfeasibleError, InfeasiblePlanError, UnknownNameError
-    from hybridmem.simulate import simulate
+    from hybridmem.graph.simulate import simulate
 
     solver = SOLVER_OF.get(method, method)
     r: dict[str, Any] = {"method": method, "solver": solver, "budget_bytes": budget}
@@ -381,7 +381,7 @@ def _best_bound(row: list[dict[str, Any]], keep_all_s: float) -> tuple[float, st
 
 def _timeline(g: Any, device: str, run: dict[str, Any], budgets: Sequence[int], base: Any) -> dict[str, Any] | None:
     """Memory over the stages of one step for hybridmem's plan at the tightest budget it met."""
-    from hybridmem.simulate import simulate
+    from hybridmem.graph.simulate import simulate
 
     for b in budgets:
         for m in ("hybridmem-milp", "hybridmem-approx"):
@@ -424,8 +424,8 @@ def simulated_sweep(s: Settings, missing: list[str],
     if not s.models:
         return []
     try:
-        import hybridmem.capture  # noqa: F401
-        import hybridmem.simulate  # noqa: F401
+        import hybridmem.graph.capture  # noqa: F401
+        import hybridmem.graph.simulate  # noqa: F401
         from hybridmem.solvers import SOLVERS
     except ImportError as e:
         missing.append(f"simulated part: a component is missing ({e})")
@@ -530,7 +530,7 @@ def measured_sweep(s: Settings, missing: list[str]) -> list[dict[str, Any]]:
 def _cpu_plan(graph: Any, run: Any, time_limit: float) -> Any:
     """An offline plan for this CPU's own graph (cost model ``cpu``) at the measured budget, or why not."""
     try:
-        from hybridmem.costs import apply_costs, get_cost_model
+        from hybridmem.graph.costs import apply_costs, get_cost_model
         from hybridmem.solvers import plan as solve
 
         g = apply_costs(graph, get_cost_model("cpu"))
@@ -567,9 +567,9 @@ def monitor_peak(model: Any, inputs: Any, loss_fn: Any, run: Any) -> int | None:
             loss_fn(m(*args, **kwargs)).backward()
             return int(hybridmem.stats().peak_bytes)
     except Exception as e:
-        run.notes.append(f"monitor-only peak from hybridmem.meter (runtime unavailable: {type(e).__name__})")
+        run.notes.append(f"monitor-only peak from hybridmem.runtime.meter (runtime unavailable: {type(e).__name__})")
     try:
-        from hybridmem.meter import Meter
+        from hybridmem.runtime.meter import Meter
 
         with Meter("cpu") as meter:
             meter.track(m, inputs)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import zoo
-from hybridmem.capture import capture
-from hybridmem.costs import get_cost_model
-from hybridmem.meter import Meter
-from hybridmem.simulate import simulate
-from tests.test_simulate import big_graph
+from hybridmem import zoo
+from hybridmem.graph.capture import capture
+from hybridmem.graph.costs import get_cost_model
+from hybridmem.runtime.meter import Meter
+from hybridmem.graph.simulate import simulate
+from tests.helpers import big_graph
 
 
 def _best(benchmark) -> float:

@@ -3,7 +3,7 @@
     pytest bench/test_bench_scorer.py                       # timings (about a minute on 2 cores)
     pytest bench/test_bench_scorer.py --benchmark-disable   # a plain, quick correctness test
 
-- ``test_scorer_latency``: :func:`hybridmem.scorer.select_victims` over 10k candidates when a few victims
+- ``test_scorer_latency``: :func:`hybridmem.runtime.scorer.select_victims` over 10k candidates when a few victims
   cover the need (the runtime's common case), Numba kernel against the numpy fallback. The issue's target
   is <= 30 us; set ``HYBRIDMEM_BENCH_MAX_SCORER_US=30`` to assert it on the best round (off by default:
   a timing threshold on a busy shared machine makes a flaky suite).
@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installed (pip install 'hybridmem[test]')")
 
-from hybridmem import scorer  # noqa: E402
+from hybridmem.runtime import scorer  # noqa: E402
 from hybridmem.plugins import codecs  # noqa: E402
 
 N_CANDIDATES = 10_000
@@ -59,11 +59,14 @@ def test_scorer_latency(benchmark, backend):
     got = benchmark(fn)
     assert nbytes[got].sum() >= need
     best = _best_seconds(benchmark)
-    if best is not None:
-        benchmark.extra_info["best_us"] = round(best * 1e6, 2)
-        limit = os.environ.get("HYBRIDMEM_BENCH_MAX_SCORER_US")
-        if limit and backend == "numba":
-            assert best * 1e6 <= float(limit), f"scorer took {best * 1e6:.1f} us > {limit} us"
+    if getattr(benchmark, "disabled", False):  # --benchmark-disable: run once, nothing timed
+        assert best is None
+        return
+    assert best is not None
+    benchmark.extra_info["best_us"] = round(best * 1e6, 2)
+    limit = os.environ.get("HYBRIDMEM_BENCH_MAX_SCORER_US")
+    if limit and backend == "numba":
+        assert best * 1e6 <= float(limit), f"scorer took {best * 1e6:.1f} us > {limit} us"
 
 
 def _sample(kind: str) -> torch.Tensor:

@@ -13,8 +13,6 @@ The module imports nothing heavy until an attribute is used, so the start-up hoo
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 TYPE_CHECKING = False  # typing costs every process start milliseconds: annotations only
 if TYPE_CHECKING:
     from typing import Any
@@ -31,39 +29,23 @@ _API = {
     "enabled": ("hybridmem.runtime", "enabled"),
     "Stats": ("hybridmem.runtime", "Stats"),
     "Session": ("hybridmem.runtime", "Session"),
-    "capture": ("hybridmem.capture", "capture"),
-    "Graph": ("hybridmem.graph", "Graph"),
-    "Plan": ("hybridmem.plan", "Plan"),
-    "Action": ("hybridmem.plan", "Action"),
+    "capture": ("hybridmem.graph.capture", "capture"),
+    "Graph": ("hybridmem.graph.ir", "Graph"),
+    "Plan": ("hybridmem.graph.plan", "Plan"),
+    "Action": ("hybridmem.graph.plan", "Action"),
     "Config": ("hybridmem.config", "Config"),
-    "Meter": ("hybridmem.meter", "Meter"),
-    "get_cost_model": ("hybridmem.costs", "get_cost_model"),
-    "parse_bytes": ("hybridmem.units", "parse_bytes"),
-    "simulate": ("hybridmem.simulate", "simulate"),
+    "Meter": ("hybridmem.runtime.meter", "Meter"),
+    "get_cost_model": ("hybridmem.graph.costs", "get_cost_model"),
+    "parse_bytes": ("hybridmem.graph.units", "parse_bytes"),
+    "simulate": ("hybridmem.graph.simulate", "simulate"),
 }
 
 __all__ = sorted([*_API, "plan"]) + ["__version__"]
 
 
-class _Package(types.ModuleType):
-    """``plan`` and ``simulate`` are both public functions and submodules (hybridmem/plan.py, simulate.py).
-    Importing a submodule sets the package attribute to the module, which would shadow the function:
-    this package keeps the functions instead. Neither is imported before it is used (the start-up hook
-    imports this package, and the plan module pulls in numpy)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _FUNCTIONS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-_FUNCTIONS = ("plan", "simulate")
-sys.modules[__name__].__class__ = _Package
-
-
 def plan(*args: Any, **kwargs: Any) -> Any:
     """Solve an eviction Plan for a Graph: see :func:`hybridmem.solvers.plan`."""
-    from .solvers import plan as solve
+    from .solvers import plan as solve  # lazy: the start-up hook imports this package (no torch, no numpy)
 
     return solve(*args, **kwargs)
 

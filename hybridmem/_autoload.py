@@ -13,17 +13,21 @@ own ``import torch`` completes (a program that never imports torch never loads i
 A malformed setting stops the program with a one-line message (exit status 2) rather than training
 without the budget the user asked for. ``HYBRIDMEM_VERBOSE=1`` prints ``hybridmem.stats()`` at exit;
 ``HYBRIDMEM_REPORT=run.json`` saves the run's stats and tensor log there at exit
-(:func:`hybridmem.report.save_run`), for ``hybridmem report run.json``.
+(:func:`hybridmem.runfile.save_run`), for ``hybridmem report run.json``.
 """
 from __future__ import annotations
 
+import atexit
 import importlib.machinery
 import os
+import runpy
 import sys
 TYPE_CHECKING = False  # typing costs every process start milliseconds: annotations only
 if TYPE_CHECKING:
     from typing import Any, Mapping, Sequence
 
+# The rest of hybridmem (and so torch) is imported inside the functions that need it: this module runs
+# at interpreter start, before the program's own `import torch`.
 TRIGGERS = ("HYBRIDMEM_BUDGET", "HYBRIDMEM_PLAN", "HYBRIDMEM_CONFIG")
 
 
@@ -46,8 +50,6 @@ def maybe_enable(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def _enable_from_env() -> None:
-    import atexit
-
     from .errors import HybridMemError
 
     try:
@@ -61,7 +63,7 @@ def _enable_from_env() -> None:
         print(f"hybridmem: cannot enable from the environment: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if os.environ.get("WORLD_SIZE") or os.environ.get("LOCAL_RANK"):  # torchrun and similar launchers
-        from .distributed import prepare_clean_exit
+        from .runtime.distributed import prepare_clean_exit
         prepare_clean_exit()  # the process group's threads joined before the interpreter finalizes
     if runtime._current is not None and runtime._current.cfg.verbose:
         atexit.register(_print_stats)
@@ -106,11 +108,11 @@ def _save_report(path: str) -> None:
     if multiprocessing.parent_process() is not None:
         return  # a spawned worker (DataLoader, ...) re-enabled from the environment: the parent reports
     from . import runtime
-    from .report import save_run
+    from .runfile import save_run
 
     if not runtime.enabled():
         print(f"hybridmem: HYBRIDMEM_REPORT={path}: not written, hybridmem was disabled before exit "
-              "(save it with hybridmem.report.save_run(path, hybridmem.stats()) before disable())",
+              "(save it with hybridmem.runfile.save_run(path, hybridmem.stats()) before disable())",
               file=sys.stderr)
         return
     try:
@@ -176,7 +178,6 @@ def run_script(argv: Sequence[str], settings: Mapping[str, str] | None = None) -
     """Run ``argv[0]`` as ``__main__`` with ``sys.argv = argv`` and hybridmem enabled from
     ``settings`` (``HYBRIDMEM_*`` names, placed in the environment so child processes inherit them)
     and the environment. Used by ``hybridmem run [options] script.py args...``; returns the exit status."""
-    import runpy
 
     if not argv:
         raise ValueError("hybridmem run: give the script to run, e.g. hybridmem run --budget 8GiB train.py")

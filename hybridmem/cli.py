@@ -8,8 +8,18 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .factory import bench_module, cwd_importable
-from .units import fmt_bytes
+from . import __version__, runtime, solvers  # solvers.plan looked up per call: tests patch it
+from ._autoload import run_script
+from .errors import HybridMemError, UnknownNameError
+from .factory import bench_module, cwd_importable, load_model, make_optimizer, parse_optimizer
+from .graph.capture import capture
+from .graph.costs import apply_costs, get_cost_model
+from .graph.ir import Graph
+from .graph.multishape import cli_plan, dim_names_of, parse_dims, zoo_factory
+from .graph.plan import Plan
+from .graph.simulate import simulate
+from .graph.units import fmt_bytes, plan_budget_bytes
+from .runfile import is_run_file, main as run_report
 
 DEFAULT_DEVICE = "h100-80gb"
 DEVICE_HELP = (f"device cost model: v100-16gb, a100-80gb, h100-80gb, h200, or cpu (this machine) "
@@ -18,8 +28,6 @@ DEVICE_HELP = (f"device cost model: v100-16gb, a100-80gb, h100-80gb, h200, or cp
 
 def solver_descriptions() -> dict[str, str]:
     """Each solver's one-line description (:data:`hybridmem.solvers.DESCRIPTIONS`, filled by the registry)."""
-    from . import solvers      # lazy: the planners pull in numba and python-mip, which `--help` does not need
-
     return dict(solvers.DESCRIPTIONS)
 
 
@@ -157,22 +165,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
     return __version__
 
 
 # ---- commands ----------------------------------------------------------------------------------------
 def _graph_from_args(args: argparse.Namespace) -> Any:
-    from .graph import Graph
-
     opt_text = getattr(args, "optimizer", None)
     if getattr(args, "graph", None):
         if opt_text is not None:
             raise ValueError("--optimizer applies to --model: a graph file already holds its optimizer's state "
                              "(capture it with --optimizer)")
         return Graph.load(args.graph)
-    from .capture import capture
-    from .factory import load_model, make_optimizer, parse_optimizer
 
     if opt_text is not None:
         parse_optimizer(opt_text)  # a bad spec fails before the model is built
@@ -196,13 +199,10 @@ def capture_device(args: argparse.Namespace) -> str:
 
 
 def _canonical_device(name: str) -> str:
-    from .costs import get_cost_model
     return get_cost_model(name).name
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
-    from .costs import apply_costs
-
     _canonical_device(args.device)  # an unknown name fails before the capture, with the known ones
     g = apply_costs(_graph_from_args(args), args.device)
     if args.output:
@@ -225,7 +225,6 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.solver not in solver_descriptions():  # before the capture, which can take a while
-        from .errors import UnknownNameError
         raise ValueError(f"{UnknownNameError('solver', args.solver, tuple(solver_descriptions()))} "
                          "(`hybridmem plan --list-solvers` says what each does)")
     options = _plan_options(args)
@@ -243,18 +242,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if given:  # the plan book planner takes no solver options yet: refuse rather than ignore them
             raise ValueError(f"{', '.join(given)} cannot be combined with --shapes (the plan book planner does "
                              "not take them yet); plan one shape at a time without --shapes to use them")
-        from .buckets import cli_plan
         args.capture_device = capture_device(args)
         _check_zoo_shapes(args.model, args.size, args.shapes)
         return cli_plan(args)
-    from .costs import apply_costs, get_cost_model
-    from .solvers import plan as solve
 
     g = apply_costs(_graph_from_args(args), get_cost_model(args.device))
     if args.sweep is not None:
         return _sweep(g, args, options)
-    p = solve(g, args.budget, device=args.device, solver=args.solver, time_limit=args.time_limit,
-              verbose=args.verbose, **options)
+    p = solvers.plan(g, args.budget, device=args.device, solver=args.solver, time_limit=args.time_limit,
+                     verbose=args.verbose, **options)
     summary = _plan_summary(g, p)
     if args.output:
         p.save(args.output)
@@ -271,22 +267,20 @@ def _check_zoo_shapes(model: str | None, size: str, shapes: Sequence[str]) -> No
     shape the model cannot take is refused before the first bucket is written into the plan book."""
     if not model or ":" in model:
         return  # a user's factory builds real tensors: it is called once per bucket, when planned
-    from .buckets import _dim_names, parse_dims, zoo_factory
 
     make = zoo_factory(model, size, device="meta")
     for shape in shapes:
         try:
-            make(parse_dims(shape, _dim_names(model)))
+            make(parse_dims(shape, dim_names_of(model)))
         except ValueError as e:
             raise ValueError(f"--shapes {shape}: {e}; nothing was planned or written") from None
 
 
 def _sweep(g: Any, args: argparse.Namespace, options: dict[str, Any]) -> int:
     """``plan --sweep``: predicted step time against budget, from the least budget to the keep-all peak."""
-    from .solvers import sweep
 
-    plans = sweep(g, args.device, args.solver, args.sweep, time_limit=args.time_limit, verbose=args.verbose,
-                  **options)
+    plans = solvers.sweep(g, args.device, args.solver, args.sweep, time_limit=args.time_limit, verbose=args.verbose,
+                          **options)
     peak = g.peak_bytes()
     rows = [{"budget_bytes": p.budget_bytes, "budget_share": p.budget_bytes / peak, "time_s": p.predicted_time_s,
              "overhead": p.info.overhead or 0.0, "gap_to_lower_bound": p.info.gap_to_lower_bound,
@@ -378,11 +372,6 @@ def _print_table(summary: dict[str, Any]) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .costs import apply_costs, get_cost_model
-    from .plan import Plan
-    from .simulate import simulate
-    from .units import parse_bytes
-
     g = _graph_from_args(args)
     g = apply_costs(g, get_cost_model(args.device))
     plan = Plan.load(args.plan) if args.plan else None
@@ -390,7 +379,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plan.check_graph(g)
     budget = None
     if args.budget is not None:
-        budget = parse_bytes(args.budget, what="budget", total=g.peak_bytes())
+        budget = plan_budget_bytes(args.budget, g.peak_bytes())
     res = simulate(g, plan, device=args.device, budget=budget)
     if args.json:
         print(json.dumps(res.to_dict(), default=str))
@@ -405,8 +394,6 @@ def simulate_summary(res: Any) -> dict[str, Any]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ._autoload import run_script
-
     settings = {"HYBRIDMEM_BUDGET": args.budget, "HYBRIDMEM_POLICIES": args.policies,
                 "HYBRIDMEM_PLAN": args.plan, "HYBRIDMEM_CONFIG": args.config, "HYBRIDMEM_REPORT": args.report,
                 "HYBRIDMEM_MONITOR": args.monitor}
@@ -417,8 +404,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _print_run_summary() -> None:
-    from . import runtime
-
     if runtime.enabled():
         print(run_summary(runtime.stats()), file=sys.stderr)
     else:
@@ -455,7 +440,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .report import is_run_file, main as run_report
     if is_run_file(args.results):  # schema hybridmem-run/1; anything else is a bench results file
         return run_report(args)
     return bench_module("report").main(args)
@@ -471,7 +455,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         ap.print_help()
         return 0
-    from .errors import HybridMemError
 
     try:
         with cwd_importable():

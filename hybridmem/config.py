@@ -10,7 +10,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from .units import parse_budget, parse_bytes
+import yaml
+
+from .graph.units import parse_budget, parse_bytes
 
 DEFAULT_POLICIES = ("swap", "recompute", "compress")
 
@@ -39,7 +41,7 @@ class Config:
     lossy: tuple[str, ...] = ()          # lossy codecs allowed for compress (e.g. 'bf16'); none by default
     verbose: bool = False
     # Without a budget or plan, what measures: "allocator" (the allocator's own counters: CUDA's
-    # statistics, or on the CPU hybridmem.cpumeter; nothing per op), "ops" (every op through a dispatch
+    # statistics, or on the CPU hybridmem.runtime.cpumeter; nothing per op), "ops" (every op through a dispatch
     # mode: the cap's units, stages, min_budget_bytes), "auto" (CPU: allocator where the native meter
     # builds, else ops; CUDA: ops).
     monitor: str = "auto"
@@ -75,8 +77,6 @@ class Config:
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:
-    import yaml
-
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as e:

@@ -44,3 +44,7 @@ class UnknownNameError(HybridMemError, ValueError):
     def __init__(self, what: str, name: str, known: list[str] | tuple[str, ...]):
         self.what, self.name, self.known = what, name, tuple(known)
         super().__init__(f"unknown {what} {name!r}; known: {', '.join(sorted(self.known))}")
+
+
+class CaptureError(HybridMemError, RuntimeError):
+    """The model (or its loss) raised while being captured; the message says where."""

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import torch
+
 
 @dataclass
 class ModelSpec:
@@ -53,7 +55,7 @@ def cwd_importable() -> Iterator[None]:
 
 def zoo() -> Any:
     """The model zoo module."""
-    return bench_module("zoo")
+    return importlib.import_module("hybridmem.zoo")
 
 
 def load_model(spec: str, *, size: str = "small", batch: int | None = None, device: str = "cpu") -> ModelSpec:
@@ -76,7 +78,6 @@ def load_model(spec: str, *, size: str = "small", batch: int | None = None, devi
         raise ValueError(f"{spec!r}: {module_name} has no callable {attr!r}")
     model, inputs, loss_fn, targets, optimizer = unpack_factory(spec, factory())
     if optimizer is not None:
-        import torch
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"{spec!r}: the optimizer FACTORY() returned (4th value) must be a "
                              f"torch.optim.Optimizer (or None), got {type(optimizer).__name__}")
@@ -193,8 +194,6 @@ def _option_value(v: str, text: str) -> Any:
 
 def make_optimizer(text: str, model: Any) -> Any:
     """The optimizer ``--optimizer text`` names, over ``model``'s parameters (None for ``none``)."""
-    import torch
-
     parsed = parse_optimizer(text)
     if parsed is None:
         return None

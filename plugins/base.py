@@ -1,6 +1,6 @@
 """The one small protocol every regeneration policy implements, and the registry that finds them by name.
 
-A policy sees an :class:`Entry` (one saved storage the runtime manages) and offers to evict it and
+A policy sees an :class:`EntryView` (one saved storage the runtime manages) and offers to evict it and
 regenerate it later. The scorer and the solvers only see its ``cost`` and ``savings``. A new policy is
 one file: a class with these methods, registered with :func:`register` or through the
 ``hybridmem.plugins`` entry-point group.
@@ -9,49 +9,40 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import itertools
-from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
 from hybridmem.errors import UnknownNameError
 
-_uids = itertools.count()
 
+class EntryView(Protocol):
+    """What a policy sees of one saved storage the runtime manages (the runtime's record is
+    :class:`hybridmem.runtime.entry.Entry`, which has more fields that are the runtime's own).
 
-@dataclass(eq=False)
-class Entry:
-    """One device storage saved for backward and managed by the runtime.
-
-    ``tensor`` is a tensor that covers the whole storage (so views can be rebuilt from it) while the
-    bytes are on the device, and ``None`` while evicted. ``handle`` is what the evicting policy keeps.
+    ``tensor`` covers the whole storage while the bytes are on the device and is ``None`` while evicted;
+    ``handle`` is what the evicting policy keeps. A policy that regenerates a tensor with a fresh version
+    counter sets ``vshift`` so the runtime's in-place check still matches (``tensor._version + vshift``).
     """
 
     tensor: torch.Tensor | None
     nbytes: int
     dtype: torch.dtype
     device: torch.device
-    stage: int = -1                 # runtime op counter when it was produced/saved
-    version: int = 0                # storage version counter at save time (in-place detection)
-    policy: str | None = None       # name of the policy holding it while evicted
-    handle: Any = None
-    lineage: Any = None             # recompute information, owned by the recompute policy/runtime
-    deterministic: bool = True      # produced by a deterministic op (safe to recompute)
-    last_access: float = 0.0        # runtime clock of the last pack/unpack (staleness for the scorer)
-    pinned: int = 0                 # >0 while in use by a running op: never evicted
-    uid: int = field(default_factory=lambda: next(_uids))
-    # runtime bookkeeping (hybridmem.runtime.saved): not for policies
-    refs: int = 0                   # live saved-tensor handles; the entry is released at 0
-    vshift: int = 0                 # tensor._version + vshift = the version counter the packs saw
-    root: Any = None                # weak reference to the tensor whose version counter `tensor` shares
-    origin: str = ""                # op around which it was first saved (for error messages)
-    view: Any = None                # geometry of `tensor` (a runtime View), to recognise saves of it
-    registered: bool = False        # in the allocator's registry: it may free the bytes at any allocation
+    stage: int                      # runtime op counter when it was produced/saved
+    version: int                    # storage version counter at save time (in-place detection)
+    policy: str | None              # name of the policy holding it while evicted
+    handle: Any
+    lineage: Any                    # recompute information, owned by the recompute policy/runtime
+    deterministic: bool             # produced by a deterministic op (safe to recompute)
+    last_access: float              # runtime clock of the last pack/unpack (staleness for the scorer)
+    pinned: int                     # >0 while in use by a running op: never evicted
+    uid: int
+    vshift: int
 
     @property
-    def resident(self) -> bool:
-        return self.tensor is not None
+    def resident(self) -> bool: ...
 
 
 @runtime_checkable
@@ -61,22 +52,22 @@ class Policy(Protocol):
     name: str
     lossless: bool
 
-    def applicable(self, entry: Entry) -> bool:
+    def applicable(self, entry: EntryView) -> bool:
         """Whether this policy can evict ``entry`` (dtype, device, determinism, ...)."""
 
-    def cost(self, entry: Entry) -> float:
+    def cost(self, entry: EntryView) -> float:
         """Estimated seconds the compute stream loses to regenerate ``entry`` (hidden copy time excluded)."""
 
-    def savings(self, entry: Entry) -> int:
+    def savings(self, entry: EntryView) -> int:
         """Device bytes freed by evicting ``entry``."""
 
-    def evict(self, entry: Entry) -> Any:
+    def evict(self, entry: EntryView) -> Any:
         """Release the device bytes of ``entry``; return the handle needed to regenerate it."""
 
-    def prefetch(self, entry: Entry) -> None:
+    def prefetch(self, entry: EntryView) -> None:
         """Start regenerating ``entry`` ahead of use (asynchronous where the device allows); may do nothing."""
 
-    def regenerate(self, entry: Entry) -> torch.Tensor:
+    def regenerate(self, entry: EntryView) -> torch.Tensor:
         """Return a tensor covering the whole storage of ``entry``, bit-identical for lossless policies."""
 
 
@@ -132,6 +123,4 @@ def _check_options(name: str, factory: Callable[..., Policy], options: dict[str,
 
 
 def _entry_points() -> list[Any]:
-    from importlib.metadata import entry_points
-
     return [ep for ep in entry_points(group="hybridmem.plugins") if ep.name not in _BUILTIN]

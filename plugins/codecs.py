@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from hybridmem.errors import UnknownNameError
-from hybridmem.scorer import lazy_njit
+from hybridmem.runtime.scorer import lazy_njit
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 24          # torch path: elements per chunk (bounds its temporary masks and values)
@@ -89,7 +89,7 @@ class Geometry:
 
 
 def entry_version(entry: Any) -> int:
-    """The version counter the entry's packs saw: ``tensor._version + vshift`` (see base.Entry).
+    """The version counter the entry's packs saw: ``tensor._version + vshift`` (see base.EntryView).
 
     The runtime re-wraps a regenerated storage in its own tensor (a new version counter) and sets
     ``vshift`` so that this stays continuous; a policy that hands a tensor over does the same.

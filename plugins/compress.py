@@ -13,6 +13,7 @@ decision is cached per entry and reused while the storage and its version counte
 """
 from __future__ import annotations
 
+import copy
 import time
 import weakref
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ from typing import Any, Iterable
 import torch
 
 from hybridmem.errors import UnknownNameError
+from hybridmem.graph.costs import get_cost_model
+from hybridmem.runtime.entry import Entry
 
-from .base import Entry
+from .base import EntryView
 from .codecs import (LOSSLESS, LOSSY, Analysis, Codec, Encoded, Geometry, Span, Stamp, entry_version,
                      flat_view, supported)
 
@@ -38,7 +41,7 @@ _THROUGHPUT = {
              "bf16": (2e11, 2e11), "fp16": (1e11, 2e11), "fp8": (5e10, 2e11),
              "int8": (5e10, 2e11)},
 }
-# hybridmem.costs knows codecs by the kind of work: a cast, zero-value compression, a plain transform
+# hybridmem.graph.costs knows codecs by the kind of work: a cast, zero-value compression, a plain transform
 _COST_MODEL_CODEC = {"sparse": "zvc", "bitmask": "", "binary": "", "narrow": "", "bf16": "bf16", "fp16": "fp16",
                      "fp8": "fp8", "int8": "fp8"}
 _LATENCY = {"cpu": 20e-6, "cuda": 50e-6}   # per call: a few kernel launches / Python overhead
@@ -67,7 +70,7 @@ class CompressPolicy:
     ``lossy``: names of lossy codecs allowed (default none; the policy is then lossless).
     ``lossless_codecs``: which lossless codecs to try. ``max_ratio``: a codec is applicable only if its
     encoding is at most this fraction of the storage. ``prefer_lossless``: a lossless codec that pays
-    wins over a smaller lossy one. ``cost_model``: a :mod:`hybridmem.costs` model or its name
+    wins over a smaller lossy one. ``cost_model``: a :mod:`hybridmem.graph.costs` model or its name
     (``compress_time`` / ``decompress_time(nbytes, codec, ratio)``); default: the measured table above.
     ``force_torch``: use the torch kernels on the CPU too (tests; they are the CUDA kernels).
     """
@@ -93,8 +96,8 @@ class CompressPolicy:
         self.prefer_lossless = prefer_lossless
         self.force_torch = force_torch          # tests: exercise the torch kernels on CPU
         self.cost_model = _resolve_cost_model(cost_model)
-        self._choices: weakref.WeakKeyDictionary[Entry, _Choice] = weakref.WeakKeyDictionary()
-        self._handles: weakref.WeakKeyDictionary[Entry, _Compressed] = weakref.WeakKeyDictionary()
+        self._choices: weakref.WeakKeyDictionary[EntryView, _Choice] = weakref.WeakKeyDictionary()
+        self._handles: weakref.WeakKeyDictionary[EntryView, _Compressed] = weakref.WeakKeyDictionary()
         self.stats: dict[str, float] = {
             "evictions": 0, "regenerations": 0, "prefetches": 0, "bytes_in": 0, "bytes_out": 0,
             "encode_s": 0.0, "decode_s": 0.0, "exposed_s": 0.0, "analyses": 0, "analyze_s": 0.0,
@@ -102,7 +105,7 @@ class CompressPolicy:
         self.codec_counts: dict[str, int] = {}
 
     # ---- decision --------------------------------------------------------------------------------
-    def choose(self, entry: Entry) -> _Choice | None:
+    def choose(self, entry: EntryView) -> _Choice | None:
         """The codec for ``entry``'s current bytes (cached), or None when none pays or applies."""
         t = entry.tensor
         if not supported(t):
@@ -147,7 +150,7 @@ class CompressPolicy:
             return _Choice(None, nbytes, stamp, None)
         return _Choice(best[1], best[0], stamp, best[2])
 
-    def estimate(self, entry: Entry) -> tuple[str | None, int]:
+    def estimate(self, entry: EntryView) -> tuple[str | None, int]:
         """(codec, bytes saved) that evicting ``entry`` now would give: decided afresh, nothing cached
         or counted, the tensor only read. For budgets and reports (the issue's compress-only budget is
         the monitor peak minus a share of what this says for the step's saved tensors)."""
@@ -160,22 +163,22 @@ class CompressPolicy:
         return choice.codec.name, max(0, entry.nbytes - choice.size)
 
     # ---- Policy protocol -------------------------------------------------------------------------
-    def applicable(self, entry: Entry) -> bool:
+    def applicable(self, entry: EntryView) -> bool:
         return self.choose(entry) is not None
 
     # Evicting allocates the encoded copy before the original's bytes go: the runtime keeps room for it.
     allocates_to_evict = True
 
-    def savings(self, entry: Entry) -> int:
+    def savings(self, entry: EntryView) -> int:
         choice = self.choose(entry)
         return 0 if choice is None else max(0, entry.nbytes - choice.size)
 
-    def ratio(self, entry: Entry) -> float:
+    def ratio(self, entry: EntryView) -> float:
         """Compressed / original bytes (1.0 when not applicable): what the simulator's plan needs."""
         choice = self.choose(entry)
         return 1.0 if choice is None or entry.nbytes == 0 else choice.size / entry.nbytes
 
-    def cost(self, entry: Entry) -> float:
+    def cost(self, entry: EntryView) -> float:
         """Compute-stream seconds lost: encoding at eviction plus decoding at regeneration."""
         choice = self.choose(entry)
         if choice is None:
@@ -193,7 +196,7 @@ class CompressPolicy:
         enc_bw, dec_bw = _THROUGHPUT.get(device_type, _THROUGHPUT["cuda"])[codec]
         return nbytes / enc_bw + nbytes / dec_bw + 2 * _LATENCY.get(device_type, _LATENCY["cuda"])
 
-    def evict(self, entry: Entry) -> _Compressed:
+    def evict(self, entry: EntryView) -> _Compressed:
         choice = self.choose(entry)
         if choice is None:
             raise ValueError(f"compress: no codec applies to entry {entry.uid} "
@@ -217,14 +220,14 @@ class CompressPolicy:
         self.codec_counts[codec.name] = self.codec_counts.get(codec.name, 0) + 1
         return handle
 
-    def prefetch(self, entry: Entry) -> None:
+    def prefetch(self, entry: EntryView) -> None:
         """Decode now (on CUDA: queued kernels) so regenerate() only hands the tensor over."""
         handle = self._handle(entry)
         if handle is not None and handle.ready is None:
             handle.ready = self._decode(handle)
             self.stats["prefetches"] += 1
 
-    def regenerate(self, entry: Entry) -> torch.Tensor:
+    def regenerate(self, entry: EntryView) -> torch.Tensor:
         if entry.tensor is not None:
             return entry.tensor
         handle = self._handle(entry)
@@ -250,7 +253,7 @@ class CompressPolicy:
         """The device memory an eviction keeps (for the runtime's meter)."""
         return list(handle.enc.parts)
 
-    def release(self, entry: Entry) -> None:
+    def release(self, entry: EntryView) -> None:
         """Forget ``entry`` (its compressed bytes are freed with the handle)."""
         self._handles.pop(entry, None)
         self._choices.pop(entry, None)
@@ -258,7 +261,7 @@ class CompressPolicy:
             entry.handle, entry.policy = None, None
 
     # ---- helpers ---------------------------------------------------------------------------------
-    def _handle(self, entry: Entry) -> _Compressed | None:
+    def _handle(self, entry: EntryView) -> _Compressed | None:
         h = self._handles.get(entry)
         return h if h is not None else (entry.handle if isinstance(entry.handle, _Compressed) else None)
 
@@ -275,8 +278,6 @@ class CompressPolicy:
 def _resolve_cost_model(spec: Any) -> Any:
     if spec is None or not isinstance(spec, str):
         return spec
-    from hybridmem.costs import get_cost_model  # written by the cost-model work; names checked there
-
     return get_cost_model(spec)
 
 
@@ -295,7 +296,6 @@ def compressible_share(model: torch.nn.Module, loss_of: Any, exclude: Iterable[t
     Returns ``(saved_bytes, {codec: bytes it would save})``. Used for issue 3's compress-only budget
     (the monitor peak minus a share of this) by the tests and ``bench/gpu_check.py``.
     """
-    import copy
 
     policy = policy or CompressPolicy()
     model = copy.deepcopy(model)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybridmem.plugins.base import Entry
+from hybridmem.plugins.base import EntryView
 
 
 class RecomputePolicy:
@@ -39,7 +39,7 @@ class RecomputePolicy:
         """Called by the runtime after creating the policy: where lineage lives."""
         self.replayer = runtime.replayer
 
-    def why_not(self, entry: Entry) -> str:
+    def why_not(self, entry: EntryView) -> str:
         """"" if applicable, else the reason (for diagnostics)."""
         node = entry.lineage
         if self.replayer is None:
@@ -50,23 +50,23 @@ class RecomputePolicy:
             return "written by an unrecorded op"
         return self.replayer.why_not(node, len(node.ops))
 
-    def applicable(self, entry: Entry) -> bool:
+    def applicable(self, entry: EntryView) -> bool:
         node = entry.lineage
         return (self.replayer is not None and node is not None and not node.stale
                 and not self.replayer.why_not(node, len(node.ops)))
 
-    def cost(self, entry: Entry) -> float:
+    def cost(self, entry: EntryView) -> float:
         node = entry.lineage
         return self.replayer.cost(node, len(node.ops), {})
 
-    def savings(self, entry: Entry) -> int:
+    def savings(self, entry: EntryView) -> int:
         return entry.nbytes
 
-    def evict(self, entry: Entry) -> int:
+    def evict(self, entry: EntryView) -> int:
         return len(entry.lineage.ops)  # the version to rebuild; the runtime drops the bytes
 
-    def prefetch(self, entry: Entry) -> None:
+    def prefetch(self, entry: EntryView) -> None:
         return None  # recomputation runs on the compute stream: nothing to start ahead
 
-    def regenerate(self, entry: Entry) -> torch.Tensor:
+    def regenerate(self, entry: EntryView) -> torch.Tensor:
         return self.replayer.materialize(entry.lineage, entry.handle)

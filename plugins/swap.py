@@ -29,7 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Entry
+from hybridmem.graph.costs import get_cost_model
+
+from .base import EntryView as Entry  # the policy's view of the runtime's record
 from .codecs import Geometry, Stamp, entry_version, flat_view, supported
 
 # Copy-time estimates when no cost model is given: (bytes/s, latency s). CPU: allocate + copy on the
@@ -297,7 +299,7 @@ class SwapPolicy:
 
     ``hidden_fraction``: share of a swap-in expected to hide behind compute, for :meth:`cost`
     (default: measured so far on CUDA, 0 on the CPU where copies are synchronous); the runtime may
-    pass its own per call. ``cost_model``: a :mod:`hybridmem.costs` model (``copy_time(nbytes,
+    pass its own per call. ``cost_model``: a :mod:`hybridmem.graph.costs` model (``copy_time(nbytes,
     direction)``) or its name; default: the local estimates above. ``timing``: CUDA
     timing events for hidden/exposed statistics. ``pool``: a shared :class:`PinnedPool`.
     """
@@ -469,6 +471,4 @@ def _hand_over(entry: Entry, t: torch.Tensor, version: int) -> None:
 def _resolve_cost_model(spec: Any) -> Any:
     if spec is None or not isinstance(spec, str):
         return spec
-    from hybridmem.costs import get_cost_model
-
     return get_cost_model(spec)

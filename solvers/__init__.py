@@ -7,7 +7,7 @@
     p = plan(graph, "min")                                    # the least budget with a plan, and that plan
     curve = sweep(graph, points=8)                            # plans from the least budget to the peak
 
-Every plan is replayed by :func:`hybridmem.simulate.simulate` before it is returned: it is valid, fits the
+Every plan is replayed by :func:`hybridmem.graph.simulate.simulate` before it is returned: it is valid, fits the
 budget, and carries the simulator's ``predicted_time_s`` / ``predicted_peak_bytes``. Graphs above
 ``coarsen.THRESHOLD`` stages are planned on ~100 super-stages (STR's weighted coarsening) by the STR
 planners and the MILP baselines, and the plan is written and validated on the full graph.
@@ -49,13 +49,13 @@ import copy
 import time
 from typing import Any
 
-from hybridmem.costs import get_cost_model
+from hybridmem.graph.costs import get_cost_model
 from hybridmem.errors import BudgetInfeasibleError, UnknownNameError
-from hybridmem.graph import Graph
-from hybridmem.plan import Plan
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.plan import Plan
 from hybridmem.runtime.follow import annotate
-from hybridmem.simulate import min_feasible_budget, simulate
-from hybridmem.units import fmt_bytes, parse_bytes
+from hybridmem.graph.simulate import min_feasible_budget, simulate
+from hybridmem.graph.units import fmt_bytes, parse_bytes, plan_budget_bytes
 
 from . import approx, baselines, relax
 from ._common import memory_floor, planning_problem
@@ -85,7 +85,7 @@ MIN_PRECISION = 0.005      # budget="min": relative width of the bracket the bis
 def resolve_budget(graph: Graph, budget: int | float | str) -> int:
     """Bytes of ``budget``: an int, ``"8GiB"``, or a percentage of the graph's keep-all peak (``"60%"``)."""
     try:
-        return parse_bytes(budget, what="budget", total=graph.peak_bytes())
+        return plan_budget_bytes(budget, graph.peak_bytes())
     except ValueError as e:
         raise ValueError(f"{e}, or 'min' (the least budget with a plan)") from None
 
@@ -93,7 +93,6 @@ def resolve_budget(graph: Graph, budget: int | float | str) -> int:
 def is_min(budget: Any) -> bool:
     """Whether ``budget`` asks for the least budget with a plan (``"min"``)."""
     return isinstance(budget, str) and budget.strip().lower() == MIN
-
 
 
 def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", solver: str = "approx",

@@ -1,7 +1,7 @@
 """What every planner shares: the problem (graph, costs, budget, candidates), transfer timing, the
-solver-neutral :class:`Schedule`, its conversion to a :class:`~hybridmem.plan.Plan`, and simulator checks.
+solver-neutral :class:`Schedule`, its conversion to a :class:`~hybridmem.graph.plan.Plan`, and simulator checks.
 
-Discrete time model (the planners' view of the plan timing rules in :mod:`hybridmem.plan`):
+Discrete time model (the planners' view of the plan timing rules in :mod:`hybridmem.graph.plan`):
 
 - ``cum[k]`` is the compute time before stage ``k`` when nothing is recomputed and nothing stalls.
   Recomputes and stalls only *lengthen* the compute stream, so a copy that finishes by some stage in this
@@ -34,11 +34,11 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from hybridmem.costs import get_cost_model
-from hybridmem.graph import Graph
-from hybridmem.plan import Action, Plan
-from hybridmem.simulate import min_feasible_budget
-from hybridmem.simulate import simulate as sim
+from hybridmem.graph.costs import get_cost_model
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.plan import Action, Plan
+from hybridmem.graph.simulate import min_feasible_budget
+from hybridmem.graph.simulate import simulate as sim
 
 from . import coarsen
 
@@ -298,7 +298,7 @@ def build_problem(graph: Graph, budget: int, device: Any = "h100-80gb", *, min_b
 
 def memory_floor(graph: Graph, model: Any, min_bytes: int | None = None) -> int:
     """The least budget any plan of these planners can fit: what some stage needs with every evictable
-    tensor the planners may move off the device (:func:`hybridmem.simulate.min_feasible_budget`, and
+    tensor the planners may move off the device (:func:`hybridmem.graph.simulate.min_feasible_budget`, and
     the planning problem's own per-stage need)."""
     need = build_problem(graph, graph.peak_bytes(), model, min_bytes=min_bytes).min_bytes()
     return max(min_feasible_budget(graph), int(need.max()) if need.size else 0)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridmem.costs import get_cost_model
-from hybridmem.graph import Graph, Stage, TensorInfo, link_consumers
+from hybridmem.graph.costs import get_cost_model
+from hybridmem.graph.ir import Graph, Stage, TensorInfo, link_consumers
 
 
 def chain_graph(n_forward: int, *, seed: int = 0, skip_prob: float = 0.3, saved_prob: float = 0.85,

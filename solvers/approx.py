@@ -12,10 +12,10 @@ import time
 from typing import Any
 
 from hybridmem.errors import BudgetInfeasibleError
-from hybridmem.graph import Graph
-from hybridmem.plan import Plan
-from hybridmem.simulate import min_feasible_budget, simulate
-from hybridmem.units import fmt_bytes
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.plan import Plan
+from hybridmem.graph.simulate import min_feasible_budget, simulate
+from hybridmem.graph.units import fmt_bytes
 
 from . import lp as lp_relaxation
 from . import milp, relax

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hybridmem.costs import DEFAULT_DEVICE, get_cost_model
+from hybridmem.graph.costs import DEFAULT_DEVICE, get_cost_model
 
 if TYPE_CHECKING:
-    from hybridmem.graph import Graph
+    from hybridmem.graph.ir import Graph
 
 
 @dataclass(frozen=True)

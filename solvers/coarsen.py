@@ -5,7 +5,7 @@ size). Repeatedly the lightest pair of stages adjacent in execution order is mer
 forward/backward boundary and never into the loss stage (the last forward stage), until ``target``
 groups remain. Graphs at or below ``threshold`` stages are planned as they are.
 
-Planning on the groups does not go through :func:`hybridmem.capture.merge_stages`: that function makes a
+Planning on the groups does not go through :func:`hybridmem.graph.merge.merge_stages`: that function makes a
 new graph whose merged stages read only the tensors produced outside them, which is right for running a
 coarse graph but loses what a plan on the *full* graph needs: which fine stage produces each tensor
 (a recompute replays that stage, whose inputs must be live at fine level) and which fine stages read it.
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import heapq
 
-from hybridmem.graph import Graph
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.merge import merge_stages
 
 THRESHOLD = 150      # graphs with more stages are coarsened
 TARGET = 100         # super-stages to aim for (STR: 80-120)
@@ -90,8 +91,6 @@ def coarsen_groups(graph: Graph, target: int = TARGET) -> list[list[int]]:
 
 
 def coarse_graph(graph: Graph, groups: list[list[int]]) -> Graph:
-    """The merged graph of ``groups`` (``hybridmem.capture.merge_stages``), for inspection and reports."""
-    # lazy: hybridmem.capture imports torch, which planning on a saved graph does not otherwise need
-    from hybridmem.capture import merge_stages
+    """The merged graph of ``groups`` (``hybridmem.graph.merge.merge_stages``), for inspection and reports."""
 
     return merge_stages(graph, groups)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridmem.plan import Action
+from hybridmem.graph.plan import Action
 
 from . import lp as lp_relaxation
 from ._common import Problem, Schedule

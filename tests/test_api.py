@@ -4,11 +4,11 @@ import hybridmem
 
 
 def test_plan_and_simulate_stay_functions_after_their_modules_are_imported():
-    importlib.import_module("hybridmem.plan")
-    importlib.import_module("hybridmem.simulate")
-    from hybridmem.plan import Plan  # noqa: F401
+    importlib.import_module("hybridmem.graph.plan")
+    importlib.import_module("hybridmem.graph.simulate")
+    from hybridmem.graph.plan import Plan  # noqa: F401
     assert callable(hybridmem.plan) and hybridmem.plan.__module__ == "hybridmem"
-    assert hybridmem.simulate is importlib.import_module("hybridmem.simulate").simulate
+    assert hybridmem.simulate is importlib.import_module("hybridmem.graph.simulate").simulate
 
 
 def test_public_names_resolve():

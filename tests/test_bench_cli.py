@@ -180,7 +180,7 @@ def test_budget_points_span_minimum_to_peak() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_graph():
-    from hybridmem.costs import apply_costs, get_cost_model
+    from hybridmem.graph.costs import apply_costs, get_cost_model
 
     torch.set_num_threads(1)
     # planned for an H100: captured on meta (a CPU capture measures the CPU kernels' scratch, which
@@ -190,7 +190,7 @@ def tiny_graph():
 
 def test_minimum_search_finds_where_plans_start(tiny_graph) -> None:
     from hybridmem.errors import BudgetInfeasibleError
-    from hybridmem.simulate import min_feasible_budget, simulate
+    from hybridmem.graph.simulate import min_feasible_budget, simulate
     from hybridmem.solvers import plan
 
     g, peak, lower = tiny_graph, tiny_graph.peak_bytes(), min_feasible_budget(tiny_graph)
@@ -356,8 +356,8 @@ def _rebound_module():
 
 def test_rebound_raises_bounds_only_where_higher_and_recomputes_gaps(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from hybridmem.costs import apply_costs, get_cost_model
-    from hybridmem.simulate import min_feasible_budget, simulate
+    from hybridmem.graph.costs import apply_costs, get_cost_model
+    from hybridmem.graph.simulate import min_feasible_budget, simulate
     from hybridmem.solvers.bound import lower_bound
 
     rebound = _rebound_module()

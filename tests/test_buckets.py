@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hybridmem.buckets import (BookFormatError, PlanBook, RootCallWatcher, ShapeKey, TensorSpec, is_book,
-                               parse_dims, plan_buckets, zoo_factory)
+from hybridmem.graph.multishape import parse_dims, plan_buckets, zoo_factory
+from hybridmem.graph.planbook import BookFormatError, PlanBook, ShapeKey, TensorSpec, is_book
+from hybridmem.runtime.buckets import RootCallWatcher
 from hybridmem.errors import StalePlanError
-from hybridmem.plan import Action, Plan
+from hybridmem.graph.plan import Action, Plan
 
-from helpers import chain_graph
+from tests.helpers import chain_graph
 
 
 # ---- keys ------------------------------------------------------------------------------------------
@@ -255,7 +256,6 @@ def mlp_with_momentum(batch: int, seq: int) -> tuple:
 
 def test_factory_optimizer_state_is_in_each_bucket(tmp_path: Path) -> None:
     """A 4-tuple factory's optimizer state (momentum buffers: one parameter's worth) is budgeted."""
-    from hybridmem.buckets import plan_buckets
 
     book = plan_buckets("tests.test_buckets:mlp_with_momentum", ["4x16"], "100%", out_dir=tmp_path / "book")
     (key,) = book.entries

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybridmem._trace import is_stage_op, op_info
-from hybridmem.capture import CaptureError, capture, merge_stages, module_groups, run_step
-from hybridmem.graph import Graph
-from hybridmem.meter import Meter, profiler_peak
+from hybridmem.graph.ops import is_stage_op, op_info
+from hybridmem.graph.capture import CaptureError, capture, run_step
+from hybridmem.graph.merge import merge_stages, module_groups
+from hybridmem.graph.ir import Graph
+from hybridmem.runtime.meter import Meter, profiler_peak
 
 aten = torch.ops.aten
 
@@ -216,7 +217,7 @@ def test_meta_capture_matches_cpu_and_leaves_the_model_alone():
     assert [s.id for s in g_meta.stages] == [s.id for s in g_cpu.stages]
     assert g_meta.structure_hash() == g_cpu.structure_hash()
     assert g_meta.peak_bytes() == g_cpu.peak_bytes()
-    costs = pytest.importorskip("hybridmem.costs")
+    costs = pytest.importorskip("hybridmem.graph.costs")
     device = costs.get_cost_model(costs.DEFAULT_DEVICE)
     assert g_meta.meta["cost_model"] == device.name  # an analytic device model on meta
     assert [s.cost_s for s in g_meta.stages] == pytest.approx(list(device.op_times(g_meta)))
@@ -267,7 +268,7 @@ def test_cost_model_object_is_used():
     g = capture(mlp(), torch.randn(8, 16), cost_model=Flat())
     assert g.meta["cost_model"] == "flat" and all(s.cost_s == 1e-3 for s in g.stages)
     assert len(g.meta["measured_cost_s"]) == g.num_stages  # still measured on a real run
-    costs = pytest.importorskip("hybridmem.costs")
+    costs = pytest.importorskip("hybridmem.graph.costs")
     g = capture(mlp(), torch.randn(8, 16), cost_model="h100")
     assert g.meta["cost_model"] == costs.get_cost_model("h100").name and g.compute_time() > 0
     with pytest.raises(ValueError, match="unknown device model"):
@@ -645,7 +646,7 @@ def test_factory_optimizer_reaches_capture_and_plan(capsys):
 
 
 # ---- bench zoo -------------------------------------------------------------------------------------------
-zoo = pytest.importorskip("bench.zoo", reason="bench/zoo.py not available")
+zoo = pytest.importorskip("hybridmem.zoo", reason="hybridmem/zoo.py not available")
 
 
 @pytest.mark.parametrize("name", zoo.MODELS)

@@ -149,7 +149,7 @@ def small_graph_file(tmp_path_factory):
 
 
 def test_plan_budget_min_names_the_least_budget(small_graph_file, capsys):
-    from hybridmem.graph import Graph
+    from hybridmem.graph.ir import Graph
     from hybridmem.solvers import plan
 
     capsys.readouterr()

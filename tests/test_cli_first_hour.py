@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hybridmem.cli import main
-from hybridmem.units import fmt_bytes
+from hybridmem.graph.units import fmt_bytes
 
 MYMODELS = '''
 import torch

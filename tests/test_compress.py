@@ -8,7 +8,8 @@ import torch
 
 from hybridmem.errors import UnknownNameError
 from hybridmem.plugins import codecs
-from hybridmem.plugins.base import Entry, Policy
+from hybridmem.plugins.base import Policy
+from hybridmem.runtime.entry import Entry
 from hybridmem.plugins.codecs import Analysis, bits_dtype, flat_view
 from hybridmem.plugins.compress import CompressPolicy
 from tests.helpers import bit_equal, entry_of

@@ -110,7 +110,7 @@ def test_gpu_check_compressible_bytes_leaves_the_model_untouched() -> None:
     num_batches_tracked moved, so every later policy row (compress alone, all policies) started from
     another model than the unmanaged run and could not be bit-identical."""
     from bench.gpu_check import compressible_bytes
-    from bench.zoo import build
+    from hybridmem.zoo import build
 
     entry = build("resnet50", "tiny")
     before = {k: v.clone() for k, v in entry.model.state_dict().items()}

@@ -41,10 +41,10 @@ import pytest
 import torch
 
 import hybridmem
-from hybridmem.meter import profiler_peak
+from hybridmem.runtime.meter import profiler_peak
 from hybridmem.plugins.compress import compressible_share as compressible_share_of
-from tests.test_runtime_common import Case, run, train
-from tests.test_runtime_zoo import FAST, OPTIM, SLOW, _case
+from tests.helpers.runtime import Case, run, train
+from tests.helpers.zoo import FAST, OPTIM, SLOW, zoo_case
 
 torch.set_num_threads(1)
 
@@ -110,7 +110,7 @@ def _profiled(case: Case, **session: Any) -> tuple[list, Any, int]:
 
 @lru_cache(maxsize=None)
 def _baseline(name: str) -> Baseline:
-    case = _case(name)
+    case = zoo_case(name)
     ref, _, ref_alloc = _profiled(case)
     mon, st = run(case, optim=OPTIM, budget=None, policies=("compress",))
     assert mon == ref, f"{name}: the monitor-only run differs from the unmanaged run"
@@ -129,7 +129,7 @@ def test_compress_alone_on_zoo_model(name: str) -> None:
     assert share / b.saved == pytest.approx(fraction, abs=0.02), (share, b.saved, b.share)
     budget = b.peak - int(CUT * share)
 
-    got, st, alloc = _profiled(_case(name), budget=budget, policies=("compress",))
+    got, st, alloc = _profiled(zoo_case(name), budget=budget, policies=("compress",))
     assert st is not None and set(st.policies) == {"compress"}
     assert st.peak_bytes <= budget, f"{name}: peak {st.peak_bytes} > budget {budget}"
     assert st.cap_overruns == 0
@@ -153,7 +153,7 @@ def test_compress_alone_refuses_a_budget_below_what_it_can_save(name: str) -> No
     that is above that budget and below the monitor peak."""
     b = _baseline(name)
     budget = b.peak - sum(b.share.values())
-    case = _case(name)
+    case = zoo_case(name)
     model = copy.deepcopy(case.model)
     with pytest.raises(torch.OutOfMemoryError, match="Smallest budget that could work") as err:
         with hybridmem.session(budget=budget, policies=("compress",), device="cpu"):

@@ -1,7 +1,7 @@
 import pytest
 
 from hybridmem.config import Config
-from hybridmem.units import fmt_bytes, parse_bytes
+from hybridmem.graph.units import fmt_bytes, parse_bytes
 
 
 @pytest.mark.parametrize("value,expected", [

@@ -6,10 +6,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hybridmem.costs import (DEVICES, DeviceModel, MeasuredCostModel, apply_costs, dtype_key, get_cost_model)
+from hybridmem.graph.costs import (DEVICES, DeviceModel, MeasuredCostModel, apply_costs, dtype_key, get_cost_model)
 from hybridmem.errors import UnknownNameError
-from hybridmem.graph import Graph, Stage, TensorInfo, link_consumers
-from hybridmem.simulate import simulate
+from hybridmem.graph.ir import Graph, Stage, TensorInfo, link_consumers
+from hybridmem.graph.simulate import simulate
 
 
 def matmul_stage(n: int, dtype_bytes: int, ops: int = 1) -> Stage:

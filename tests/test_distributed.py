@@ -2,7 +2,7 @@
 guard, FSDP's resized storages in the meter, and activation under torchrun (env variables and
 ``hybridmem run``).
 
-Ranks are forked (:func:`hybridmem.distributed.launch`): children inherit the imported torch, so a
+Ranks are forked (:func:`hybridmem.runtime.distributed.launch`): children inherit the imported torch, so a
 2-rank job starts in well under a second; each test's ranks compare their own runs and return plain
 data. Each rank trains fresh copies of the model three times (unmanaged, monitor only, capped) so
 nothing has to cross process boundaries but numbers.
@@ -30,7 +30,7 @@ import torch.distributed.fsdp  # noqa: E402,F401  (imported once here: forked ra
 
 import hybridmem  # noqa: E402
 import hybridmem.runtime as hm_runtime  # noqa: E402
-from hybridmem.distributed import (FsdpStorageSync, RankError, backend_threads, collective_writes,  # noqa: E402
+from hybridmem.runtime.distributed import (FsdpStorageSync, RankError, backend_threads, collective_writes,  # noqa: E402
                                    free_port, is_collective, is_parameter_view, launch, plain_storages,
                                    release_process_groups)
 
@@ -59,7 +59,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _entry(name: str, rank: int) -> Any:
     """The zoo model with the same weights on every rank and this rank's own batch."""
-    from bench.zoo import build
+    from hybridmem.zoo import build
 
     e = build(name, "tiny", seed=100 + rank)
     e.model.load_state_dict(build(name, "tiny", seed=0).model.state_dict())
@@ -291,7 +291,7 @@ def _fsdp_meter_case(rank: int, world: int) -> dict[str, Any]:
     collectives: returns live bytes after the step with and without the sync, and the truth."""
     from torch.distributed.fsdp import fully_shard
 
-    from hybridmem.meter import Meter, MeterMode
+    from hybridmem.runtime.meter import Meter, MeterMode
 
     class SyncMode(MeterMode):
         sync: FsdpStorageSync | None = None
@@ -376,7 +376,7 @@ EXIT_RANK = textwrap.dedent('''
     import os, sys, time
     if sys.argv[1] == "prepared":
         import torch
-        from hybridmem.distributed import prepare_clean_exit
+        from hybridmem.runtime.distributed import prepare_clean_exit
         prepare_clean_exit()
     import torch, torch.distributed as dist
     dist.init_process_group("gloo")

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from hybridmem.errors import GraphFormatError
-from hybridmem.graph import Graph
+from hybridmem.graph.ir import Graph
 from tests.helpers import chain_graph
 
 
@@ -95,7 +95,7 @@ def test_optimizer_state_is_resident_at_every_stage(tmp_path, suffix):
     """An optimizer-state tensor is fixed, not evictable, adds its bytes to every stage, to the peak, to the
     simulator's peak and to the lower bound of any plan; it survives a save/load and changes the
     structure hash (a plan made without it is refused on a graph with it)."""
-    from hybridmem.simulate import min_feasible_budget, simulate
+    from hybridmem.graph.simulate import min_feasible_budget, simulate
 
     g = chain_graph(3, nbytes=100, param_bytes=10)
     h = _with_optimizer_state(g, 10)
@@ -113,7 +113,7 @@ def test_solvers_budget_optimizer_state():
     """The solvers see the state as fixed bytes: a budget one byte under the lower bound with the state is
     refused, and a plan made with it fits its budget in the simulator."""
     from hybridmem.errors import BudgetInfeasibleError
-    from hybridmem.simulate import min_feasible_budget, simulate
+    from hybridmem.graph.simulate import min_feasible_budget, simulate
     from hybridmem.solvers import plan as solve
 
     h = _with_optimizer_state(chain_graph(6, nbytes=100, param_bytes=10), 50)

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hybridmem.capture import capture, run_step
-from hybridmem.meter import Meter, MeterMode, profiler_peak
+from hybridmem.graph.capture import capture, run_step
+from hybridmem.runtime.meter import Meter, MeterMode, profiler_peak
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in the root conftest.py

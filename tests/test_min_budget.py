@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from hybridmem.costs import get_cost_model
+from hybridmem.graph.costs import get_cost_model
 from hybridmem.errors import BudgetInfeasibleError
-from hybridmem.simulate import simulate
+from hybridmem.graph.simulate import simulate
 from hybridmem.solvers import memory_floor, plan
 from hybridmem.solvers._synth import random_graph
-from hybridmem.units import fmt_bytes
+from hybridmem.graph.units import fmt_bytes
 
-from test_solvers_exact import enumerate_plans
+from tests.helpers.plans import enumerate_plans
 
 # (device, n_forward, seed) from test_solvers_exact: h100-80gb/3/12 needs a bisection (its least plan is
 # above the memory floor, reached because a stall lets a swap-out end in time), the others end at the floor

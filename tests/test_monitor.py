@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 import hybridmem
-from hybridmem.cpumeter import load, unavailable_reason
+from hybridmem.runtime.cpumeter import load, unavailable_reason
 from hybridmem.runtime.monitor import NOTE
-from tests.test_runtime_common import Case, run
-from tests.test_runtime_zoo import FAST, OPTIM, SLOW, _case
+from tests.helpers.runtime import Case, run
+from tests.helpers.zoo import FAST, OPTIM, SLOW, zoo_case
 
 pytestmark = pytest.mark.skipif(load() is None, reason=f"native CPU meter unavailable: {unavailable_reason()}")
 
@@ -33,7 +33,7 @@ def _input_bytes(case: Case) -> int:
 
 @pytest.mark.parametrize("name", [*FAST, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW)])
 def test_allocator_monitor_on_every_zoo_model(name: str) -> None:
-    case = _case(name)
+    case = zoo_case(name)
     ref, _ = run(case, optim=OPTIM)
     got, st = run(case, optim=OPTIM, budget=None, monitor="allocator")
     ops_got, ops = run(case, optim=OPTIM, budget=None, monitor="ops")

@@ -1,7 +1,7 @@
 import pytest
 
 from hybridmem.errors import PlanFormatError, StalePlanError
-from hybridmem.plan import Action, Plan
+from hybridmem.graph.plan import Action, Plan
 from tests.helpers import chain_graph
 
 
@@ -84,7 +84,7 @@ def test_plan_info_is_typed_and_saves_as_the_mapping_it_was(tmp_path):
     """PlanInfo: fields by name, the mapping view over what was set (in order), the file unchanged."""
     import yaml
 
-    from hybridmem.plan import PlanInfo
+    from hybridmem.graph.plan import PlanInfo
 
     p = _plan(chain_graph(3))
     assert isinstance(p.info, PlanInfo) and p.info.gap == 0.0 and p.info.plan_from is None

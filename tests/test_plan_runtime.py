@@ -39,9 +39,9 @@ import torch
 
 import hybridmem
 from hybridmem.errors import BudgetInfeasibleError
-from hybridmem.plan import Plan
+from hybridmem.graph.plan import Plan
 from hybridmem.runtime import Stats
-from tests.test_runtime_common import Case, train
+from tests.helpers.runtime import Case, train
 
 torch.set_num_threads(1)
 
@@ -52,6 +52,10 @@ SOLVERS = ("approx", "capuchin", "checkmate")
 FAST = {("transformer", "approx", "tight"), ("transformer", "capuchin", "tight")}
 MODELS = ("transformer", "vgg16", "unet", "mobilenet", "resnet50")
 LEVELS = ("tight", "80%")
+# No plan exists for these (checked 2026-12-01): VGG-16's peak is its first convolution's backward, where
+# no saved activation is left to evict, so 80 % of its keep-all peak is below what any plan needs; Checkmate
+# recomputes only and cannot meet the transformer's tight budget (swap can).
+INFEASIBLE = {("transformer", "checkmate", "tight"), *(("vgg16", s, "80%") for s in SOLVERS)}
 # The training step's optimizer, by name: "sgd" has no state; "momentum" one buffer per parameter.
 OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.05),
               "momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)}
@@ -69,8 +73,8 @@ class Captured:
 
 def _capture(case: Case, inputs: Any, optimizer: str) -> Any:
     """The case's step on the CPU, costed with the ``cpu`` model; with ``optimizer=`` where it has state."""
-    from hybridmem.capture import capture
-    from hybridmem.costs import apply_costs, get_cost_model
+    from hybridmem.graph.capture import capture
+    from hybridmem.graph.costs import apply_costs, get_cost_model
 
     model = copy.deepcopy(case.model)
     opt = OPTIMIZERS[optimizer](model.parameters()) if optimizer != "sgd" else None
@@ -79,9 +83,9 @@ def _capture(case: Case, inputs: Any, optimizer: str) -> Any:
 
 @lru_cache(maxsize=None)
 def _captured(name: str, optimizer: str = "sgd") -> Captured:
-    pytest.importorskip("bench.zoo")
-    from bench.zoo import build
-    from hybridmem.simulate import min_feasible_budget
+    pytest.importorskip("hybridmem.zoo")
+    from hybridmem.zoo import build
+    from hybridmem.graph.simulate import min_feasible_budget
 
     e = build(name, "tiny", batch=8)
     args, kwargs = e.args_kwargs()
@@ -122,12 +126,7 @@ def _plan(c: Captured, budget: int, solver: str) -> Plan:
     from hybridmem.runtime.follow import annotate
     from hybridmem.solvers import plan as solve
 
-    try:
-        p = solve(c.graph, budget, device="cpu", solver=solver)
-    except BudgetInfeasibleError as e:
-        if solver == "approx":
-            raise
-        pytest.skip(f"{solver} has no plan for {c.case.name} at {budget} B: {str(e)[:120]}")
+    p = solve(c.graph, budget, device="cpu", solver=solver)
     if "runtime" not in p.info:
         annotate(p, c.graph)
     return p
@@ -147,6 +146,10 @@ def _cases() -> list[Any]:
 def test_plan_followed_on_cpu_matches_simulator(name: str, solver: str, level: str) -> None:
     c = _captured(name)
     budget = _budget(c, level)
+    if (name, solver, level) in INFEASIBLE:
+        with pytest.raises(BudgetInfeasibleError):
+            _plan(c, budget, solver)
+        return
     assert budget >= c.minimum, f"{name}: the {level} budget {budget} is below the lower bound {c.minimum}"
     p = _plan(c, budget, solver)
     pred = p.predicted_peak_bytes
@@ -162,7 +165,7 @@ def _stack(optimizer: str = "sgd") -> Captured:
     """Six Conv-BN-ReLU6(inplace) blocks: each ReLU6 saves a clone made right before it, packed after
     the clone's op returns."""
     from torch import nn
-    from hybridmem.simulate import min_feasible_budget
+    from hybridmem.graph.simulate import min_feasible_budget
 
     gen = torch.Generator().manual_seed(0)
     with torch.random.fork_rng():

@@ -23,18 +23,18 @@ from torch import nn
 
 import hybridmem
 from bench.gpu_check import compressible_bytes
-from bench.zoo import build
-from hybridmem import cpumeter
-from tests.test_runtime_common import min_budget_of
+from hybridmem.zoo import build
+from hybridmem.runtime import cpumeter
+from tests.helpers.runtime import min_budget_of
 
 # The acceptance tool lies in shared/tools beside the checkout; without it, the same measurement from
-# hybridmem.meter.profiler_peak (torch.profiler's memory events) and the state's storages.
+# hybridmem.runtime.meter.profiler_peak (torch.profiler's memory events) and the state's storages.
 _TOOLS = Path(__file__).resolve().parents[2] / "shared" / "tools"
 if (_TOOLS / "real_peak.py").is_file():
     sys.path.insert(0, str(_TOOLS))
     from real_peak import real_peak  # noqa: E402
 else:
-    from hybridmem.meter import profiler_peak
+    from hybridmem.runtime.meter import profiler_peak
 
     def real_peak(step: Callable[[], Any], model: nn.Module, optimizer: Any = None, inputs: Any = ()) -> int:
         ts = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]

@@ -11,7 +11,7 @@ from torch import nn
 
 import hybridmem
 from hybridmem.runtime.lineage import FixedRef, Recorder
-from tests.test_runtime_common import Case, check_managed, run, run_feasible
+from tests.helpers.runtime import Case, check_managed, run, run_feasible
 
 torch.set_num_threads(1)
 

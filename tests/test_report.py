@@ -13,11 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridmem.plan import Action, Plan
-from hybridmem.report import TensorLog, build_report, is_run_file, load_run, main, save_run
-from hybridmem.simulate import min_feasible_budget, simulate
+from hybridmem.graph.plan import Action, Plan
+from hybridmem.report import build_report
+from hybridmem.runfile import is_run_file, load_run, main, save_run
+from hybridmem.runtime.ledger import TensorLog
+from hybridmem.graph.simulate import min_feasible_budget, simulate
 
-from helpers import chain_graph
+from tests.helpers import chain_graph
 
 
 # ---- a zoo run, end to end -----------------------------------------------------------------------------
@@ -26,9 +28,9 @@ def zoo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """ResNet-50 (tiny, batch 8: activations dominate) captured, planned at 80 % of its keep-all peak
     on the CPU cost model, and trained for 2 steps following the plan under a budget."""
     import hybridmem
-    from bench.zoo import build
-    from hybridmem.capture import capture
-    from hybridmem.costs import apply_costs, get_cost_model
+    from hybridmem.zoo import build
+    from hybridmem.graph.capture import capture
+    from hybridmem.graph.costs import apply_costs, get_cost_model
     from hybridmem.runtime.follow import annotate
     from hybridmem.solvers import plan as solve
 

@@ -11,8 +11,8 @@ from torch import nn
 
 import hybridmem
 from hybridmem.errors import PlanFormatError, StalePlanError, UnknownNameError
-from hybridmem.plan import Action, Plan
-from tests.test_runtime_common import Case, budget_for, run, snapshot
+from hybridmem.graph.plan import Action, Plan
+from tests.helpers.runtime import Case, budget_for, run, snapshot
 
 torch.set_num_threads(1)
 
@@ -210,7 +210,7 @@ def test_disable_inside_later_hooks_is_refused() -> None:
 # ---- plans -------------------------------------------------------------------------------------------
 def _recompute_plan(case: Case) -> Plan:
     """Free every saved activation after its last forward use; recompute it before its first backward use."""
-    from hybridmem.capture import capture
+    from hybridmem.graph.capture import capture
     from hybridmem.runtime.follow import annotate
 
     graph = capture(copy.deepcopy(case.model), case.args, case.loss_fn)
@@ -312,7 +312,7 @@ def test_swap_plan_is_followed() -> None:
 
 
 def test_prefetcher_follows_the_previous_steps_read_order() -> None:
-    from hybridmem.plugins.base import Entry
+    from hybridmem.runtime.entry import Entry
     from hybridmem.runtime.prefetch import Prefetcher
 
     class Steps:

@@ -5,7 +5,7 @@ import torch
 
 from hybridmem.plugins.codecs import bits_dtype
 from hybridmem.plugins.compress import CompressPolicy
-from hybridmem.plugins.base import Entry
+from hybridmem.runtime.entry import Entry
 from hybridmem.runtime.lineage import OPAQUE, FixedRef, Node, NodeRef, OpRecord, Replayer, View
 
 

@@ -114,7 +114,7 @@ def test_hybridmem_run_matches_the_environment(tmp_path: Path, via_env: dict) ->
     cli = [sys.executable, "-m", "hybridmem.cli", "run", "--budget", str(budget), "--policies", "recompute",
            "--report", str(tmp_path / "run.json"), str(tmp_path / "train.py"), "--flag"]
     assert _out(_run(tmp_path, {}, cli)) == via_env
-    from hybridmem.report import load_run  # --report is HYBRIDMEM_REPORT: the run file is written at exit
+    from hybridmem.runfile import load_run  # --report is HYBRIDMEM_REPORT: the run file is written at exit
 
     assert load_run(tmp_path / "run.json").measured["peak_bytes"] == via_env["stats"]["peak"]
 
@@ -143,7 +143,7 @@ def test_hook_imports_nothing_without_variables(tmp_path: Path) -> None:
 def test_report_is_saved_at_exit_and_renders(tmp_path: Path, via_env: dict,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     from hybridmem.cli import main
-    from hybridmem.report import is_run_file, load_run
+    from hybridmem.runfile import is_run_file, load_run
 
     budget = via_env["stats"]["budget"]
     path = tmp_path / "out" / "run.json"

@@ -12,7 +12,7 @@ from torch import nn
 
 import hybridmem
 from hybridmem.runtime import estimate
-from tests.test_runtime_common import Case, check_managed, raw
+from tests.helpers.runtime import Case, check_managed, raw
 
 torch.set_num_threads(1)
 

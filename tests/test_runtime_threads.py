@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hybridmem
-from tests.test_runtime_common import Case, run, train
+from tests.helpers.runtime import Case, run, train
 
 torch.set_num_threads(1)
 

@@ -17,37 +17,19 @@ from functools import lru_cache
 import pytest
 import torch
 
-from hybridmem.meter import profiler_peak
-from tests.test_runtime_common import Case, budget_for, run, run_feasible
+from hybridmem.runtime.meter import profiler_peak
+from tests.helpers.runtime import budget_for, run, run_feasible
+from tests.helpers.zoo import FAST, OPTIM, SLOW, zoo_case
 
 torch.set_num_threads(1)
 
-# VGG-16 at this size is not here: its peak is its first convolution's backward (the input, the gradient
-# being made and the kernel's scratch), where no saved activation is left to evict, so no budget below the
-# monitor-only peak can work. tests/test_real_bytes.py covers it at the small size.
-FAST = ("resnet50", "mobilenet", "unet", "transformer", "gpt")
-SLOW = ("resnet101", "resnet152")
 CUT: dict[str, float] = {}
 POLICY_SETS = (("recompute",), ("swap",), ("swap", "recompute", "compress"))
-OPTIM = "sgd-plain"  # momentum buffers would only add a constant to every number
-
-
-def _zoo():
-    pytest.importorskip("bench.zoo")
-    from bench import zoo
-    return zoo
-
-
-@lru_cache(maxsize=None)
-def _case(name: str) -> Case:
-    e = _zoo().build(name, "tiny", batch=8)
-    args, kwargs = e.args_kwargs()
-    return Case(name, e.model, args, kwargs, e.loss_fn)
 
 
 @lru_cache(maxsize=None)
 def _baseline(name: str) -> tuple[list, int]:
-    case = _case(name)
+    case = zoo_case(name)
     ref, _ = run(case, optim=OPTIM)
     mon, st = run(case, optim=OPTIM, budget=None, policies=("recompute",))
     assert mon == ref, f"{name}: monitor-only differs from the unmanaged run"
@@ -59,7 +41,7 @@ def _baseline(name: str) -> tuple[list, int]:
 @pytest.mark.parametrize("name", [*FAST, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW)])
 def test_zoo_model_under_budget_is_bit_identical(name: str, policies: tuple[str, ...]) -> None:
     ref, budget = _baseline(name)
-    got, st, budget = run_feasible(_case(name), budget, optim=OPTIM, policies=policies)
+    got, st, budget = run_feasible(zoo_case(name), budget, optim=OPTIM, policies=policies)
     assert st.peak_bytes <= budget, f"{name}: peak {st.peak_bytes} > budget {budget}"
     assert st.cap_overruns == 0
     assert st.evicted_bytes > 0
@@ -71,8 +53,11 @@ def test_recompute_lowers_the_cpu_allocators_own_peak() -> None:
     """The saving is real: torch.profiler's allocation events (not the meter) show a lower peak."""
     import hybridmem
 
-    case = _case("resnet50")
-    _, _, budget = run_feasible(case, _baseline("resnet50")[1], optim=OPTIM, policies=("recompute",))
+    case = zoo_case("resnet50")
+    # Steps 1 and 2 run under the dispatch mode (a steady state, if any, starts at step 3): the budget
+    # is one the dispatch mode meets
+    no_steady = {"plugins": {"steady": False}}
+    _, _, budget = run_feasible(case, _baseline("resnet50")[1], optim=OPTIM, policies=("recompute",), config=no_steady)
 
     def step(model: torch.nn.Module) -> None:
         case.loss(model).backward()

@@ -10,8 +10,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from hybridmem import scorer
-from hybridmem.scorer import EPS, _select_numpy, score, select_victims
+from hybridmem.runtime import scorer
+from hybridmem.runtime.scorer import EPS, _select_numpy, score, select_victims
 
 
 def _numpy(costs, nbytes, last, now, need, mask=None):
@@ -116,7 +116,7 @@ def test_empty_and_bad_inputs():
 
 _SUBPROCESS = textwrap.dedent("""
     import json, sys, numpy as np
-    from hybridmem import scorer
+    from hybridmem.runtime import scorer
     assert "numba" not in sys.modules, "importing the scorer must not import (or compile) anything"
     {prelude}
     rng = np.random.default_rng(7)

@@ -10,30 +10,15 @@ import json
 import numpy as np
 import pytest
 
-from hybridmem.costs import DeviceModel, apply_costs, get_cost_model
+from hybridmem.graph.costs import DeviceModel, apply_costs, get_cost_model
 from hybridmem.errors import InfeasiblePlanError, StalePlanError, UnknownNameError
-from hybridmem.graph import Graph, Stage, TensorInfo, link_consumers
-from hybridmem.plan import Action, Plan
-from hybridmem.simulate import min_feasible_budget, simulate
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.plan import Action, Plan
+from hybridmem.graph.simulate import min_feasible_budget, simulate
+from tests.helpers import A, big_graph, make_graph
 
 SLOW_LINK = DeviceModel("toy", {"float32": 1e12}, hbm_bw=1e12, h2d_bw=1000.0, d2h_bw=1000.0,
                         memory_bytes=10**9, launch_s=0.0)
-
-
-def make_graph(stages: list[tuple[float, list[int], list[int]]],
-               tensors: list[tuple[int, int, int | None]], *, kinds: dict[int, str] | None = None,
-               workspace: dict[int, int] | None = None, nondeterministic: tuple[int, ...] = (),
-               writes: dict[int, list[int]] | None = None) -> Graph:
-    """stages: (cost_s, inputs, outputs); tensors: (nbytes, producer, freed_after); writes: stage -> tensors
-    it writes in place."""
-    kinds, workspace, writes = kinds or {}, workspace or {}, writes or {}
-    ts = [TensorInfo(i, nb, producer=p, freed_after=f, kind=kinds.get(i, "activation" if p >= 0 else "input"),
-                     name=f"t{i}") for i, (nb, p, f) in enumerate(tensors)]
-    ss = [Stage(i, f"forward/m/op#{i}", "aten.op", cost_s=c, inputs=list(ins), outputs=list(outs),
-                workspace=workspace.get(i, 0), deterministic=i not in nondeterministic, writes=writes.get(i, []))
-          for i, (c, ins, outs) in enumerate(stages)]
-    link_consumers(ss, ts)
-    return Graph(ss, ts).validate()
 
 
 def sim(g: Graph, actions: list[Action] | None = None, **kw):
@@ -41,10 +26,6 @@ def sim(g: Graph, actions: list[Action] | None = None, **kw):
     kw.setdefault("device", SLOW_LINK)
     kw.setdefault("use_graph_costs", True)
     return simulate(g, plan, **kw)
-
-
-def A(kind: str, tensor: int, stage: int, **kw) -> Action:
-    return Action(kind, tensor, stage, **kw)
 
 
 def gap_graph(gap: int = 3) -> Graph:
@@ -410,32 +391,6 @@ def test_min_feasible_budget_is_a_lower_bound():
 
 
 # ---- speed --------------------------------------------------------------------------------------------
-def big_graph(n: int = 1000) -> tuple[Graph, Plan]:
-    """A 1000-stage graph: forward half makes activations, backward half reads them in reverse."""
-    half = n // 2
-    tensors = [(1 << 20, -1, None)]
-    stages: list[tuple[float, list[int], list[int]]] = []
-    for i in range(half):
-        tensors.append((1 << 20, i, n - 1 - i))
-        stages.append((1e-3, [i], [i + 1]))
-    grad = 0
-    for j in range(half):
-        i = half + j
-        act = half - j  # tensor made at stage half-1-j, read at stage i
-        tensors.append((1 << 16, i, i + 1 if i + 1 < n else None))
-        stages.append((1e-3, [act] + ([grad] if grad else []), [len(tensors) - 1]))
-        grad = len(tensors) - 1
-    g = make_graph(stages, tensors)
-    actions = []
-    for k in range(1, half - 1):   # activation k: made at stage k-1, read at k and at n-k; swap or recompute
-        reader = n - k
-        if k % 2:
-            actions += [A("swap_out", k, k - 1), A("free", k, k), A("swap_in", k, reader - 1)]
-        else:   # the replay's input k-1 is swapped in at the start of the same stage
-            actions += [A("free", k, k), A("recompute", k, reader)]
-    return g, Plan(actions=actions)
-
-
 def test_big_plan_is_feasible_and_saves_memory():
     # its speed is measured in bench/test_bench_foundation.py
     g, plan = big_graph()

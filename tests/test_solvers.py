@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from hybridmem.errors import BudgetInfeasibleError, UnknownNameError
-from hybridmem.graph import Graph
-from hybridmem.plan import Plan
-from hybridmem.simulate import min_feasible_budget, simulate
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.plan import Plan
+from hybridmem.graph.simulate import min_feasible_budget, simulate
 from hybridmem.solvers import SOLVERS, plan, planning_problem
 from hybridmem.solvers import coarsen, milp, relax
 from hybridmem.solvers._common import build_problem, make_plan, schedule_to_actions
@@ -123,11 +123,11 @@ def test_a_crashing_milp_solver_costs_only_its_child_process(monkeypatch: pytest
 def test_milp_reports_status_objective_bound_and_gap(graph24: Graph) -> None:
     budget = int(0.7 * graph24.peak_bytes())
     p = plan(graph24, budget, solver="milp", time_limit=20)
-    for key in ("status", "milp_vars", "milp_constraints"):
+    for key in ("status", "milp_vars", "milp_constraints", "objective_s", "bound_s", "mip_gap"):
         assert key in p.info
-    if "fallback" not in p.info:
-        assert p.info["objective_s"] >= p.info["bound_s"] - 1e-9
-        assert p.info["mip_gap"] >= 0
+    # the MILP's own figures: recorded also when the simulator prefers approx's plan (info["fallback"])
+    assert p.info["objective_s"] >= p.info["bound_s"] - 1e-9
+    assert p.info["mip_gap"] >= 0
 
 
 def test_approx_reports_the_lp_bound_and_a_valid_lower_bound(graph24: Graph) -> None:
@@ -206,7 +206,7 @@ def test_large_graphs_are_planned_coarse_and_validated_on_the_full_graph() -> No
 
 
 def test_schedule_of_a_coarse_problem_maps_to_fine_stages() -> None:
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
 
     g = random_graph(200, seed=5, readers=(1, 2))
     budget = int(0.8 * g.peak_bytes())
@@ -249,8 +249,8 @@ def test_hybrid_plan_is_no_slower_than_any_baseline(seed: int) -> None:
 def test_zoo_vgg16_tiny_hybrid_beats_baselines() -> None:
     pytest.importorskip("torch")
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    zoo = pytest.importorskip("bench.zoo")
-    from hybridmem.capture import capture
+    zoo = pytest.importorskip("hybridmem.zoo")
+    from hybridmem.graph.capture import capture
 
     e = zoo.build("vgg16", "tiny", device="meta")
     g = capture(e.model, e.inputs, e.loss_fn, device="meta", cost_model=DEVICE)
@@ -285,8 +285,8 @@ def test_chain_graph_from_helpers_plans() -> None:
 def _zoo_graph(name: str, size: str = "tiny") -> Graph:
     pytest.importorskip("torch")
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    zoo = pytest.importorskip("bench.zoo")
-    from hybridmem.capture import capture
+    zoo = pytest.importorskip("hybridmem.zoo")
+    from hybridmem.graph.capture import capture
 
     e = zoo.build(name, size, device="meta")
     return capture(e.model, e.inputs, e.loss_fn, device="meta", cost_model=DEVICE)
@@ -365,10 +365,10 @@ def test_refine_improves_a_start_and_keeps_it_valid(graph24: Graph) -> None:
         res = simulate(graph24, Plan(actions=schedule_to_actions(p, sched)), device=DEVICE, budget=budget, strict=True)
         assert res.peak_bytes <= budget
         costs[name] = cost
-    for name, cost in costs.items():
-        base = name.split("+")[0]
-        if base in costs:
-            assert cost <= costs[base] + 1e-12
+    refined = {name: cost for name, cost in costs.items() if "+" in name}  # "start+refinement" vs "start"
+    assert refined
+    for name, cost in refined.items():
+        assert cost <= costs[name.split("+")[0]] + 1e-12
 
 
 def test_infeasible_approx_reports_the_lower_bound_and_what_starts_reached(graph24: Graph) -> None:
@@ -378,16 +378,15 @@ def test_infeasible_approx_reports_the_lower_bound_and_what_starts_reached(graph
     with pytest.raises(BudgetInfeasibleError) as e:
         plan(graph24, budget)
     assert e.value.minimum_bytes > budget
-    reached = getattr(e.value, "reached_bytes", None)
-    if reached is not None:
-        assert reached > budget and str(reached) in str(e.value)
+    # below the memory floor no start runs, so none reached a peak (the message names the floor alone)
+    assert getattr(e.value, "reached_bytes", None) is None and "memory floor" not in str(e.value)
 
 
 # ---- the recompute-only LP start -------------------------------------------------------------------
 def test_recompute_only_lp_rounded_by_dropped_mass_gives_a_recompute_plan(vgg16_tiny: Graph) -> None:
     """Checkmate's LP relaxation rounded by dropped mass: a valid plan with recomputes only (the
     repair without swaps), no faster than its LP bound says a recompute-only plan can be."""
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
     from hybridmem.solvers._common import make_plan
 
     g = vgg16_tiny
@@ -406,7 +405,7 @@ def test_recompute_only_lp_rounded_by_dropped_mass_gives_a_recompute_plan(vgg16_
 
 def test_approx_offers_the_recompute_only_lp_start(vgg16_tiny: Graph) -> None:
     """The start runs in the portfolio (off with ``recompute_lp=False``), and approx is never slower than it."""
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
     from hybridmem.solvers._common import make_plan
 
     g = vgg16_tiny
@@ -416,11 +415,11 @@ def test_approx_offers_the_recompute_only_lp_start(vgg16_tiny: Graph) -> None:
     assert "recompute-lp" in mine.info["phases_s"]
     pb = planning_problem(g, budget, get_cost_model(DEVICE), **COARSE)
     sched, _ = relax.solve_relaxed(pb, swap=False, rules=("lp-drop",), variants=({"allow_swap": False}, {}))
-    if sched is not None:
-        res = simulate(g, make_plan(pb, schedule_to_actions(pb, sched), "test"), device=DEVICE, budget=None,
-                       strict=False)
-        if not res.violations and res.peak_bytes <= budget:
-            assert mine.predicted_time_s <= res.time_s * (1 + 1e-9)
+    assert sched is not None
+    res = simulate(g, make_plan(pb, schedule_to_actions(pb, sched), "test"), device=DEVICE, budget=None,
+                   strict=False)
+    assert not res.violations and res.peak_bytes <= budget
+    assert mine.predicted_time_s <= res.time_s * (1 + 1e-9)
     off = plan(g, budget, solver="approx", time_limit=10, recompute_lp=False, **COARSE)
     assert "recompute-lp" not in off.info["phases_s"]
 
@@ -448,7 +447,7 @@ def resnet50_tiny() -> Graph:
 def test_stage_link_start_satisfies_the_rows_the_rounding_breaks(resnet50_tiny: Graph) -> None:
     """The rounded STR schedule queues copies FIFO, which the coarse model's one-copy-per-stage link
     rows refuse (CBC then drops the start); the start made from it satisfies every row."""
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
 
     g = resnet50_tiny
     budget = int(0.5 * (g.peak_bytes() + min_feasible_budget(g)))

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from hybridmem.errors import BudgetInfeasibleError
-from hybridmem.graph import Graph
-from hybridmem.simulate import min_feasible_budget, simulate
+from hybridmem.graph.ir import Graph
+from hybridmem.graph.simulate import min_feasible_budget, simulate
 from hybridmem.solvers import baselines, plan
 from hybridmem.solvers._synth import random_graph
 
@@ -20,7 +20,7 @@ def conv_net_graph() -> Graph:
     torch = pytest.importorskip("torch")
     from torch import nn
 
-    from hybridmem.capture import capture
+    from hybridmem.graph.capture import capture
 
     torch.manual_seed(0)
     layers: list[nn.Module] = []

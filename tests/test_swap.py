@@ -9,7 +9,8 @@ import weakref
 import pytest
 import torch
 
-from hybridmem.plugins.base import Entry, Policy
+from hybridmem.plugins.base import Policy
+from hybridmem.runtime.entry import Entry
 from hybridmem.plugins.codecs import bits_dtype
 from hybridmem.plugins.swap import PinnedPool, SwapPolicy, _CudaTransport
 from tests.helpers import bit_equal, entry_of
@@ -335,7 +336,7 @@ def test_checkpoint_survives_the_runtimes_rewrapping():
 
 
 def test_swap_cost_from_the_shared_cost_model():
-    from hybridmem.costs import get_cost_model
+    from hybridmem.graph.costs import get_cost_model
 
     m = get_cost_model("h100")
     e = entry_of(torch.ones(1 << 10))

@@ -1,4 +1,4 @@
-"""Tests of the benchmark model zoo (bench/zoo.py): tiny sizes train on the CPU, paper sizes on meta."""
+"""Tests of the benchmark model zoo (hybridmem/zoo.py): tiny sizes train on the CPU, paper sizes on meta."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench.zoo import MODELS, PAPER_MODELS, SIZES, ZooEntry, build, config, count_parameters, size_table
+from hybridmem.zoo import MODELS, PAPER_MODELS, SIZES, ZooEntry, build, config, count_parameters, size_table
 
 # Exact parameter counts at paper size. The CNNs match torchvision's models of the same name,
 # GPT matches GPT-2 small, and the encoder is BERT-base without token-type embeddings plus a
@@ -173,6 +173,6 @@ def test_unknown_name_or_size():
 
 
 def test_docstring_table_is_current():
-    import bench.zoo
+    import hybridmem.zoo
 
-    assert size_table() in bench.zoo.__doc__, "regenerate the table with `python -m bench.zoo`"
+    assert size_table() in hybridmem.zoo.__doc__, "regenerate the table with `python -m hybridmem.zoo`"

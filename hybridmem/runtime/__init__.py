@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ..config import DEFAULT_POLICIES, Config
-from ..plan import Plan
+from ..graph.plan import Plan
 from .stats import PolicyStats, Stats
 
 __all__ = ["enable", "disable", "session", "stats", "reset_stats", "enabled", "Session", "Stats", "PolicyStats"]
@@ -78,13 +78,13 @@ def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFA
     ``config``: YAML file or mapping. Precedence: arguments > ``HYBRIDMEM_*`` variables > YAML > defaults
     (``policies`` left at its default does not override ``HYBRIDMEM_POLICIES``). ``monitor`` (without a
     budget or plan): ``"allocator"`` reads the allocator's counters, nothing per op (on the CPU the native
-    meter of :mod:`hybridmem.cpumeter`); ``"ops"`` meters every op (the cap's units, stages,
+    meter of :mod:`hybridmem.runtime.cpumeter`); ``"ops"`` meters every op (the cap's units, stages,
     ``min_budget_bytes``); ``"auto"`` (default): allocator on the CPU where the native meter builds, else
     ops. Raises ValueError on a malformed budget or setting, UnknownNameError (a ValueError) on an unknown
     policy.
     """
     global _current
-    from .core import Runtime, resolve_plan
+    from .core import Runtime, resolve_plan  # here, not at the top: core reads this package's _current
 
     plan_obj = plan if isinstance(plan, Plan) else None
     cfg = Config.resolve(config, budget=budget, device=device, monitor=monitor,

@@ -53,7 +53,7 @@ def _hook_class(original: type) -> type:
             if rt is None:
                 super().__init__(frame)
             else:
-                torch.autograd.graph.saved_tensors_hooks.__init__(self, rt._pack, rt.store.unpack)
+                torch.autograd.graph.saved_tensors_hooks.__init__(self, rt._pack_hook, rt._unpack_hook)
 
     _CheckpointHook.__name__ = _CheckpointHook.__qualname__ = original.__name__
     return _CheckpointHook

@@ -8,37 +8,42 @@ and :class:`~.mode.RuntimeMode`, which calls them around every op.
 """
 from __future__ import annotations
 
-import os
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from hybridmem.plugins.base import Policy, get_policy, known_policy_names
 
-from ..buckets import BucketSwitch, PlanBook, is_book
+from ..graph.planbook import PlanBook, is_book
+from .buckets import BucketSwitch
 from ..config import Config
-from ..distributed import FsdpStorageSync
+from .distributed import FsdpStorageSync
 from ..errors import UnknownNameError
-from ..meter import Meter
-from ..plan import Plan
-from ..report import TensorLog
-from ..units import BUDGET_FORMS, check_capacity, parse_budget
+from .meter import Meter
+from ..graph.costs import get_cost_model
+from ..graph.plan import Plan
+from .ledger import TensorLog
 from . import ckpt
+from .budget import device_budget_bytes
+from .cpumeter import load, unavailable_reason
 from .estimate import OutputEstimator
 from .device import native_device
 from .fixed import FixedMarker
 from .follow import PlanFollower
-from .lineage import OpCost, Recorder, Replayer
+from .lineage import OpCost, Recorder, Replayer, rng_state
 from .mode import RuntimeMode
 from .monitor import NOTE as MONITOR_NOTE, AllocatorMonitor
 from .prefetch import Prefetcher
 from .produced import ProducedTable
+from .program import ProgramRecorder, StepProgram, SteadyPack
 from .residency import NoMode, Residency
-from .saved import SavedStore
+from .saved import Saved, SavedStore
 from .stats import Stats, StatsRecorder
-from .steps import Clock, StepTracker
+from .steps import FORWARD, Clock, StepTracker
 from .threads import OwnerThread, drop_hooks, leave_mode
 
 
@@ -60,34 +65,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def resolve_budget(value: Any, device: torch.device) -> int | None:
-    """Budget in bytes, at most the device's memory (on the simulated CPU device, the host's); on CUDA
-    a percentage is of the device's total memory."""
-    if value is None:
-        return None
-    if device.type == "cuda":
-        capacity, of = torch.cuda.get_device_properties(device).total_memory, str(device)
-        return check_capacity(int(parse_budget(value, total=capacity)), capacity, of, value)
-    n = parse_budget(value)
-    if isinstance(n, str):
-        raise ValueError(f"invalid budget {value!r}: a percentage is of CUDA device memory; on the CPU "
-                         f"expected {', '.join(BUDGET_FORMS[:2])}")
-    capacity = host_memory()
-    return n if capacity is None else check_capacity(n, capacity, "host", value)
-
-
-def host_memory() -> int | None:
-    """Physical memory of this machine in bytes (None where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
 def cost_model_for(device: torch.device, cfg: Config) -> Any:
     """The cost model recompute costs come from: ``plugins: {cost_model: NAME}`` in the config, else
     the CPU model, or on CUDA the model named like the GPU (H100, H200, A100, V100; else H100)."""
-    from ..costs import get_cost_model
 
     name = cfg.extra.get("cost_model")
     if name is None and device.type == "cuda":
@@ -96,7 +76,7 @@ def cost_model_for(device: torch.device, cfg: Config) -> Any:
     return get_cost_model(name or "cpu")
 
 
-RUNTIME_EXTRA = ("cost_model", "cuda_cap", "light")  # keys of the 'plugins' section that are not policies
+RUNTIME_EXTRA = ("cost_model", "cuda_cap", "light", "steady")  # keys of the 'plugins' section that are not policies
 
 
 def check_extra(cfg: Config) -> None:
@@ -108,6 +88,8 @@ def check_extra(cfg: Config) -> None:
         if key not in RUNTIME_EXTRA and key not in policies:
             raise ValueError(f"{cfg.source('extra')}: unknown key {key!r}; accepted: the policies {policies} "
                              f"(each a mapping of its options) and {list(RUNTIME_EXTRA)}")
+        if key == "steady" and not isinstance(value, bool):
+            raise ValueError(f"{cfg.source('extra')}: steady: expected true or false, got {value!r}")
         if key in policies and value is not None and not isinstance(value, dict):
             raise ValueError(f"{cfg.source('extra')}: {key}: expected a mapping of the policy's options, "
                              f"got {value!r}")
@@ -130,7 +112,7 @@ def named(cfg: Config, key: str) -> Iterator[None]:
 
 def regions_runtime() -> "Runtime | None":
     """The runtime that takes ``torch.utils.checkpoint`` regions over on the calling thread, if any."""
-    from . import _current
+    from . import _current  # the package's state, read per call (the package imports core lazily)
 
     rt = _current
     if rt is not None and rt.takes_regions and rt.mode is not None and rt.owner.here():
@@ -156,7 +138,7 @@ class Runtime:
         with named(cfg, "device"):
             self.device = resolve_device(cfg.device)
         with named(cfg, "budget"):
-            self.budget = resolve_budget(cfg.budget, self.device)
+            self.budget = device_budget_bytes(cfg.budget, self.device)
         if self.budget is None and plan is not None and plan.budget_bytes:
             self.budget = plan.budget_bytes  # the online scorer keeps the plan's budget where it is left
         self.plan = plan
@@ -208,7 +190,6 @@ class Runtime:
         if kind == "allocator" and self.device.type == "cuda":
             self.light = True
         elif kind == "allocator":
-            from ..cpumeter import load
             self.allocator = AllocatorMonitor(load(), self.stats)  # _monitor_kind checked it loads
             self.stats.note(MONITOR_NOTE)
         # The budget caps what the allocator holds, enforced at allocation time (runtime.device).
@@ -217,6 +198,25 @@ class Runtime:
         self._pack = self.store.pack if manages else self.store.pack_counting
         # torch.utils.checkpoint regions run plainly under the online scorer's budget (runtime.ckpt)
         self.takes_regions = self.budget is not None and plan is None and book is None and not self.light
+        # Steady state (runtime.program): a step like the recorded one runs with the saved-tensor hooks
+        # alone. It needs the allocator to enforce the budget (the native device) and no per-stage work.
+        self.steady_possible = (self.native is not None and self.follower is None and self.buckets is None
+                                and self.prefetcher is None and cfg.extra.get("steady", True))
+        self.program: StepProgram | None = None
+        self._program_rec: ProgramRecorder | None = None
+        self._steady: SteadyPack | None = None
+        self._packfn: Any = self._pack
+        self._evicted_before: dict[str, int] = {}
+        self._registered_before = 0
+        self._refused_before = 0
+        self._divergences = 0
+        self._calls = 0                      # module calls in this step (random ops' states are read at them)
+        self._last_random_call = -1          # the module call after which the last random op ran
+        self._module: torch.nn.Module | None = None
+        self._root_hook: Any = None  # the pre-hook that reads the step's inputs (_watch_inputs)
+        if self.recorder is not None:
+            self.recorder.on_random = self._random_recorded
+        self.mode_on = False  # the dispatch mode is entered (off during steady-state steps)
 
     def _monitor_kind(self, cfg: Config, manages: bool) -> str:
         """``"allocator"`` or ``"ops"`` (see ``Config.monitor``); errors for what cannot be honoured."""
@@ -229,7 +229,6 @@ class Runtime:
             return "allocator" if cfg.monitor == "allocator" or cfg.extra.get("light", False) else "ops"
         if cfg.monitor == "ops":
             return "ops"
-        from ..cpumeter import load, unavailable_reason
         if load() is not None:
             return "allocator"
         why = unavailable_reason() or "unknown reason"
@@ -276,10 +275,11 @@ class Runtime:
                 self.meter.budget_bytes = self.budget
                 self.meter.apply_cuda_cap()
         self.mode.__enter__()
+        self.mode_on = True
         if self.buckets is not None:
             self.buckets.install()  # before FixedMarker's hook, where the step starts: it picks the plan
         self.fixed.install()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self.store.unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
         self._hooks.__enter__()
         if self.takes_regions and not ckpt.install(regions_runtime):
             self.stats.note("torch.utils.checkpoint regions are left to checkpoint (this torch lacks the "
@@ -295,15 +295,15 @@ class Runtime:
         if self.light or self.mode is None:
             return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and top[0] != self._pack:
+        if top is not None and top[0] != self._pack_hook:
             raise RuntimeError("hybridmem.disable() called inside another saved_tensors_hooks context "
                                "(e.g. torch.autograd.graph.save_on_cpu) opened after enable(): leave it first")
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-        if _get_current_dispatch_mode() is not self.mode:
+        if self.mode_on and _get_current_dispatch_mode() is not self.mode:
             raise RuntimeError("hybridmem.disable() called inside another TorchDispatchMode entered after "
                                "enable(): leave it first")
         self._hooks.__exit__(None, None, None)
-        self.mode.__exit__(None, None, None)
+        if self.mode_on:
+            self.mode.__exit__(None, None, None)
         self._detach()
 
     def release(self) -> None:
@@ -317,8 +317,9 @@ class Runtime:
         if self.light or self.mode is None:
             return
         self.mode.quiet_depth += 1
-        drop_hooks(self._pack)
-        leave_mode(self.mode)
+        drop_hooks(self._pack_hook)
+        if self.mode_on:
+            leave_mode(self.mode)
         self._detach()
 
     def _detach(self) -> None:
@@ -327,6 +328,12 @@ class Runtime:
             self.buckets.uninstall()
         self._hooks = None
         self.mode = None
+        self.mode_on = False
+        if self.program is not None:
+            self.program.unbind()  # no tensor of the last step stays reachable from a disabled runtime
+        self._module = None
+        self._steady = None
+        self._packfn = self._pack
         self.residency.mode = NoMode()  # entries still alive regenerate unmetered from now on
         if self.native is not None:
             self.native.uninstall()
@@ -334,22 +341,213 @@ class Runtime:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
     # ---- steps ---------------------------------------------------------------------------------
-    def _module_called(self) -> None:
+    def _module_called(self, module: torch.nn.Module) -> None:
         """Global module pre-hook (every thread): steps start on the installing thread only."""
         if not self.owner.here():
             self.owner.foreign_module_call()
             return
-        self.steps.module_called()
+        steps = self.steps
+        if self.steady_possible and steps.phase != FORWARD and torch.is_grad_enabled() \
+                and torch._C._current_graph_task_id() == -1:
+            self._choose_step()  # a step starts here: with the dispatch mode, or in the steady state
+        steps.module_called()
+        self._calls += 1
+        self._module = module
+        if self._calls == 1 and self._root_hook is None:
+            self._watch_inputs(module)
+        steady = self._steady
+        if steady is not None and self._calls in steady.program.random_at and not steady.off:
+            why = steady.program.module_called(self._calls, module, self._rng_now)
+            if why:
+                steady.leave(why)
+
+    def _watch_inputs(self, module: torch.nn.Module) -> None:
+        """A pre-hook with keyword arguments on the module that starts steps (global pre-hooks see no
+        keywords): from the next step on, its tensor arguments (the batch) are given to the program."""
+        me = weakref.ref(self)
+
+        def hook(m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            rt = me()
+            if rt is not None and rt.mode is not None and rt._calls == 1:
+                rt._step_inputs([*(a for a in args if isinstance(a, torch.Tensor)),
+                                 *(kwargs[k] for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor))])
+
+        self._root_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def _step_inputs(self, tensors: list[torch.Tensor]) -> None:
+        if self._program_rec is not None:
+            self._program_rec.step_inputs(tensors)
+        steady = self._steady
+        if steady is not None and not steady.off:
+            why = steady.program.bind_inputs(tensors)
+            if why:
+                steady.leave(why)
+
+    def _rng_now(self) -> Any:
+        return rng_state(self.device)
+
+    def _random_recorded(self, rec: Any, explicit: bool) -> None:
+        """The recorder recorded a random op: note after which module call it was the first one."""
+        first = not explicit and self._last_random_call != self._calls
+        self._last_random_call = self._calls
+        if self._program_rec is not None:
+            self._program_rec.random_at(rec, self._calls if first else 0, self._module)
+
+    def _pack_hook(self, t: torch.Tensor) -> Any:
+        return self._packfn(t)
+
+    def _unpack_hook(self, h: Any) -> torch.Tensor:
+        if self._steady is not None:
+            if not self.steps.in_backward:
+                self.steps.backward_seen()  # no op is observed in the steady state: the first read says it
+            if self.store.pending:
+                # backward makes no saves: what the forward left pending, and entries rebuilt since, are
+                # registered here, as the dispatch mode does before an op that nears the budget (mode._cap)
+                self._steady_after()
+        return self.store.unpack(h)
+
+    def _choose_step(self) -> None:
+        """Before a step starts: steady state if a program is ready and the dispatch mode can be left
+        (nothing entered above it), else the dispatch mode, recording a program."""
+        prog, mode = self.program, self.mode
+        if mode is None:
+            return
+        if prog is not None and (not self.mode_on or _get_current_dispatch_mode() is mode):
+            if self.mode_on:
+                mode.__exit__(None, None, None)
+                self.mode_on = False
+            prog.start_step()
+            self._steady = SteadyPack(prog, self._pack, self._bind, self._steady_after, self._diverged,
+                                      self.store.keep, self._far, self.stats.saved)
+            self._packfn = self._steady
+            self._program_rec = None
+            return
+        if not self.mode_on:
+            mode.__enter__()
+            self.mode_on = True
+        self._steady = None
+        # The first step is not recorded: the optimizer's state appears after it, so later steps hold more.
+        if self._divergences < 3 and self.steps.steps >= 1:
+            self._program_rec = ProgramRecorder()
+            self._packfn = self._pack_recording
+        else:
+            self._program_rec = None
+            self._packfn = self._pack
+
+    def _pack_recording(self, t: torch.Tensor) -> Any:
+        h = self._pack(t)
+        rec = self._program_rec
+        if rec is not None:
+            rec.saved(t, h.entry.lineage if type(h) is Saved else None)
+        return h
+
+    def _bind(self, node: Any, st: torch.UntypedStorage) -> None:
+        slot = self.produced.add(st)
+        slot.node, node.storage = node, slot
+
+    def _far(self) -> bool:
+        """Whether the device is far from its budget (at least half of it free)."""
+        return self.budget is None or self.budget - self.meter.current_bytes >= self.budget // 2
+
+    def _steady_after(self) -> None:
+        store = self.store
+        if not store.pending or self.budget is None:
+            return
+        steady = self._steady
+        # A step whose recording came near the budget registers each entry as it is made: the dispatch mode
+        # registers before each op that nears the budget (mode._cap), and no op is seen here.
+        if (steady is not None and steady.program.pressure) \
+                or self.budget - self.meter.current_bytes < self.budget // 4:
+            store.register_pending()
+
+    def _diverged(self, why: str) -> None:
+        self._divergences += 1
+        self.program = None
+        self.stats.note(f"steady state left at step {self.steps.steps + 1}: {why}; the dispatch mode runs "
+                        f"again from the next step" + ("" if self._divergences < 3 else
+                                                       " (and stays: the steps keep changing)"))
+
+    def _finish_program(self, stages: int) -> None:
+        """End of a recording step: keep its program if later steps may follow it."""
+        rec, self._program_rec = self._program_rec, None
+        self.residency.on_evicted = None
+        why = self._steady_refusal(rec)
+        prog = rec.finish(self._module_state()) if rec is not None and not why else None
+        pressure = self._pressure()
+        if prog is not None and rec is not None:
+            why = prog.cannot_rebuild(rec.evicted)
+        if prog is None or why:
+            self.stats.note(f"steady state: not used ({why})")
+            return
+        prog.stages, prog.pressure = stages, pressure
+        self.program = prog
+        if self.recorder is not None:
+            self.recorder.keep = prog.keep
+
+    def _steady_refusal(self, rec: ProgramRecorder | None) -> str:
+        if rec is None or not rec.saves:
+            return "the step saved nothing"
+        if not self.steps.modules:
+            return "steps start at module calls only"
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return "distributed training keeps the dispatch mode"
+        others = [n for n, p in self.stats.policies.items()
+                  if n != "recompute" and p.evicted > self._evicted_before.get(n, 0)]
+        if others:
+            return f"the recorded step evicted by {', '.join(others)}, which only the dispatch mode drives"
+        refused = self.native.native.refused - self._refused_before if self.native is not None else 0
+        if refused:
+            # the allocator alone (all a steady-state step has) could not free enough there: the dispatch
+            # mode evicted the rest around the op it retried
+            return f"the allocator alone ran out {refused} time(s) in the recorded step; the dispatch mode made room"
+        return ""
+
+    def _pressure(self) -> bool:
+        """Whether the step that is ending came near its budget (entries registered or evicted)."""
+        rc = self.stats.policies.get("recompute")
+        return (self.store.registrations > self._registered_before
+                or (rc is not None and rc.evicted > self._evicted_before.get("recompute", 0)))
+
+    def _module_state(self) -> set[int]:
+        """Storage ids of the parameters and buffers of every module called so far."""
+        out: set[int] = set()
+        for r in self.fixed.modules():
+            for t in (*r._parameters.values(), *r._buffers.values()):
+                if t is not None:
+                    out.add(id(t.untyped_storage()))
+        return out
 
     def _step_started(self) -> None:
+        self._calls, self._last_random_call, self._module = 0, -1, None
         self.store.epoch += 1
         self.stats.step_started()
         self.estimator.new_step()
         self.residency.forget_offers()
         if self.follower is not None:
             self.follower.step_started()
+        rec = self._program_rec
+        if rec is not None:
+            self._evicted_before = {n: p.evicted for n, p in self.stats.policies.items()}
+            self._registered_before = self.store.registrations
+            self._refused_before = self.native.native.refused if self.native is not None else 0
+            self.residency.on_evicted = lambda e: rec.evicted.append(e.lineage) if e.lineage is not None else None
+        else:
+            self.residency.on_evicted = None
 
     def _step_ended(self, stages: int) -> None:
+        self._module = None
+        steady = self._steady
+        if steady is not None:
+            self._steady = None
+            self._packfn = self._pack
+            stages = steady.program.stages
+            self.stats.steady_steps += 1
+            if self.program is not None:
+                if not steady.complete:
+                    self._diverged(f"the step saved {steady.k} tensors where the recorded step saved "
+                                   f"{len(steady.saves)}")
+        elif self._program_rec is not None:
+            self._finish_program(stages)
         self.store.drain()
         self.stats.step_done(stages)
         self.fsdp_sync.refresh()

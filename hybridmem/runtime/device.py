@@ -1,7 +1,7 @@
 """The budget caps what the allocator holds: the native allocator device, wired into a runtime.
 
 On the CPU, with a budget or a plan, the runtime installs hybridmem's wrapper around PyTorch's CPU
-allocator (:mod:`hybridmem.cpumeter`) as the managed device:
+allocator (:mod:`hybridmem.runtime.cpumeter`) as the managed device:
 
 - its bytes are every allocation of the process made through the allocator (kernel scratch and oneDNN
   buffers included) plus the training state from before it was installed: the parameters, buffers and
@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridmem.plugins.base import Entry
+from .cpumeter import cuda_note, load, unavailable_reason
+from .entry import Entry
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -83,7 +84,6 @@ def native_device(rt: "Runtime", manages: bool) -> NativeDevice | None:
     note in the stats saying what the budget then counts)."""
     if not manages or rt.budget is None:
         return None
-    from ..cpumeter import cuda_note, load, unavailable_reason
 
     native = load()
     if native is None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..graph.outputs import walk_outputs
 from .lineage import replay_info
 
 Tensor = torch.Tensor
@@ -117,14 +118,10 @@ def meta_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
             out = func(*margs, **mkw)
     except Exception:
         return None
-    outs = out if isinstance(out, (tuple, list)) else (out,)
     total = 0
-    for i, o in enumerate(outs):
-        if i < len(fresh) and not fresh[i]:
-            continue
-        for t in (o if isinstance(o, (list, tuple)) else (o,)):
-            if isinstance(t, Tensor):
-                total += _storage_bytes(t)
+    for i, _, t in walk_outputs(out):
+        if isinstance(t, Tensor) and not (i < len(fresh) and not fresh[i]):
+            total += _storage_bytes(t)
     return total
 
 

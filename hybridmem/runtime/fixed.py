@@ -17,14 +17,14 @@ from typing import Any, Callable
 
 import torch
 
-from ..meter import Meter
+from .meter import Meter
 from .produced import ProducedTable
 
 
 class FixedMarker:
     """Global module pre-hook that un-marks module parameters and buffers as activations."""
 
-    def __init__(self, produced: ProducedTable, meter: Meter, on_call: Callable[[], None]):
+    def __init__(self, produced: ProducedTable, meter: Meter, on_call: Callable[[torch.nn.Module], None]):
         self.produced = produced
         self.meter = meter
         self.on_call = on_call  # every module call (the step tracker starts steps here)
@@ -41,7 +41,7 @@ class FixedMarker:
             self._handle = None
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        self.on_call()
+        self.on_call(module)
         seen = self._seen
         r = seen.get(id(module))
         if r is not None and r() is module:
@@ -57,6 +57,10 @@ class FixedMarker:
                     if slot is not None:
                         slot.node = slot.entry = None
         self.meter.track(*fixed)
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The modules called so far that are still alive."""
+        return [m for r in list(self._seen.values()) if (m := r()) is not None]
 
     def _forget(self, k: int) -> None:
         r = self._seen.get(k)

@@ -11,7 +11,7 @@ first step even while the online scorer is evicting to stay under the budget.
   the signature and the sizes of the plan's tensors are compared: a difference (another model, other
   input shapes) refuses the plan (:class:`~hybridmem.errors.StalePlanError`, raised from ``backward()``
   once the step's gradients are complete; caught, training goes on with the online scorer). From step 2 the plan's actions run at their stages (timing rules in
-  :mod:`hybridmem.plan`): ``recompute``/``decompress`` before op t regenerate at once, ``swap_in``
+  :mod:`hybridmem.graph.plan`): ``recompute``/``decompress`` before op t regenerate at once, ``swap_in``
   starts a prefetch; after op t ``compress`` evicts by compress, ``swap_out`` marks a swap and
   ``free`` evicts (by swap after a ``swap_out``, else by recompute).
 - Each stage op is checked against step 1's; at the first mismatch the plan is left for the rest of
@@ -24,14 +24,14 @@ import hashlib
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanFormatError, StalePlanError
-from ..plan import Plan
+from ..graph.plan import Plan
+from ..graph.merge import MAX_OP_CHARS as _MAX_OP_CHARS  # merged stage names
 from .mode import _FACTS, facts
 
 if TYPE_CHECKING:
-    from ..graph import Graph
+    from ..graph.ir import Graph
     from .core import Runtime
 
-_MAX_OP_CHARS = 96  # merged stage names: the rule of hybridmem.capture.merge_stages
 _BEFORE = ("recompute", "decompress", "swap_in")
 
 

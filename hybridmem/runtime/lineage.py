@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from .._trace import op_info
-from ..distributed import collective_writes
+from ..graph.flops import op_flops
+from ..graph.ops import op_info
+from ..graph.outputs import flat_outputs as _flat_outputs
+from .distributed import collective_writes
 
 if TYPE_CHECKING:
-    from hybridmem.plugins.base import Entry
+    from .entry import Entry
 
 Tensor = torch.Tensor
 MAX_OPS_PER_NODE = 64   # a storage written in place more often than this (an accumulator) is not replayed
@@ -84,8 +86,9 @@ class FixedRef:
 
     __slots__ = ("alias", "version", "view")
 
-    def __init__(self, alias: Tensor, version: int, view: View):
-        self.alias, self.version, self.view = alias, version, view  # version -1: value not used
+    def __init__(self, alias: Tensor | None, version: int, view: View):
+        # version -1: value not used; alias None: not bound in this step (a step program's, runtime.program)
+        self.alias, self.version, self.view = alias, version, view
 
 
 class GenState:
@@ -93,12 +96,12 @@ class GenState:
 
     __slots__ = ("device", "state")
 
-    def __init__(self, device: torch.device, state: Tensor):
+    def __init__(self, device: torch.device, state: bytes):
         self.device, self.state = device, state
 
     def make(self) -> torch.Generator:
         g = torch.Generator(device=self.device)
-        g.set_state(self.state)
+        g.set_state(state_tensor(self.state))
         return g
 
 
@@ -260,7 +263,10 @@ class Recorder:
         self.cuda_deterministic = cuda_deterministic
         self.cost = cost
         self._step_nodes: list[Node] = []
-        self._gens: dict[int, Tensor] = {}  # generator states before the op being recorded
+        self.keep: set[int] = set()  # ids of nodes a step program replays (runtime.program): never pruned
+        self._gens: dict[int, bytes] = {}  # generator states before the op being recorded
+        # called with each recorded op that draws random numbers, and whether it has explicit generators
+        self.on_random: Callable[[OpRecord, bool], None] | None = None
 
     # -- references ----------------------------------------------------------------------------
     def ref(self, t: Tensor, value_unused: bool = False) -> Any:
@@ -291,7 +297,7 @@ class Recorder:
             return type(v)(self.ref(b) if isinstance(b, Tensor) else b for b in v)
         if isinstance(v, torch.Generator):
             # replay draws from a copy in the state the op found; the user's generator stays put
-            return GenState(v.device, self._gens.get(id(v), v.get_state()))
+            return GenState(v.device, self._gens.get(id(v)) or host_state(v.get_state()))
         return v
 
     # -- ops -----------------------------------------------------------------------------------
@@ -311,6 +317,8 @@ class Recorder:
         rkw = {k: self._refs(v) for k, v in kwargs.items()} if kwargs else {}
         rec = OpRecord(func, rargs, rkw, rng.default if rng is not None else None,
                        why or _fixed_write_reason(info, rargs, unused))
+        if rng is not None and self.on_random is not None:
+            self.on_random(rec, bool(rng.generators))
         if self.cost is not None:
             rec.cost_s = self.cost(func, args, kwargs, out, out_bytes)
         for i in info.written:
@@ -354,7 +362,7 @@ class Recorder:
 
     def _prune(self) -> None:
         nodes, self._step_nodes = self._step_nodes, []
-        keep: set[int] = set()
+        keep: set[int] = set(self.keep)
         stack = [n for n in nodes if n.entry is not None]
         while stack:  # everything an entry's lineage may replay stays
             n = stack.pop()
@@ -417,27 +425,7 @@ class OpCost:
                     for t in a:
                         if isinstance(t, Tensor):
                             nbytes += t.numel() * t.element_size()
-        return float(self.model.op_time(_Work(matmul_flops(func, args, out), nbytes)))
-
-
-def matmul_flops(func: Any, args: tuple, out: Any) -> float:
-    """FLOPs of the compute-bound ops (matrix products, convolutions, attention); 0 for the rest,
-    which the cost model then prices by bytes. (torch.utils.flop_counter has them all, but importing
-    it pulls in torch._dynamo: seconds at the first recorded op.)"""
-    name = getattr(func, "_opname", "")
-    o = out[0] if isinstance(out, (tuple, list)) else out
-    if not isinstance(o, Tensor):
-        return 0.0
-    if name in ("mm", "addmm", "bmm", "baddbmm", "matmul"):
-        a = args[1] if name in ("addmm", "baddbmm") else args[0]
-        return 2.0 * o.numel() * (a.shape[-1] if isinstance(a, Tensor) else 1)
-    if name == "convolution" and isinstance(args[1], Tensor):
-        w = args[1]  # (out_channels, in_channels / groups, *kernel): each output element sums over that
-        return 2.0 * o.numel() * (w.numel() // max(w.shape[0], 1))
-    if name.startswith("_scaled_dot_product") and isinstance(args[0], Tensor) and isinstance(args[1], Tensor):
-        q, k = args[0], args[1]  # (..., L, E) x (..., S, E): QK^T and the product with V
-        return 4.0 * q.numel() * k.shape[-2]
-    return 0.0
+        return float(self.model.op_time(_Work(op_flops(func, args, kwargs, out), nbytes)))
 
 
 class _Work:
@@ -455,33 +443,44 @@ class RngBefore:
 
     __slots__ = ("default", "generators")
 
-    def __init__(self, default: tuple[Tensor, Tensor | None], generators: dict[int, Tensor]):
+    def __init__(self, default: tuple[bytes, bytes | None], generators: dict[int, bytes]):
         self.default, self.generators = default, generators
 
 
-def rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+def rng_state(device: torch.device) -> tuple[bytes, bytes | None]:
     """The default generators' states an RNG op on ``device`` draws from (CPU, and CUDA if used)."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    cuda = host_state(torch.cuda.get_rng_state(device)) if device.type == "cuda" else None
+    return host_state(torch.get_rng_state()), cuda
+
+
+def host_state(t: Tensor) -> bytes:
+    """An RNG state as Python bytes: recorded states live outside the allocator the budget caps (a CPU
+    generator's state is 5 KB per random op; on the simulated CPU device it would count as device bytes)."""
+    return t.numpy().tobytes()
+
+
+def state_tensor(b: bytes) -> Tensor:
+    """The state tensor ``set_state`` takes, over a copy of ``b`` (no allocator bytes)."""
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
 
 
 class _ForkedRNG:
     """Run with a recorded RNG state, then put the current state back (a replay leaves the training
     run's RNG stream untouched)."""
 
-    def __init__(self, state: tuple[Tensor, Tensor | None], device: torch.device):
+    def __init__(self, state: tuple[bytes, bytes | None], device: torch.device):
         self.state, self.device = state, device
 
     def __enter__(self) -> None:
         self.saved = rng_state(self.device)
-        torch.set_rng_state(self.state[0])
+        torch.set_rng_state(state_tensor(self.state[0]))
         if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1], self.device)
+            torch.cuda.set_rng_state(state_tensor(self.state[1]), self.device)
 
     def __exit__(self, *exc: Any) -> None:
-        torch.set_rng_state(self.saved[0])
+        torch.set_rng_state(state_tensor(self.saved[0]))
         if self.saved[1] is not None:
-            torch.cuda.set_rng_state(self.saved[1], self.device)
+            torch.cuda.set_rng_state(state_tensor(self.saved[1]), self.device)
 
 
 # ---- replay --------------------------------------------------------------------------------------------
@@ -731,6 +730,8 @@ def _own_reason(n: Node, v: int) -> str:
         for r in rec.refs():
             if r is OPAQUE:
                 return "an input has no lineage (made outside the recorded forward pass)"
+            if isinstance(r, FixedRef) and r.alias is None:
+                return "an input of the recorded step is not bound in this step"
             if isinstance(r, FixedRef) and r.version >= 0 and r.alias._version != r.version:
                 return f"an input of shape {list(r.view.size)} was modified in place since"
     return ""
@@ -744,19 +745,6 @@ def flat(st: torch.UntypedStorage, dtype: torch.dtype, device: torch.device) -> 
         dtype, item = torch.uint8, 1
     with torch._C._DisableTorchDispatch():
         return torch.empty((0,), dtype=dtype, device=device).set_(st, 0, (n // item,), (1,))
-
-
-def _flat_outputs(out: Any) -> list[Any]:
-    """Outputs flattened in schema order (one level of lists): the positions a Node records."""
-    if isinstance(out, Tensor):
-        return [out]
-    res: list[Any] = []
-    for o in out if isinstance(out, (list, tuple)) else ():
-        if isinstance(o, (list, tuple)):
-            res.extend(o)
-        else:
-            res.append(o)
-    return res
 
 
 def _device_of(args: list[Any]) -> torch.device:

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import torch
 
-from .._trace import op_info, uses_rng
-from ..distributed import is_collective
-from ..meter import Meter, MeterMode, _register, _register_inputs, _reread_written, _storage
-from .lineage import RngBefore, replay_info, rng_state
+from ..graph.ops import op_info, uses_rng
+from .distributed import is_collective
+from ..graph.outputs import storage_of as _storage
+from .meter import Meter, MeterMode, _register, _register_inputs, _reread_written
+from .lineage import RngBefore, host_state, replay_info, rng_state
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -41,7 +42,7 @@ class OpFacts(NamedTuple):
     any_fresh: bool
     writes: bool                # writes some argument in place
     maybe_rng: bool             # may draw random numbers (checked per call only then)
-    collective: bool = False    # c10d / fsdp op (hybridmem.distributed.is_collective)
+    collective: bool = False    # c10d / fsdp op (hybridmem.runtime.distributed.is_collective)
     may_resize: bool = False    # may resize a storage it writes (the meter re-reads its size)
 
 
@@ -105,11 +106,12 @@ class RuntimeMode(MeterMode):
 
     @contextmanager
     def metered(self) -> Iterator[None]:
-        # Inside the handler PyTorch has popped this mode: push it again so nested ops are seen.
         self.internal += 1
         saved = (self._stage, self._facts, self._recording, self._rng)  # the op in flight
         try:
-            if self.depth:
+            # Inside the handler PyTorch popped this mode; in a steady-state step it is not entered at all
+            # (runtime.program): regenerating runs under it, so its ops are capped one by one.
+            if self.depth or not self.rt.mode_on:
                 with self:
                     yield
             else:
@@ -195,7 +197,10 @@ class RuntimeMode(MeterMode):
         if self.recorder is not None:
             rec = self._recording = self.steps.recording
             if rec:
-                self._rng = (RngBefore(rng_state(_device(args, kwargs)), _generator_states(args, kwargs))
+                # reading a generator's state allocates a few KB through the capped allocator: as an op's
+                # allocation, one that would cross the budget makes room first
+                self._rng = (RngBefore(self.meter.retry_oom(rng_state, _device(args, kwargs)),
+                                       self.meter.retry_oom(_generator_states, args, kwargs))
                              if f.maybe_rng and uses_rng(func, args, kwargs) else None)
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -366,7 +371,7 @@ _NONE: list = []
 
 def _generator_states(args: tuple, kwargs: dict) -> dict[int, Any]:
     """States of explicit ``generator=`` arguments before the op draws from them."""
-    return {id(g): g.get_state() for g in (*args, *kwargs.values()) if isinstance(g, torch.Generator)}
+    return {id(g): host_state(g.get_state()) for g in (*args, *kwargs.values()) if isinstance(g, torch.Generator)}
 
 
 def _device(args: tuple, kwargs: dict) -> torch.device:

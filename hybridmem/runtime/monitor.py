@@ -1,6 +1,6 @@
 """Monitor-only on the CPU with nothing per op in Python: the native allocator meter instead of a dispatch mode.
 
-``enable(budget=None)`` on the CPU measures through :mod:`hybridmem.cpumeter` (a C++ wrapper around
+``enable(budget=None)`` on the CPU measures through :mod:`hybridmem.runtime.cpumeter` (a C++ wrapper around
 PyTorch's CPU allocator) when it builds here: no dispatch mode, so an op costs what it costs without
 hybridmem. What Python still does is per saved tensor and per module call, not per op:
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..cpumeter import CpuAllocatorMeter
-from ..distributed import is_parameter_view, is_traceable_wrapper_subclass, plain_storages
+from .cpumeter import CpuAllocatorMeter
+from .distributed import is_parameter_view, is_traceable_wrapper_subclass, plain_storages
 from .saved import Kept, _modified
 from .stats import StatsRecorder
 from .steps import BACKWARD, IDLE, StepTracker, _task_id

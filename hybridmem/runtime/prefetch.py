@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hybridmem.plugins.base import Entry
+from .entry import Entry
 
 if TYPE_CHECKING:
     from .residency import Residency

@@ -4,17 +4,16 @@ A slot is a weak reference to the storage (the storage's Python object lives exa
 storage), keyed by ``id(storage)`` and removed by its callback when the memory is freed. It carries
 the storage's lineage node (when recompute records it) and its saved-tensor entry (when autograd
 saved it). On the simulated device a slot made for an op's new output (:meth:`ProducedTable.new`)
-is also the meter's entry for the storage (a :class:`~hybridmem.meter.StorageRef`): one weak
+is also the meter's entry for the storage (a :class:`~hybridmem.runtime.meter.StorageRef`): one weak
 reference and one callback per new storage instead of two.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
-from ..meter import Meter, StorageRef
+from .meter import Meter, StorageRef
 
 
 class Slot(StorageRef):

@@ -13,17 +13,18 @@ meters and caps one by one.
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
-from typing import Any, Iterable, Protocol
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Iterable, Protocol
 
 import numpy as np
 import torch
 
-from hybridmem.plugins.base import Entry, Policy
+from hybridmem.plugins.base import Policy
 
-from ..meter import Meter
-from ..units import fmt_bytes
-from ..scorer import select_victims
+from .entry import Entry
+from .meter import Meter
+from ..graph.units import fmt_bytes
+from .scorer import select_victims
 from .saved import SavedStore
 from .stats import StatsRecorder
 
@@ -42,7 +43,6 @@ class NoMode:
     """Contexts when no dispatch mode is active (the runtime was disabled while entries live on)."""
 
     def quiet(self) -> AbstractContextManager[None]:
-        from contextlib import nullcontext
         return nullcontext()
 
     metered = quiet
@@ -71,6 +71,7 @@ class Residency:
         store.discard = self.discard
         store.changed = self.forget_offers
         store.dropped = self.dropped
+        self.on_evicted: Callable[[Entry], None] | None = None  # the steady state's recording step listens
 
     # ---- eviction ------------------------------------------------------------------------------
     def evict(self, e: Entry, policy: Policy) -> int:
@@ -96,6 +97,8 @@ class Residency:
         self._record_eviction(e, policy, policy.evict(e))
 
     def _record_eviction(self, e: Entry, policy: Policy, handle: Any) -> None:
+        if self.on_evicted is not None:
+            self.on_evicted(e)
         self._touched[e.uid] = None
         self._offer_cache.pop(e.uid, None)
         self._track_kept(policy, handle)

@@ -10,7 +10,7 @@ Without a budget or a plan nothing is ever evicted, so the runtime installs :met
 instead: it only counts each activation storage once per step for ``Stats.saved_bytes`` and keeps
 the tensor (a *kept* handle): no entry, no view, no handle with a finalizer per save.
 
-With the native allocator device (:mod:`hybridmem.cpumeter`), an entry that recompute can rebuild is
+With the native allocator device (:mod:`hybridmem.runtime.cpumeter`), an entry that recompute can rebuild is
 *registered* with the allocator once the device nears its budget (:meth:`SavedStore.register_pending`,
 called by the dispatch mode; far below the budget nothing is registered, which costs nothing): from then
 on the allocator may free its bytes at any allocation that would cross the budget, as long as only the
@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 import torch
 
-from hybridmem.plugins.base import Entry
+from .entry import Entry
 
-from ..distributed import is_parameter_view, is_traceable_wrapper_subclass
+from .distributed import is_parameter_view, is_traceable_wrapper_subclass
 from .lineage import View, flat
 from .produced import ProducedTable
 from .stats import StatsRecorder
@@ -107,6 +107,7 @@ class SavedStore:
         self.registrable: Callable[[Entry], float | None] = _never
         self.dropped: Callable[[Entry], None] = _nothing
         self.registered: dict[int, Entry] = {}
+        self.registrations = 0  # entries ever registered (the steady state asks whether a step came near)
         self.pending: dict[int, Entry] = {}  # entries made since the last register_pending()
         # the native device counts a saved storage from before it was installed (the first batch)
         self.count_external: Callable[[torch.UntypedStorage], None] | None = None
@@ -188,6 +189,13 @@ class SavedStore:
         return h.view.on(e.tensor)
 
     # ---- entries -----------------------------------------------------------------------------
+    @staticmethod
+    def keep(t: Tensor) -> Kept:
+        """``_keep`` where no dispatch mode is active (a steady-state step): the same handle, cheaper."""
+        if t.grad_fn is not None:
+            t = t.detach()
+        return Kept(t, t._version)
+
     def _keep(self, t: Tensor) -> Kept:
         if t.grad_fn is not None:
             # Holding a tensor that has a grad_fn would keep its own node alive (a saved output
@@ -234,6 +242,7 @@ class SavedStore:
         if self.native.register(e.uid, t.untyped_storage(), limit, priority):
             e.registered = True
             self.registered[e.uid] = e
+            self.registrations += 1
 
     def register_pending(self) -> None:
         """Register the resident entries made since the last call that recompute can rebuild (the device
@@ -259,7 +268,9 @@ class SavedStore:
 
     def drain(self) -> None:
         """Record the entries whose bytes the allocator freed since the last call."""
-        if self.registered and self.native.pending_drops:
+        if self.native is not None and self.native.pending_drops:
+            # drained even when nothing is registered any more: entries claimed since (a freed one claims
+            # as dropped) leave their keys in the allocator's list
             for key in self.native.drain():
                 e = self.registered.get(key)
                 if e is not None:
@@ -321,6 +332,8 @@ class SavedStore:
         if node is not None:
             slot.node, node.storage = node, slot
         self.resident[e.uid] = e
+        if self.native is not None:
+            self.pending[e.uid] = e  # rebuilt, it may be freed again near the budget (DTR-style)
         self.changed(e)
 
     def resident_bytes(self) -> int:

@@ -7,10 +7,11 @@ runs on the training thread and the autograd engine thread, never both at once).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..units import fmt_bytes
+from ..graph.units import fmt_bytes
+from ..report import build_report
 
 
 @dataclass
@@ -48,8 +49,9 @@ class Stats:
     plan: str = "none"                  # "none", "following", "diverged", "refused"
     plan_note: str = ""                 # why the plan was left (stage, expected vs seen op)
     notes: tuple[str, ...] = ()         # other one-line facts worth knowing (e.g. lineage refused)
+    steady_steps: int = 0               # steps run without the dispatch mode (hybridmem.runtime.program)
     step_seconds: float | None = None   # mean wall time of the completed steps (forward + backward)
-    tensors: tuple[dict[str, Any], ...] = ()  # evictions, one record each (hybridmem.report.TensorLog)
+    tensors: tuple[dict[str, Any], ...] = ()  # evictions, one record each (hybridmem.runtime.ledger.TensorLog)
 
     @property
     def evicted_bytes(self) -> int:
@@ -68,7 +70,6 @@ class Stats:
         return sum(p.regen_seconds for p in self.policies.values())
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
         d = asdict(self)
         d["notes"] = list(self.notes)
         return d
@@ -76,7 +77,6 @@ class Stats:
     def report(self, plan: Any = None, graph: Any = None, device: Any = None, **kwargs: Any) -> Any:
         """The decision report (:func:`hybridmem.report.build_report`); give the plan and its graph for
         the per-tensor table and the simulator's predictions."""
-        from ..report import build_report
         return build_report(self, plan, graph, device, **kwargs)
 
     def __str__(self) -> str:
@@ -106,10 +106,11 @@ class StatsRecorder:
     saved_tensors: int = 0
     min_budget_bytes: int = 0
     cap_overruns: int = 0
+    steady_steps: int = 0
     plan: str = "none"
     plan_note: str = ""
     notes: list[str] = field(default_factory=list)
-    tensor_log: Any = None              # hybridmem.report.TensorLog, or None
+    tensor_log: Any = None              # hybridmem.runtime.ledger.TensorLog, or None
     step_time: float = 0.0              # wall seconds of the completed steps
     step_t0: float | None = None
 
@@ -156,6 +157,7 @@ class StatsRecorder:
         self.policies = {k: PolicyStats() for k in self.policies}
         self.steps = 0
         self.cap_overruns = 0
+        self.steady_steps = 0
         self.step_time = 0.0
         if self.tensor_log is not None:
             self.tensor_log.clear()
@@ -165,7 +167,7 @@ class StatsRecorder:
                      policies={k: replace(v) for k, v in self.policies.items()}, steps=self.steps,
                      stages_last_step=self.stages_last_step, saved_bytes=self.saved_bytes,
                      saved_tensors=self.saved_tensors, min_budget_bytes=self.min_budget_bytes,
-                     cap_overruns=self.cap_overruns, plan=self.plan, plan_note=self.plan_note,
+                     cap_overruns=self.cap_overruns, steady_steps=self.steady_steps, plan=self.plan, plan_note=self.plan_note,
                      notes=tuple(self.notes),
                      step_seconds=self.step_time / self.steps if self.steps else None,
                      tensors=self.tensor_log.records() if self.tensor_log is not None else ())

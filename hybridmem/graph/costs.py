@@ -17,16 +17,16 @@ The numbers and their sources are in ``docs/devices.md``. Names are looked up wi
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from .errors import UnknownNameError
+from ..errors import UnknownNameError
+from .units import host_memory
 
 if TYPE_CHECKING:
-    from .graph import Graph, Stage
+    from .ir import Graph, Stage
 
 TFLOPS = 1e12
 GBPS = 1e9
@@ -255,10 +255,7 @@ def stage_dtype(graph: "Graph", stage: "Stage") -> str:
 
 
 def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 16 * GIB
+    return host_memory() or 16 * GIB  # a platform that does not say: a small machine
 
 
 # Datasheet numbers (peak, dense) and achieved host-link assumptions: see docs/devices.md for sources.
@@ -335,3 +332,36 @@ def apply_costs(graph: "Graph", model: "str | CostModel") -> "Graph":
         s.cost_s = float(t)
     out.meta["cost_model"] = m.name
     return out
+
+
+def resolve_cost_model(cost_model: Any) -> Any:
+    """``capture(cost_model=)``: a cost model object, ``"measured"``, or None (decided after the run)."""
+    if cost_model is None or cost_model == "measured":
+        return cost_model
+    if isinstance(cost_model, str):
+        return get_cost_model(cost_model)
+    if not callable(getattr(cost_model, "op_time", None)):
+        raise TypeError(f"cost_model must have an op_time(stage) -> seconds method (or be a name); "
+                        f"got {type(cost_model).__name__}")
+    return cost_model
+
+
+def set_stage_costs(graph: "Graph", cost_model: Any, measured: list[float] | None) -> str:
+    """Set every ``Stage.cost_s`` of a captured graph in place: the measured op times (``"measured"``, or
+    no model on a real run), else the model's (default: :data:`DEFAULT_DEVICE`). Return the model's name
+    for ``graph.meta``."""
+    if cost_model == "measured" or (cost_model is None and measured is not None):
+        if measured is None:
+            raise ValueError("cost_model='measured' needs a real run: op times cannot be measured on meta")
+        for s, dt in zip(graph.stages, measured):
+            s.cost_s = dt
+        return "measured"
+    model = cost_model if cost_model is not None else get_cost_model(DEFAULT_DEVICE)
+    if callable(getattr(model, "op_times", None)):  # vectorised and dtype-aware (this module's models)
+        times = [float(t) for t in model.op_times(graph)]
+    else:
+        times = [float(model.op_time(s)) for s in graph.stages]
+    for s, t in zip(graph.stages, times):
+        s.cost_s = t
+    return str(getattr(model, "name", type(model).__name__))
+

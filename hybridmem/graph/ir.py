@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+import yaml
 
-from .errors import GraphFormatError
+from ..errors import GraphFormatError
+from .units import fmt_bytes
 
 SCHEMA_VERSION = 1
 # "optimizer": an optimizer's state (momentum, moments), resident for the whole step (producer -1, never freed)
@@ -288,7 +290,6 @@ class Graph:
         return cls.from_dict(load_mapping(path, GraphFormatError), source=str(path))
 
     def summary(self) -> str:
-        from .units import fmt_bytes
         return (f"{self.num_stages} stages ({self.num_forward} forward), {len(self.tensors)} tensors, "
                 f"keep-all peak {fmt_bytes(self.peak_bytes())}, saved activations {fmt_bytes(self.saved_bytes())}, "
                 f"fixed {fmt_bytes(self.fixed_bytes())}, compute {self.compute_time() * 1e3:.2f} ms")
@@ -305,8 +306,6 @@ def link_consumers(stages: Iterable[Stage], tensors: list[TensorInfo]) -> None:
 
 # ---- shared YAML/JSON helpers (graphs and plans) ---------------------------------------------------
 def save_mapping(d: dict[str, Any], path: str | Path) -> Path:
-    import yaml
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() in (".yaml", ".yml"):
@@ -318,8 +317,6 @@ def save_mapping(d: dict[str, Any], path: str | Path) -> Path:
 
 
 def load_mapping(path: str | Path, error: type[Exception]) -> Any:
-    import yaml
-
     path = Path(path)
     try:
         text = path.read_text()

@@ -75,7 +75,7 @@ class lazy_njit:
             self.error = "disabled by HYBRIDMEM_SCORER=numpy / HYBRIDMEM_NUMBA=0"
             return None
         try:
-            import numba
+            import numba  # lazy: heavy (llvmlite), and optional at run time (the numpy scorer stands in)
         except Exception as e:  # not installed, or broken (llvmlite mismatch, ...)
             self.error = f"numba import failed: {type(e).__name__}: {e}"
             return None

@@ -35,14 +35,22 @@ training thread) dies in ``pthread_exit`` inside a
 """
 from __future__ import annotations
 
+import atexit
+import gc
+import multiprocessing as mp
 import os
+import queue as _queue
 import socket
+import sys
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wrapper_subclass
 
 __all__ = ["COLLECTIVE_NAMESPACES", "is_collective", "collective_writes", "is_parameter_view", "plain_storages",
            "is_traceable_wrapper_subclass", "FsdpStorageSync", "launch", "free_port", "RankError", "rank_info",
@@ -123,8 +131,7 @@ def plain_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 def is_traceable_wrapper_subclass(t: Any) -> bool:
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass as check
-    return check(t)
+    return _is_wrapper_subclass(t)
 
 
 @dataclass
@@ -134,7 +141,7 @@ class _Resizable:
 
 
 class FsdpStorageSync:
-    """Keeps a simulated-device :class:`~hybridmem.meter.Meter` right about storages FSDP resizes.
+    """Keeps a simulated-device :class:`~hybridmem.runtime.meter.Meter` right about storages FSDP resizes.
 
     FSDP2 frees an unsharded parameter with ``storage.resize_(0)`` after use and brings it back with
     ``resize_(full)`` before the next all-gather: neither is an op, so the meter (which counts a
@@ -213,7 +220,6 @@ def free_port() -> int:
 def rank_info() -> tuple[int, int]:
     """``(rank, world_size)`` of this process: from the process group if initialised, else the
     ``RANK``/``WORLD_SIZE`` variables torchrun sets, else ``(0, 1)``."""
-    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -222,7 +228,6 @@ def rank_info() -> tuple[int, int]:
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any,
                threads: int) -> None:
-    import torch.distributed as dist
 
     torch.set_num_threads(threads)  # also keeps a forked child out of the parent's OpenMP pool
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -248,9 +253,6 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = ()
     picklable ``fn``). Results travel through a queue: return plain data (numbers, strings, lists).
     A rank that raises, or a rank still running after ``timeout`` seconds, raises :class:`RankError`.
     """
-    import multiprocessing as mp
-    import queue as _queue
-    import time
 
     ctx = mp.get_context(start_method)
     q = ctx.Queue()
@@ -316,9 +318,7 @@ def prepare_clean_exit() -> None:
     global _EXIT_PREPARED
     if _EXIT_PREPARED:
         return
-    import atexit
 
-    import torch.distributed as dist
 
     if not dist.is_available():
         return
@@ -335,15 +335,12 @@ def release_process_groups() -> list[str]:
 
     Returns the torch/gloo threads still alive afterwards (:func:`backend_threads`): empty unless the
     program itself still references a group or a DDP module at exit. Never raises: it runs at exit."""
-    import gc
 
-    import torch.distributed as dist
 
     try:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     except Exception as e:  # at exit: report, do not mask the program's own exit status
-        import sys
         print(f"hybridmem: destroy_process_group at exit failed: {type(e).__name__}: {e}", file=sys.stderr)
     gc.collect()
     return backend_threads()

@@ -36,7 +36,7 @@ disables a dispatch mode while its handler runs), so call :meth:`Meter.track` fo
 allocated there.
 
 **CPU: the allocator as the device** (:meth:`Meter.attach_native`). The runtime gives the meter the native
-allocator device (:mod:`hybridmem.cpumeter`) when it builds: ``current_bytes``/``peak_bytes`` are then
+allocator device (:mod:`hybridmem.runtime.cpumeter`) when it builds: ``current_bytes``/``peak_bytes`` are then
 what PyTorch's CPU allocator holds (kernel scratch included) plus the training state allocated before it
 was installed (:meth:`Meter.count_external`: module state passed to :meth:`Meter.track`, saved inputs;
 counted once each while they live), and the allocator itself enforces the budget at allocation time. The
@@ -55,11 +55,13 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._trace import op_info, written_tensors
+from ..graph.ops import op_info, written_tensors
+from ..graph.outputs import output_tensors, storage_of
 from .distributed import plain_storages
-from .units import fmt_bytes, parse_bytes
+from ..graph.units import fmt_bytes, parse_bytes
 
 Tensor = torch.Tensor
 PressureHook = Callable[[int], int]
@@ -117,7 +119,7 @@ class Meter:
         self.on_exhausted: Callable[[int, str, int | None], BaseException] | None = None
 
     def attach_native(self, native: Any) -> None:
-        """Read bytes from the native allocator device (:class:`hybridmem.cpumeter.CpuAllocatorMeter`),
+        """Read bytes from the native allocator device (:class:`hybridmem.runtime.cpumeter.CpuAllocatorMeter`),
         counting the storages from before its install that this meter has seen (again, after a detach)."""
         self.native = native
         self._native_current = native.current_fn  # read once or twice per op: the C function itself
@@ -182,7 +184,7 @@ class Meter:
             return 0
         before = self._current
         for t in _tensors_in(objs):
-            st = _storage(t)
+            st = storage_of(t)
             if st is not None and id(st) not in self._live:
                 self._add(st)
             if self.native is not None:
@@ -196,7 +198,7 @@ class Meter:
 
     def refresh(self, t: Tensor | torch.UntypedStorage) -> None:
         """Re-read the size of a tracked storage after ``storage.resize_()`` (not an op: not seen)."""
-        st = t if isinstance(t, torch.UntypedStorage) else _storage(t)
+        st = t if isinstance(t, torch.UntypedStorage) else storage_of(t)
         if st is None or not self.simulated:
             return
         entry = self._live.get(id(st))
@@ -400,16 +402,8 @@ class MeterMode(TorchDispatchMode):
         if self._sim:
             new = 0
             live = self._live
-            if isinstance(out, Tensor):
-                new = _register(m, live, out)
-            elif type(out) is tuple or type(out) is list:
-                for o in out:
-                    if isinstance(o, Tensor):
-                        new += _register(m, live, o)
-                    elif type(o) is list:  # (Tensor[], ...) returns
-                        for p in o:
-                            if isinstance(p, Tensor):
-                                new += _register(m, live, p)
+            for o in output_tensors(out):
+                new += _register(m, live, o)
             if _may_resize(func):  # a written storage may have grown: re-read its size
                 new += _reread_written(m, func, args, kwargs)
             if m.raise_on_exceed and m.budget_bytes is not None and m._current > m.budget_bytes:
@@ -436,7 +430,7 @@ def _reread_written(m: Meter, func: Any, args: tuple, kwargs: dict) -> int:
     new = 0
     live = m._live
     for t in written_tensors(func, args, kwargs):
-        st = _storage(t)
+        st = storage_of(t)
         entry = live.get(id(st)) if st is not None else None
         if entry is not None and entry.nbytes != st.nbytes():
             new += st.nbytes() - entry.nbytes
@@ -494,13 +488,6 @@ def _data_ptr(st: torch.UntypedStorage) -> int:
         return 0
 
 
-def _storage(t: Tensor) -> torch.UntypedStorage | None:
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None  # sparse, nested or wrapper tensors have no plain storage
-
-
 def _tensors_in(objs: Iterable[Any]) -> Iterable[Tensor]:
     for o in objs:
         if isinstance(o, Tensor):
@@ -523,7 +510,6 @@ def profiler_peak(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     meter: ``torch.profiler`` with ``profile_memory=True`` records every allocation and free
     (``[memory]`` events, kernel workspaces included); their bytes summed in time order give the live
     total, whose maximum (relative to the start, so never below 0) is returned."""
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn(*args, **kwargs)

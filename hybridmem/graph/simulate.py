@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .costs import DEFAULT_DEVICE, DEVICES, CostModel, MeasuredCostModel, _canonical, get_cost_model
-from .errors import InfeasiblePlanError, PlanFormatError, StalePlanError
+from ..errors import InfeasiblePlanError, PlanFormatError, StalePlanError
 from .plan import ACTION_KINDS
-from .units import fmt_bytes, is_percentage, parse_bytes
+from .units import fmt_bytes, plan_budget_bytes
 
 if TYPE_CHECKING:
-    from .graph import Graph
+    from .ir import Graph
     from .plan import Action, Plan
 
 # residency states of a managed tensor
@@ -109,7 +109,7 @@ def simulate(graph: "Graph", plan: "Plan | None" = None, device: "str | CostMode
              check_hash: bool = True) -> SimResult:
     """Replay ``plan`` (``None``: keep everything) on ``graph`` under ``device``'s cost model.
 
-    ``device``: a name from ``hybridmem.costs.DEVICES``, a cost model, ``"measured"`` (per-stage seconds in
+    ``device``: a name from ``hybridmem.graph.costs.DEVICES``, a cost model, ``"measured"`` (per-stage seconds in
     ``graph.meta["measured_cost_s"]``), or ``None``/``"graph"``: op times from ``Stage.cost_s`` and copies
     from the model named in ``graph.meta["cost_model"]`` (else ``h100-80gb``). ``use_graph_costs=True``
     also takes op times from ``Stage.cost_s``. ``budget``: bytes, ``"8GiB"`` or ``"60%"`` of the keep-all
@@ -124,8 +124,7 @@ def simulate(graph: "Graph", plan: "Plan | None" = None, device: "str | CostMode
         op_s = model.op_times(graph).tolist()
     if budget is None and plan is not None:
         budget = plan.budget_bytes
-    budget_b = None if budget is None else parse_bytes(
-        budget, what="budget", total=graph.peak_bytes() if is_percentage(budget) else None)
+    budget_b = None if budget is None else plan_budget_bytes(budget, graph.peak_bytes())
     if plan is not None and check_hash and plan.graph_hash and plan.graph_hash != graph.structure_hash():
         raise StalePlanError(f"plan was made for graph {plan.graph_hash} but this graph is "
                              f"{graph.structure_hash()}: capture and plan again")

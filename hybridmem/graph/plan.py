@@ -25,11 +25,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import PlanFormatError, StalePlanError
-from .graph import _build, load_mapping, save_mapping
+from ..errors import PlanFormatError, StalePlanError
+from .ir import _build, load_mapping, save_mapping
 
 if TYPE_CHECKING:
-    from .graph import Graph
+    from .ir import Graph
 
 PLAN_SCHEMA_VERSION = 1
 ACTION_KINDS = ("swap_out", "swap_in", "recompute", "compress", "decompress", "free")

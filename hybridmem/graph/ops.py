@@ -136,7 +136,10 @@ def _make_info(func: Any) -> OpInfo:
     else:
         stage = True
 
-    rng = packet in _RNG_ALWAYS or any("Generator" in str(a.type) for a in args)
+    # The seeded-nondeterminism tag covers the overloads without a Generator argument (``rand.default``:
+    # what ``torch.rand(n)`` dispatches to), which still draw from the default generator.
+    seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+    rng = packet in _RNG_ALWAYS or seeded or any("Generator" in str(a.type) for a in args)
     dropout_arg, dropout_kw = -1, ""
     if packet in _DROPOUT_ARG:
         dropout_kw = _DROPOUT_ARG[packet]

@@ -54,7 +54,7 @@ from the global RNG at forward time, as it does in any training loop: seed it fo
 VGG-16 and MobileNetV2 keep torchvision's classifier dropout (0.5 and 0.2); ResNets and U-Net have
 none; the transformer and GPT use 0.1 (embeddings, attention, residual branches).
 
-``python -m bench.zoo`` prints this table from the code; ``--time`` adds one forward+backward per
+``python -m hybridmem.zoo`` prints this table from the code; ``--time`` adds one forward+backward per
 size on one CPU thread (measured on the project's shared 2-core machine: tiny 5-80 ms, small 0.07-0.32 s,
 bench 0.8-2.8 s). On meta, a paper-size forward+backward takes 0.1-1.2 s (ResNet-152 the longest),
 plus about 2 s once per process while torch loads its meta kernels.
@@ -62,6 +62,8 @@ plus about 2 s once per process while torch loads its meta kernels.
 
 from __future__ import annotations
 
+import argparse
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -841,7 +843,7 @@ def build(
 
 
 # --------------------------------------------------------------------------------------------
-# `python -m bench.zoo`: the size table (and CPU timings of one training step)
+# `python -m hybridmem.zoo`: the size table (and CPU timings of one training step)
 # --------------------------------------------------------------------------------------------
 
 
@@ -855,7 +857,6 @@ def size_table(timed: bool = False) -> str:
     With ``timed``, a third line per model gives one forward+backward on the CPU (after a warm-up)
     for every size but "paper"; set ``torch.set_num_threads(1)`` first to match the size targets.
     """
-    import time
 
     rule = "  ".join(["=" * 12] + ["=" * 16] * len(SIZES))
     lines = [rule, "  ".join([f"{'model':12s}"] + [f"{s:16s}" for s in SIZES]).rstrip(), rule]
@@ -879,8 +880,6 @@ def size_table(timed: bool = False) -> str:
 
 
 def _main() -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(description="Print the zoo's size table.")
     parser.add_argument("--time", action="store_true", help="time forward+backward on one CPU thread")
     args = parser.parse_args()

@@ -15,7 +15,7 @@ import torch
 
 import hybridmem
 from hybridmem.runtime import Stats
-from hybridmem.units import fmt_bytes
+from hybridmem.graph.units import fmt_bytes
 
 
 @dataclass

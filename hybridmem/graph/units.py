@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 
 _UNITS = {
@@ -91,6 +92,22 @@ def check_capacity(budget: int, capacity: int, of: str, given: object) -> int:
         raise ValueError(f"invalid budget {shown}: more than the {of}'s memory ({fmt_bytes(capacity)}, "
                          f"{capacity} bytes); expected {', '.join(BUDGET_FORMS)}, at most that")
     return budget
+
+
+def plan_budget_bytes(budget: object, keep_all_peak: int) -> int:
+    """A budget when planning or simulating, in bytes: an int, a size string (``"8GiB"``), or a
+    percentage of the step's keep-all peak (``"60%"``: of ``graph.peak_bytes()``, nothing evicted).
+    The one place that percentage is resolved; at run time a percentage means something else
+    (:func:`hybridmem.runtime.budget.device_budget_bytes`: of the CUDA device's memory)."""
+    return parse_bytes(budget, what="budget", total=keep_all_peak if is_percentage(budget) else None)
+
+
+def host_memory() -> int | None:
+    """Physical memory of this machine in bytes (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def is_percentage(value: object) -> bool:

@@ -1,0 +1,219 @@
+"""The steady state against the dispatch mode and against PyTorch's own tools (pytest-benchmark, one thread).
+
+    pytest bench/test_bench_steady.py -s                          # zoo models at "small" (a few minutes)
+    HYBRIDMEM_BENCH_SIZE=bench pytest bench/test_bench_steady.py  # the bench size (longer)
+    pytest bench/test_bench_steady.py --benchmark-disable         # correctness only, one round each
+
+Three families, every figure a median of per-round ratios to plain PyTorch measured in the same rounds
+(methods interleaved, the first mover rotated; CPU time of the training thread, ``bench.measure``):
+
+- ``test_recompute_at_checkpoint_peak``: ``torch.utils.checkpoint`` around every block sets the real peak
+  (bytes of the training state + the CPU allocator's peak during the step); hybridmem gets that peak as its
+  budget, recompute only (raised to the minimum its OOM names where op-level recompute cannot reach a
+  block-level checkpoint's peak), and runs with the steady state (default) and with every step under the
+  dispatch mode. hybridmem must give the unmanaged losses and gradients bit for bit and stay within its
+  budget in real bytes; ``HYBRIDMEM_BENCH_ASSERT_FASTER=1`` also asserts it is faster than checkpoint.
+- ``test_nothing_to_evict``: a budget ten times the monitor-only peak: the overhead of managing when
+  nothing needs evicting (``HYBRIDMEM_BENCH_MAX_OVERHEAD=0.03`` asserts the target).
+- ``test_launch_bound_proxy``: a 200-layer MLP of 16-wide layers (ops of a few microseconds, as a GPU's
+  host thread sees them): the host time hybridmem adds per op, in microseconds, for the steady state,
+  the dispatch mode and the monitor.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import statistics
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installed (pip install 'hybridmem[test]')")
+
+from torch import nn  # noqa: E402
+
+from bench import measure  # noqa: E402
+
+SIZE = os.environ.get("HYBRIDMEM_BENCH_SIZE", "small")
+MODELS = tuple(os.environ.get("HYBRIDMEM_BENCH_MODELS", "resnet50,mobilenet,unet,vgg16,transformer,gpt").split(","))
+ROUNDS = int(os.environ.get("HYBRIDMEM_BENCH_ROUNDS", "10"))
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in the root conftest.py
+
+
+def _rounds(benchmark: Any, n: int) -> int:
+    return 1 if getattr(benchmark, "disabled", False) else n
+
+
+def _entry(name: str) -> Any:
+    from hybridmem.factory import zoo
+
+    return zoo().build(name, SIZE)
+
+
+def _state_bytes(model: nn.Module, inputs: Any) -> int:
+    """Distinct storages of parameters, buffers and inputs: the state alive when a step starts (gradients
+    are set to None before each measured step, so the allocator's step peak counts them)."""
+    ins = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    ts = [*model.parameters(), *model.buffers(), *(t for t in ins if torch.is_tensor(t))]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
+
+
+def _feasible(e: Any, budget: int) -> int:
+    """``budget``, or the least above it that hybridmem's recompute meets for 3 steps (its OOM names it)."""
+    import hybridmem
+
+    for _ in range(8):
+        model = copy.deepcopy(e.model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)  # as bench.measure.run_methods trains
+        try:
+            with hybridmem.session(budget=budget, policies=("recompute",), device="cpu"):
+                for _ in range(4):
+                    model.zero_grad(set_to_none=True)
+                    e.loss_fn(measure._plain_forward(model, e.inputs)()).backward()
+                    opt.step()
+            return budget
+        except torch.OutOfMemoryError as oom:
+            budget = int(max(getattr(oom, "min_budget_bytes", 0), budget) * 1.02)
+    pytest.fail(f"no budget hybridmem meets within 8 tries (last {budget} bytes)")
+
+
+def _by_method(results: list[Any]) -> dict[str, Any]:
+    return {r.method: r for r in results}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_recompute_at_checkpoint_peak(benchmark: Any, name: str) -> None:
+    e = _entry(name)
+    state = _state_bytes(e.model, e.inputs)
+    first, _ = measure.run_methods(e.model, e.inputs, e.loss_fn, ["ckpt-block"], budget=None, steps=1, warmup=1,
+                                   allocator_peak=True, measure_peaks=True)
+    ck = _by_method(first)["ckpt-block"]
+    if ck.status != "ok" or ck.alloc_peak_bytes is None:
+        pytest.skip(f"checkpoint per block not applicable to {name}: {ck.reason}")
+    ckpt_real = state + ck.alloc_peak_bytes
+    budget = _feasible(e, ckpt_real)
+    methods = ["ckpt-block", "hybridmem-recompute", "hybridmem-recompute-mode"]
+    holder: dict[str, Any] = {}
+
+    def interleaved() -> None:
+        holder["res"], _ = measure.run_methods(e.model, e.inputs, e.loss_fn, methods, budget=budget,
+                                               steps=_rounds(benchmark, ROUNDS), warmup=2, allocator_peak=True)
+
+    benchmark.group = f"recompute at checkpoint's real peak ({SIZE})"
+    benchmark.pedantic(interleaved, rounds=1, iterations=1)
+    res = _by_method(holder["res"])
+    info: dict[str, Any] = {"budget_bytes": budget, "ckpt_real_peak_bytes": ckpt_real,
+                            "budget_over_ckpt_peak": budget / ckpt_real}
+    for m in ("unmanaged", *methods):
+        r = res[m]
+        assert r.status == "ok", f"{m}: {r.reason}"
+        real = state + r.alloc_peak_bytes if r.alloc_peak_bytes is not None else None
+        info[m] = {"step_ratio": 1 + (r.overhead or 0.0), "real_peak_bytes": real}
+    for m in methods[1:]:
+        r = res[m]
+        assert r.losses_identical and r.grads_identical and r.buffers_identical, f"{m} changed the results"
+        real = info[m]["real_peak_bytes"]
+        assert real is not None and real <= budget, f"{m}: real peak {real} > budget {budget}"
+    benchmark.extra_info.update(info)
+    ratio = {m: info[m]["step_ratio"] for m in methods}
+    print(f"\n{name} ({SIZE}): budget {budget / 2**20:.1f} MiB = {budget / ckpt_real:.3f} x checkpoint's real peak; "
+          + ", ".join(f"{m} x{ratio[m]:.3f}" for m in methods))
+    if os.environ.get("HYBRIDMEM_BENCH_ASSERT_FASTER") and not getattr(benchmark, "disabled", False):
+        assert ratio["hybridmem-recompute"] < ratio["ckpt-block"], ratio
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_nothing_to_evict(benchmark: Any, name: str) -> None:
+    e = _entry(name)
+    first, _ = measure.run_methods(e.model, e.inputs, e.loss_fn, ["hybridmem-monitor"], budget=None, steps=1,
+                                   warmup=0)
+    peak = _by_method(first)["hybridmem-monitor"].peak_bytes
+    assert peak
+    holder: dict[str, Any] = {}
+
+    def interleaved() -> None:
+        holder["res"], _ = measure.run_methods(e.model, e.inputs, e.loss_fn, ["hybridmem-recompute"],
+                                               budget=10 * peak, steps=_rounds(benchmark, 3 * ROUNDS), warmup=2,
+                                               measure_peaks=False)
+
+    benchmark.group = f"nothing to evict ({SIZE})"
+    benchmark.pedantic(interleaved, rounds=1, iterations=1)
+    r = _by_method(holder["res"])["hybridmem-recompute"]
+    assert r.status == "ok", r.reason
+    assert r.losses_identical and r.grads_identical, "a budget above the peak changed the results"
+    benchmark.extra_info.update(overhead=r.overhead, rounds=len(r.times_s))
+    print(f"\n{name} ({SIZE}): budget ten times the peak, overhead {r.overhead:+.2%} over {len(r.times_s)} rounds")
+    limit = os.environ.get("HYBRIDMEM_BENCH_MAX_OVERHEAD")
+    if limit is not None and not getattr(benchmark, "disabled", False):
+        assert r.overhead is not None and r.overhead <= float(limit), f"{r.overhead:+.1%} > {float(limit):.0%}"
+
+
+def _count_ops(model: nn.Module, x: torch.Tensor) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return Count.n
+
+
+def test_launch_bound_proxy(benchmark: Any) -> None:
+    """Host microseconds added per op at tiny sizes: what a launch-bound GPU step would lose."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(100) for m in (nn.Linear(16, 16), nn.ReLU())])
+    x = torch.randn(4, 16)
+    ops = _count_ops(model, x)
+    variants = {"unmanaged": None,
+                "steady": {"budget": 2**32, "policies": ("recompute",), "device": "cpu"},
+                "dispatch mode": {"budget": 2**32, "policies": ("recompute",), "device": "cpu",
+                                  "config": {"plugins": {"steady": False}}},
+                "monitor": {"budget": None, "device": "cpu"}}
+    models = {k: copy.deepcopy(model) for k in variants}
+    ctx = {k: measure.persistent_runtime(**kw) if kw else None for k, kw in variants.items()}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    rounds = _rounds(benchmark, 60)
+
+    def run() -> None:
+        for r in range(rounds + 5):
+            order = list(variants)
+            order = order[r % len(order):] + order[:r % len(order)]
+            for k in order:
+                gc.collect()
+                m = models[k]
+                if ctx[k] is None:
+                    t0 = time.process_time()
+                    m(x).sum().backward()
+                    dt = time.process_time() - t0
+                else:
+                    with ctx[k]():
+                        t0 = time.process_time()
+                        m(x).sum().backward()
+                        dt = time.process_time() - t0
+                m.zero_grad(set_to_none=True)
+                if r >= 5:
+                    times[k].append(dt)
+
+    benchmark.group = "launch-bound proxy"
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    base = times["unmanaged"]
+    added = {k: statistics.median(a - b for a, b in zip(times[k], base)) * 1e6 / ops for k in variants if k != "unmanaged"}
+    benchmark.extra_info.update(ops_per_step=ops, us_per_op=added, unmanaged_step_s=statistics.median(base))
+    print(f"\nlaunch-bound proxy ({ops} ops per step, {statistics.median(base) * 1e3:.2f} ms unmanaged): "
+          + ", ".join(f"{k} +{v:.2f} us/op" for k, v in added.items()))
+    with ctx["steady"]():
+        import hybridmem
+
+        assert hybridmem.stats().steady_steps >= 1
+    if not getattr(benchmark, "disabled", False):
+        assert added["steady"] < added["dispatch mode"], added

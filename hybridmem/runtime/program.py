@@ -1,0 +1,345 @@
+"""Steady state: once a training step is known, later steps run with the saved-tensor hooks alone.
+
+A step run under the dispatch mode (the *recording step*) leaves, besides its results, a
+:class:`StepProgram`: for each pack of that step in order (its *ordinal*), the saved tensor's shape and
+dtype and the lineage :class:`~.lineage.Node` of its storage. The nodes keep their recorded ops, which
+now read as a replay program: arguments are other nodes (rebuilt or bound again), module parameters and
+buffers (read as they are in the current step), or tensors the step saved (the batch): those are bound
+again at the pack that saves them in each later step.
+
+A later step that starts like the recorded one (same module entry, no plan to follow) runs without the
+dispatch mode: nothing runs per op in Python. Each pack looks up its ordinal, checks the signature, binds
+the node to the new storage and hands the tensor to the usual :class:`~.saved.SavedStore` (an entry;
+near the budget it is registered with the native allocator device, which frees it at allocation time
+when the budget would be crossed). A freed entry is rebuilt at unpack by replaying its node's ops, as in
+a recorded step. The first pack that does not match (another shape, dtype or size, more packs than
+recorded) ends the steady state: the rest of the step keeps what it saves, and the next step runs under
+the dispatch mode again, which records a new program; ``stats().notes`` says where it diverged.
+
+Random ops (dropout) replay with the generator state they drew from. The recording step notes, for each,
+the module call after which it was the first random op (the *n*-th call of a module forward in the
+step); a later step reads the default generators' state when that call comes (the same module, checked),
+which is the state the op draws from, and gives it to the op's record. A random op that is not the first
+since a module call, or draws from an explicit ``generator=``, is not replayed in the steady state (its
+output is kept, or rebuilt from a kept copy); nor is an op reading a tensor of the recording step that
+later steps do not save (no way to find its counterpart). A program holds no
+tensor of a step once the runtime is disabled (only module state, which the module holds anyway).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .lineage import FixedRef, GenState, Node, NodeRef
+
+Tensor = torch.Tensor
+RNG_REASON = "it draws random numbers (replayed with recorded RNG states only in steps run under the dispatch mode)"
+RNG_PENDING = "it draws random numbers, and the state it draws from is read when its module is called"
+UNBOUND_REASON = "it reads a tensor of the recorded step that later steps do not save"
+
+
+@dataclass(slots=True)
+class Save:
+    """One pack of the recorded step."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    node: Node | None             # lineage of the saved storage; None: not an activation (kept)
+    root_version: int             # version counter of the saved tensor's root at the pack
+    rebind: list[tuple[FixedRef, int]]  # fixed references to this save's root: (ref, version - root_version)
+
+
+class ProgramRecorder:
+    """Collects the packs of a recording step (called after ``SavedStore.pack`` with its handle)."""
+
+    def __init__(self) -> None:
+        self.saves: list[Save] = []
+        # id(storage) of a saved tensor -> (first ordinal saving it, the storage, weakly: ids are reused)
+        self.roots: dict[int, tuple[int, weakref.ref]] = {}
+        # id(storage) of a tensor argument of the step's first module call -> (its position, the storage)
+        self.inputs: dict[int, tuple[int, weakref.ref]] = {}
+        self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []
+        # id(record) of a random op -> (the module call it was the first random op after, that module)
+        self.random_calls: dict[int, tuple[int, weakref.ref]] = {}
+        self.evicted: list[Node] = []    # lineage of the entries the step evicted by recompute
+
+    def saved(self, t: Tensor, node: Node | None) -> None:
+        root = t._base if t._base is not None else t
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            st = None
+        if st is not None:
+            got = self.roots.get(id(st))
+            if got is None or got[1]() is not st:
+                self.roots[id(st)] = (len(self.saves), weakref.ref(st))
+        self.saves.append(Save(t.shape, t.dtype, node, root._version, []))
+
+    def step_inputs(self, tensors: list[Tensor]) -> None:
+        """The tensor arguments of the step's first module call (the batch), in order."""
+        self.input_shapes = [(t.shape, t.dtype) for t in tensors]
+        for i, t in enumerate(tensors):
+            st = t.untyped_storage()
+            self.inputs.setdefault(id(st), (i, weakref.ref(st)))
+
+    def random_at(self, rec: Any, call: int, module: torch.nn.Module | None) -> None:
+        """``rec`` draws random numbers and is the first to since module call ``call`` (0: not the first)."""
+        if call > 0 and module is not None:
+            self.random_calls[id(rec)] = (call, weakref.ref(module))
+
+    def finish(self, persistent: set[int]) -> "StepProgram":
+        """The program of the recorded step. ``persistent``: storage ids of module parameters and buffers
+        (read as they are in each later step). Nothing recorded changes until the program first runs
+        (:meth:`StepProgram.start_step`): a program refused stays without effect."""
+        nodes = _closure(s.node for s in self.saves if s.node is not None)
+        refresh: list[tuple[FixedRef, int]] = []
+        random: list[Any] = []
+        temporaries: list[FixedRef] = []
+        inputs: list[list[tuple[FixedRef, int]]] = [[] for _ in self.input_shapes]
+        seen: set[int] = set()
+        for n in nodes:
+            for rec, _ in n.ops:
+                if rec.func is None or id(rec) in seen:
+                    continue
+                seen.add(id(rec))
+                if rec.rng is not None or any(isinstance(a, GenState) for a in (*rec.args, *rec.kwargs.values())):
+                    random.append(rec)
+                for r in rec.refs():
+                    if isinstance(r, FixedRef) and r.alias is not None and id(r) not in seen:
+                        seen.add(id(r))
+                        self._classify(r, persistent, refresh, temporaries, inputs)
+        # The recorded step's own tensors are not kept: saved ones are bound again at their packs, the
+        # others (temporaries) have no counterpart in a later step.
+        for s in self.saves:
+            for r, _ in s.rebind:
+                r.alias = None
+        for r in temporaries:
+            r.alias = None
+        for refs in inputs:
+            for r, _ in refs:
+                r.alias = None
+        at: dict[int, tuple[weakref.ref, list[Any]]] = {}
+        fixed: list[Any] = []
+        for rec in random:
+            where = self.random_calls.get(id(rec))
+            if where is None or any(isinstance(a, GenState) for a in (*rec.args, *rec.kwargs.values())):
+                fixed.append(rec)
+            else:
+                at.setdefault(where[0], (where[1], []))[1].append(rec)
+        prog = StepProgram(self.saves, nodes, refresh, fixed, temporaries, at)
+        prog.inputs, prog.input_shapes = inputs, self.input_shapes
+        return prog
+
+    def _classify(self, r: FixedRef, persistent: set[int], refresh: list[tuple[FixedRef, int]],
+                  temporaries: list[FixedRef], inputs: list[list[tuple[FixedRef, int]]]) -> None:
+        assert r.alias is not None
+        storage = r.alias.untyped_storage()
+        st = id(storage)
+        got = self.roots.get(st)
+        given = self.inputs.get(st)
+        if st in persistent:  # module state: read as it is, at the version it has when the step starts
+            refresh.append((r, -1 if r.version < 0 else r.version - r.alias._version))
+        elif given is not None and given[1]() is storage:  # the batch: bound again at the step's first call
+            inputs[given[0]].append((r, -1 if r.version < 0 else r.version - r.alias._version))
+        elif got is not None and got[1]() is storage:  # saved by the step: bound again at that pack
+            s = self.saves[got[0]]
+            s.rebind.append((r, -1 if r.version < 0 else r.version - s.root_version))
+        else:
+            temporaries.append(r)  # a temporary of the recorded step: nothing in a later step stands for it
+
+
+def _closure(roots: Iterable[Node]) -> list[Node]:
+    """The nodes whose ops a replay of ``roots`` may run (the roots and every node they read)."""
+    out: list[Node] = []
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        out.append(n)
+        for rec, _ in n.ops:
+            stack.extend(r.node for r in rec.refs() if isinstance(r, NodeRef))
+    return out
+
+
+class StepProgram:
+    """A recorded step's saves and replay program (see the module docstring)."""
+
+    def __init__(self, saves: list[Save], nodes: list[Node], refresh: list[tuple[FixedRef, int]],
+                 random: list[Any], temporaries: list[FixedRef],
+                 random_at: dict[int, tuple[weakref.ref, list[Any]]] | None = None):
+        self.saves = saves
+        self.nodes = nodes
+        self.keep = {id(n) for n in nodes}  # the recorder must not prune them at step ends
+        self.refresh = [(r, delta, weakref.ref(r.alias)) for r, delta in refresh]
+        self.random = random            # records of random ops not replayed in the steady state
+        self.random_at = random_at or {}  # module call -> (its module, random ops given the state read there)
+        self.temporaries = temporaries  # references to tensors no later step has
+        self.stages = 0                 # stage ops the recorded step counted (reported for steady-state steps)
+        self.pressure = False           # the recorded step came near its budget
+        # per tensor argument of the step's first module call: the references bound to it, and its signature
+        self.inputs: list[list[tuple[FixedRef, int]]] = []
+        self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []
+        self._armed = False
+
+    def bind_inputs(self, tensors: list[Tensor]) -> str:
+        """The step's first module call: bind the references to its tensor arguments. Returns why not ("" when
+        done): the arguments differ from the recorded step's."""
+        got = [(t.shape, t.dtype) for t in tensors]
+        if got != self.input_shapes:
+            return (f"the step's inputs are {[(list(s), str(d)) for s, d in got]} where the recorded step's were "
+                    f"{[(list(s), str(d)) for s, d in self.input_shapes]}")
+        for t, refs in zip(tensors, self.inputs):
+            root = t._base if t._base is not None else t
+            for r, delta in refs:
+                r.alias = root
+                if delta >= 0:
+                    r.version = root._version + delta
+        return ""
+
+    def module_called(self, call: int, module: torch.nn.Module, state: Callable[[], Any]) -> str:
+        """Module call ``call`` of a steady-state step: give the random ops noted there the generator state
+        they will draw from (``state()``). Returns why not ("" when done): another module is called."""
+        ref, recs = self.random_at[call]
+        expected = ref()
+        if expected is not module:
+            return (f"module call #{call} is {type(module).__name__} where the recorded step called "
+                    f"{type(expected).__name__ if expected is not None else 'a module that is gone'}")
+        got = state()
+        for rec in recs:
+            rec.rng = got if rec.rng is None or rec.rng[1] is not None else (got[0], None)
+            rec.why_not = ""
+        return ""
+
+    def cannot_rebuild(self, evicted: list[Node]) -> str:
+        """Why rebuilding ``evicted`` (what the recorded step evicted) may need an op the steady state does
+        not replay ("" if it cannot): a random op it gives no state, or one reading a temporary."""
+        random = {id(r) for r in self.random}
+        temporaries = {id(r) for r in self.temporaries}
+        for n in _closure(evicted):
+            for rec, _ in n.ops:
+                if id(rec) in random:
+                    return ("what the step evicted is rebuilt through random ops that draw from an explicit "
+                            "generator or after another random op in the same module call")
+                if temporaries and any(id(r) in temporaries for r in rec.refs()):
+                    return ("what the step evicted is rebuilt from a tensor of the step that autograd does not "
+                            "save (an input read but not saved, e.g. an attention mask)")
+        return ""
+
+    def start_step(self) -> None:
+        """Unbind every node (their storages belong to an earlier step) and read module state anew."""
+        if not self._armed:
+            self._armed = True
+            for rec in self.random:
+                rec.why_not = rec.why_not or RNG_REASON
+        for _, recs in self.random_at.values():
+            for rec in recs:
+                rec.why_not = RNG_PENDING  # until its module call gives it this step's state
+        self.unbind()
+        for r, delta, ref in self.refresh:
+            a = r.alias = ref()  # None once the module is gone: what reads it is not replayed
+            if a is not None and delta >= 0:
+                r.version = a._version + delta
+
+    def unbind(self) -> None:
+        """Forget the tensors of the last step that ran it (bound again at the packs of the next) and the
+        module state it read (held weakly meanwhile): a disabled runtime keeps no tensor alive."""
+        for n in self.nodes:
+            n.storage = None
+            n.entry = None
+            n.ok_memo = None
+        for s in self.saves:
+            for r, _ in s.rebind:
+                r.alias = None
+        for r, _, _ in self.refresh:
+            r.alias = None
+        for refs in self.inputs:
+            for r, _ in refs:
+                r.alias = None
+
+
+class SteadyPack:
+    """The pack hook of a steady-state step: ordinal, signature check, binding, then ``store_pack``.
+
+    *Light* packs: while the recorded step never came near its budget and the device is still far from
+    it (``far()``), a saved activation is kept like a parameter (``keep``: the tensor and its version, no
+    entry), which costs a few attribute reads; from the first pack near the budget on, saves get entries
+    the allocator may free, as in a recorded step."""
+
+    def __init__(self, program: StepProgram, store_pack: Callable[[Tensor], Any], bind: Callable[[Node, Any], None],
+                 after: Callable[[], None], diverged: Callable[[str], None], keep: Callable[[Tensor], Any],
+                 far: Callable[[], bool], counted: Callable[[int], None]):
+        self.program = program
+        self.saves = program.saves
+        self.store_pack = store_pack
+        self.bind = bind
+        self.after = after
+        self.diverged = diverged
+        self.keep, self.far, self.counted = keep, far, counted
+        self.light = not program.pressure
+        self.seen: set[int] = set()  # storages light packs counted as saved this step
+        self.k = 0
+        self.off = False  # the step left the program: packs keep their tensors
+
+    def __call__(self, t: Tensor) -> Any:
+        k = self.k
+        self.k = k + 1
+        if self.off:
+            return self.store_pack(t)
+        saves = self.saves
+        if k >= len(saves):
+            return self._leave(f"save #{k} of shape {list(t.shape)} is beyond the {len(saves)} the recorded step made", t)
+        s = saves[k]
+        if t.shape != s.shape or t.dtype != s.dtype:
+            return self._leave(f"save #{k} is {list(t.shape)} {t.dtype} where the recorded step saved "
+                               f"{list(s.shape)} {s.dtype}", t)
+        if s.rebind:
+            root = t._base if t._base is not None else t
+            v = root._version
+            for r, delta in s.rebind:
+                r.alias = root
+                if delta >= 0:
+                    r.version = v + delta
+        node = s.node
+        if node is None:
+            return self.store_pack(t)
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return self._leave(f"save #{k} has no storage", t)
+        if self.light:
+            if self.far():
+                if id(st) not in self.seen:
+                    self.seen.add(id(st))
+                    self.counted(st.nbytes())
+                return self.keep(t)
+            self.light = False
+        cur = node.live()
+        if cur is None:
+            if st.nbytes() != node.nbytes:
+                return self._leave(f"save #{k} is over a storage of {st.nbytes()} bytes where the recorded "
+                                   f"step's had {node.nbytes}", t)
+            self.bind(node, st)
+        elif cur is not st:
+            return self._leave(f"save #{k} is over another storage than the recorded step's", t)
+        h = self.store_pack(t)
+        self.after()
+        return h
+
+    def _leave(self, why: str, t: Tensor) -> Any:
+        self.leave(why)
+        return self.store_pack(t)
+
+    def leave(self, why: str) -> None:
+        """The step left the program: the rest of it keeps what it saves."""
+        self.off = True
+        self.diverged(why)
+
+    @property
+    def complete(self) -> bool:
+        return not self.off and self.k == len(self.saves)

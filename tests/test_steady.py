@@ -1,0 +1,294 @@
+"""Steady state: steps after the recorded one run without the dispatch mode (hybridmem.runtime.program).
+
+Each test trains a model unmanaged and under a recompute budget, same seeds, same random draws, and
+compares losses, gradients, parameters and buffers bit for bit. Steady-state steps must really evict
+and rebuild (the allocator frees registered entries; unpack replays the recorded program), stay under
+the budget in real allocator bytes, and leave the steady state, saying why, when a step differs.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import hybridmem
+from hybridmem.zoo import build
+from hybridmem.runtime import cpumeter
+from hybridmem.runtime.meter import profiler_peak
+from hybridmem.runtime.stats import PolicyStats
+
+torch.set_num_threads(1)
+
+pytestmark = pytest.mark.skipif(cpumeter.load() is None,
+                                reason=f"native allocator device unavailable: {cpumeter.unavailable_reason()}")
+
+
+def _train(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., torch.Tensor], *,
+           session: dict | None = None, per_step: Callable[[int, Any], None] | None = None) -> tuple[list, Any]:
+    """SGD steps over ``batches``; returns (losses, grads, params and buffers as bytes) and the stats."""
+    model = copy.deepcopy(model)
+    torch.manual_seed(7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses: list[float] = []
+    stats = None
+    ctx = hybridmem.session(**session) if session is not None else None
+    s = ctx.__enter__() if ctx is not None else None
+    try:
+        for i, batch in enumerate(batches):
+            loss = loss_fn(model, *batch)
+            loss.backward()
+            losses.append(loss.item())
+            if per_step is not None and s is not None:
+                per_step(i, s.stats())
+            if i < len(batches) - 1:
+                opt.step()
+                opt.zero_grad()
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+            stats = s.stats()
+    grads = [_raw(p.grad) for p in model.parameters() if p.grad is not None]
+    state = [_raw(t) for t in (*model.parameters(), *model.buffers())]
+    return [losses, grads, state], stats
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _rc(stats: Any) -> PolicyStats:
+    return stats.policies.get("recompute", PolicyStats())
+
+
+def _monitor_peak(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., torch.Tensor]) -> tuple[int, int]:
+    _, st = _train(model, batches[:2], loss_fn, session={"budget": None})
+    return st.peak_bytes, st.saved_bytes
+
+
+def _zoo(name: str, steps: int = 4) -> tuple[nn.Module, list[tuple], Callable[..., torch.Tensor]]:
+    e = build(name, "small", seed=0)
+    args, kwargs = e.args_kwargs()
+
+    def loss_fn(model: nn.Module, *a: Any) -> torch.Tensor:
+        return e.loss_fn(model(*a, **kwargs))
+    return e.model, [tuple(args)] * steps, loss_fn
+
+
+def _budget_run(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., torch.Tensor], cut: float,
+                **extra: Any) -> tuple[list, Any, int, list[Any]]:
+    """Train under peak - cut * saved (raised to the minimum an OOM names, as a user would)."""
+    peak, saved = _monitor_peak(model, batches, loss_fn)
+    budget = int(peak - cut * saved)
+    per: list[Any] = []
+    for _ in range(6):
+        per.clear()
+        try:
+            got, st = _train(model, batches, loss_fn, per_step=lambda i, s: per.append(s),
+                             session={"budget": budget, "policies": ("recompute",), **extra})
+            return got, st, budget, per
+        except torch.OutOfMemoryError as e:
+            floor = getattr(e, "min_budget_bytes", 0)
+            assert floor > budget, f"an OOM at {budget} must name a larger minimum: {e}"
+            budget = math.ceil(floor * 1.01)
+    raise AssertionError("no feasible budget in 6 tries")
+
+
+@pytest.mark.parametrize("name,cut", [("resnet50", 0.3), ("mobilenet", 0.3), ("unet", 0.3), ("resnet101", 0.3), ("transformer", 0.3), ("gpt", 0.3)])
+def test_zoo_steady_state_evicts_and_is_bit_identical(name: str, cut: float) -> None:
+    model, batches, loss_fn = _zoo(name)
+    ref, _ = _train(model, batches, loss_fn)
+    got, st, budget, per = _budget_run(model, batches, loss_fn, cut=cut)
+    assert got == ref
+    # step 1 runs under the dispatch mode (the optimizer's state appears after it), step 2 records
+    assert st.steady_steps == len(batches) - 2, st.notes
+    rc = [_rc(s) for s in per]
+    # steady-state steps evict (the allocator frees registered entries) and rebuild what they evicted
+    assert rc[-1].evicted > rc[1].evicted and rc[-1].regenerated > rc[1].regenerated
+    assert st.peak_bytes <= budget
+
+
+def test_steady_state_real_peak_within_budget() -> None:
+    """Measured independently of hybridmem (torch.profiler's memory events) in a steady-state step."""
+    model, batches, loss_fn = _zoo("resnet50", steps=4)
+    peak, saved = _monitor_peak(model, batches, loss_fn)
+    budget = int(peak - 0.25 * saved)
+    model = copy.deepcopy(model)
+    held_before = cpumeter.load()
+    assert held_before is not None
+    with hybridmem.session(budget=budget, policies=("recompute",)) as s:
+        for _ in range(3):
+            loss_fn(model, *batches[0]).backward()
+        state = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers(),
+                                                               *(p.grad for p in model.parameters())))
+        step3 = profiler_peak(lambda: loss_fn(model, *batches[0]).backward())
+        st = s.stats()
+    assert st.steady_steps == 2, st.notes
+    assert st.policies["recompute"].evicted > 0
+    assert state + step3 <= budget, (state + step3, budget)
+
+
+class _Block(nn.Module):
+    """A torchvision-style bottleneck block (BN, in-place ReLU, residual) the zoo does not build."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.b = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(x + self.bn2(self.b(self.relu(self.bn1(self.a(x))))))
+
+
+class _Encoder(nn.Module):
+    """An HF-style encoder layer stack (LayerNorm, GELU MLP, attention by SDPA), no dropout."""
+
+    def __init__(self, d: int = 64, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, d)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True,
+                                                                activation="gelu", norm_first=True)
+                                    for _ in range(layers))
+        self.head = nn.Linear(d, 100)
+
+    def forward(self, ids: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x, src_key_padding_mask=padding)
+        return self.head(x)
+
+
+def _cnn() -> tuple[nn.Module, Callable[[int], tuple], Callable[..., torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), *[_Block(16) for _ in range(4)],
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    g = torch.Generator().manual_seed(1)
+
+    def batch(n: int = 8, hw: int = 32) -> tuple:
+        return torch.randn(n, 3, hw, hw, generator=g), torch.randint(0, 10, (n,), generator=g)
+    return model, batch, lambda m, x, y: nn.functional.cross_entropy(m(x), y)
+
+
+def test_unseen_models_new_batch_each_step() -> None:
+    """New data every step: the program binds each step's input where the recorded one read its own."""
+    model, batch, loss_fn = _cnn()
+    batches = [batch() for _ in range(4)]
+    ref, _ = _train(model, batches, loss_fn)
+    got, st, _, per = _budget_run(model, batches, loss_fn, cut=0.4)
+    assert got == ref
+    assert st.steady_steps == 2, st.notes
+    assert _rc(per[-1]).regenerated > _rc(per[1]).regenerated
+
+    # the padding mask is a keyword argument the layers read but autograd does not save: the program
+    # binds it at the step's first module call
+    torch.manual_seed(0)
+    enc = _Encoder()
+    g = torch.Generator().manual_seed(2)
+    pad = torch.zeros(4, 32, dtype=torch.bool)
+    pad[:, 28:] = True
+    ids = [(torch.randint(0, 100, (4, 32), generator=g), pad.clone()) for _ in range(4)]
+    ce = lambda m, i, p: nn.functional.cross_entropy(m(i, padding=p).flatten(0, 1), i.flatten())  # noqa: E731
+    ref, _ = _train(enc, ids, ce)
+    got, st, _, per = _budget_run(enc, ids, ce, cut=0.4)
+    assert got == ref
+    assert st.steady_steps == 2, st.notes
+    assert _rc(per[-1]).regenerated > _rc(per[1]).regenerated
+
+
+def test_a_step_that_differs_leaves_the_steady_state_and_says_why() -> None:
+    model, batch, loss_fn = _cnn()
+    batches = [batch(), batch(), batch(n=4), batch(n=4), batch(n=4), batch(n=4)]
+    ref, _ = _train(model, batches, loss_fn)
+    got, st, _, _ = _budget_run(model, batches, loss_fn, cut=0.3)
+    assert got == ref
+    assert any("steady state left at step 3" in n and "[4, " in n for n in st.notes), st.notes
+    # step 1 runs under the dispatch mode, 2 records, 3 diverges (it ran without the mode), 4 records
+    # anew, 5 and 6 follow
+    assert st.steady_steps == 3, st.notes
+
+
+def test_in_place_write_to_a_saved_tensor_is_caught_in_the_steady_state() -> None:
+    class Sneaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+            self.step = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            y = h.sigmoid()  # saves its output
+            self.step += 1
+            if self.step == 4:
+                y.mul_(2)  # modifies the saved output: autograd's own check is off under hooks
+            return y.sum()
+
+    m = Sneaky()
+    x = torch.randn(64, 32)
+    with hybridmem.session(budget="1GiB", policies=("recompute",)) as s:
+        for _ in range(3):
+            m(x).backward()
+        assert s.stats().steady_steps == 1
+        with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+            m(x).backward()
+
+
+def test_dropout_near_the_budget_replays_with_each_steps_random_state() -> None:
+    """A dropout module's draw gets the generator state read when the module is called in that step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.2)) for _ in range(6)],
+                          nn.Linear(64, 1))
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(256, 64, generator=g),) for _ in range(5)]
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    ref, _ = _train(model, batches, loss_fn)
+    got, st, _, per = _budget_run(model, batches, loss_fn, cut=0.4)
+    assert got == ref
+    assert st.steady_steps == 3, st.notes
+    assert _rc(per[-1]).regenerated > _rc(per[1]).regenerated
+
+
+class _TwoDraws(nn.Module):
+    """Two dropouts in one module call, no submodule between them: the second one's state is not the
+    state at a module call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(64, 64) / 8)
+        self.w2 = nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(nn.functional.gelu(x @ self.w1), 0.2)
+        return nn.functional.dropout(nn.functional.gelu(h @ self.w2), 0.2)
+
+
+def test_random_ops_the_program_cannot_replay_keep_the_dispatch_mode() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_TwoDraws() for _ in range(4)], nn.Linear(64, 1))
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(256, 64, generator=g),) for _ in range(4)]
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    ref, _ = _train(model, batches, loss_fn)
+    got, st, _, _ = _budget_run(model, batches, loss_fn, cut=0.5)
+    assert got == ref
+    assert st.steady_steps == 0
+    assert any("after another random op in the same module call" in n for n in st.notes), st.notes
+    got, st = _train(model, batches, loss_fn, session={"budget": "4GiB", "policies": ("recompute",)})
+    assert got == ref
+    assert st.steady_steps == 2, st.notes  # far from the budget nothing is evicted: the steady state runs
+
+
+def test_steady_state_can_be_switched_off_and_checks_its_setting() -> None:
+    model, batch, loss_fn = _cnn()
+    batches = [batch() for _ in range(3)]
+    ref, _ = _train(model, batches, loss_fn)
+    got, st, _, _ = _budget_run(model, batches, loss_fn, cut=0.3, config={"plugins": {"steady": False}})
+    assert got == ref
+    assert st.steady_steps == 0
+    with pytest.raises(ValueError, match="steady: expected true or false"):
+        hybridmem.enable(budget="1GiB", config={"plugins": {"steady": "yes"}})
