@@ -9,8 +9,8 @@ Three families, every figure a median of per-round ratios to plain PyTorch measu
 
 - ``test_recompute_at_checkpoint_peak``: ``torch.utils.checkpoint`` around every block sets the real peak
   (bytes of the training state + the CPU allocator's peak during the step); hybridmem gets that peak as its
-  budget, recompute only (raised to the minimum its OOM names where op-level recompute cannot reach a
-  block-level checkpoint's peak), and runs with the steady state (default) and with every step under the
+  budget, recompute only (raised in 3 % steps where op-level recompute cannot reach a block-level
+  checkpoint's peak; the ratio is reported), and runs with the steady state (default) and with every step under the
   dispatch mode. hybridmem must give the unmanaged losses and gradients bit for bit and stay within its
   budget in real bytes; ``HYBRIDMEM_BENCH_ASSERT_FASTER=1`` also asserts it is faster than checkpoint.
 - ``test_nothing_to_evict``: a budget ten times the monitor-only peak: the overhead of managing when
@@ -62,23 +62,17 @@ def _state_bytes(model: nn.Module, inputs: Any) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
 
 
-def _feasible(e: Any, budget: int) -> int:
-    """``budget``, or the least above it that hybridmem's recompute meets for 3 steps (its OOM names it)."""
-    import hybridmem
-
-    for _ in range(8):
-        model = copy.deepcopy(e.model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)  # as bench.measure.run_methods trains
-        try:
-            with hybridmem.session(budget=budget, policies=("recompute",), device="cpu"):
-                for _ in range(4):
-                    model.zero_grad(set_to_none=True)
-                    e.loss_fn(measure._plain_forward(model, e.inputs)()).backward()
-                    opt.step()
+def _feasible(e: Any, budget: int, methods: list[str]) -> int:
+    """``budget``, or the least above it (3 % steps) at which every hybridmem method in ``methods`` trains
+    3 interleaved steps the way the timed rounds will (op-level recompute cannot always reach a block-level
+    checkpoint's peak: the test reports how far above it the budget is)."""
+    for _ in range(10):
+        res, _ = measure.run_methods(e.model, e.inputs, e.loss_fn, methods, budget=budget, steps=2, warmup=1,
+                                     measure_peaks=False)
+        if all(r.status == "ok" for r in res):
             return budget
-        except torch.OutOfMemoryError as oom:
-            budget = int(max(getattr(oom, "min_budget_bytes", 0), budget) * 1.02)
-    pytest.fail(f"no budget hybridmem meets within 8 tries (last {budget} bytes)")
+        budget = int(budget * 1.03)
+    pytest.fail(f"no budget hybridmem meets within 10 tries (last {budget} bytes)")
 
 
 def _by_method(results: list[Any]) -> dict[str, Any]:
@@ -95,8 +89,8 @@ def test_recompute_at_checkpoint_peak(benchmark: Any, name: str) -> None:
     if ck.status != "ok" or ck.alloc_peak_bytes is None:
         pytest.skip(f"checkpoint per block not applicable to {name}: {ck.reason}")
     ckpt_real = state + ck.alloc_peak_bytes
-    budget = _feasible(e, ckpt_real)
     methods = ["ckpt-block", "hybridmem-recompute", "hybridmem-recompute-mode"]
+    budget = _feasible(e, ckpt_real, methods[1:])
     holder: dict[str, Any] = {}
 
     def interleaved() -> None:

@@ -55,7 +55,7 @@ from hybridmem.graph.ir import Graph
 from hybridmem.graph.plan import Plan
 from hybridmem.runtime.follow import annotate
 from hybridmem.graph.simulate import min_feasible_budget, simulate
-from hybridmem.graph.units import fmt_bytes, parse_bytes, plan_budget_bytes
+from hybridmem.graph.units import fmt_bytes, plan_budget_bytes
 
 from . import approx, baselines, relax
 from ._common import memory_floor, planning_problem

@@ -6,7 +6,8 @@ import torch
 from hybridmem.plugins.codecs import bits_dtype
 from hybridmem.plugins.compress import CompressPolicy
 from hybridmem.runtime.entry import Entry
-from hybridmem.runtime.lineage import OPAQUE, FixedRef, Node, NodeRef, OpRecord, Replayer, View
+from hybridmem.runtime.lineage import OPAQUE, FixedRef, Node, NodeRef, OpRecord, View
+from hybridmem.runtime.replay import Replayer
 
 
 def test_bits_dtype_cached_per_dtype_matches_element_width():

@@ -2,7 +2,7 @@
 
 Pieces (one job each): :class:`~.produced.ProducedTable` (which storages are activations),
 :class:`~.saved.SavedStore` (saved-tensor hooks and entries), :class:`~.residency.Residency` (the cap:
-evict, regenerate, out-of-memory), :class:`~.lineage.Recorder`/:class:`~.lineage.Replayer` (recompute),
+evict, regenerate, out-of-memory), :class:`~.lineage.Recorder`/:class:`~.replay.Replayer` (recompute),
 :class:`~.steps.StepTracker`, :class:`~.estimate.OutputEstimator`, :class:`~.follow.PlanFollower`,
 and :class:`~.mode.RuntimeMode`, which calls them around every op.
 """
@@ -34,7 +34,9 @@ from .estimate import OutputEstimator
 from .device import native_device
 from .fixed import FixedMarker
 from .follow import PlanFollower
-from .lineage import OpCost, Recorder, Replayer, rng_state
+from .lineage import OpCost, Recorder
+from .replay import Replayer
+from .rng import rng_state
 from .mode import RuntimeMode
 from .monitor import NOTE as MONITOR_NOTE, AllocatorMonitor
 from .prefetch import Prefetcher

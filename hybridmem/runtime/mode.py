@@ -25,7 +25,8 @@ from ..graph.ops import op_info, uses_rng
 from .distributed import is_collective
 from ..graph.outputs import storage_of as _storage
 from .meter import Meter, MeterMode, _register, _register_inputs, _reread_written
-from .lineage import RngBefore, host_state, replay_info, rng_state
+from .lineage import replay_info
+from .rng import RngBefore, host_state, rng_state
 
 if TYPE_CHECKING:
     from .core import Runtime

@@ -32,7 +32,8 @@ import torch
 from .entry import Entry
 
 from .distributed import is_parameter_view, is_traceable_wrapper_subclass
-from .lineage import View, flat
+from .lineage import View
+from .replay import flat
 from .produced import ProducedTable
 from .stats import StatsRecorder
 from .steps import Clock

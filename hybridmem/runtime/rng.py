@@ -1,0 +1,57 @@
+"""Random states of recorded ops: read before a random op runs, kept as host bytes, set around its replay.
+
+A replay runs with the state its op drew from and puts the training run's state back afterwards, so
+recomputing never moves the program's random stream.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class RngBefore:
+    """The RNG states an op drew from: the default generators' and explicit ``generator=`` ones'."""
+
+    __slots__ = ("default", "generators")
+
+    def __init__(self, default: tuple[bytes, bytes | None], generators: dict[int, bytes]):
+        self.default, self.generators = default, generators
+
+
+def rng_state(device: torch.device) -> tuple[bytes, bytes | None]:
+    """The default generators' states an RNG op on ``device`` draws from (CPU, and CUDA if used)."""
+    cuda = host_state(torch.cuda.get_rng_state(device)) if device.type == "cuda" else None
+    return host_state(torch.get_rng_state()), cuda
+
+
+def host_state(t: Tensor) -> bytes:
+    """An RNG state as Python bytes: recorded states live outside the allocator the budget caps (a CPU
+    generator's state is 5 KB per random op; on the simulated CPU device it would count as device bytes)."""
+    return t.numpy().tobytes()
+
+
+def state_tensor(b: bytes) -> Tensor:
+    """The state tensor ``set_state`` takes, over a copy of ``b`` (no allocator bytes)."""
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+class _ForkedRNG:
+    """Run with a recorded RNG state, then put the current state back (a replay leaves the training
+    run's RNG stream untouched)."""
+
+    def __init__(self, state: tuple[bytes, bytes | None], device: torch.device):
+        self.state, self.device = state, device
+
+    def __enter__(self) -> None:
+        self.saved = rng_state(self.device)
+        torch.set_rng_state(state_tensor(self.state[0]))
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(state_tensor(self.state[1]), self.device)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_rng_state(state_tensor(self.saved[0]))
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state(state_tensor(self.saved[1]), self.device)
