@@ -1,5 +1,7 @@
 """Codecs for the compress policy: lossless ones chosen per tensor when they pay, lossy ones by name.
 
+One concern, hence one module: the codecs, their kernels and the per-tensor choice among them.
+
 A codec works on a tensor's whole storage, seen as a flat 1-D tensor (``flat_view``). Lossless codecs
 look at element *bits* (the storage viewed as int8/16/32/64), so they round-trip bit-exactly whatever
 the values are: -0.0, NaN payloads and denormals are just non-zero bit patterns.

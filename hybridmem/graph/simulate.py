@@ -1,4 +1,5 @@
 """Replay a Plan on a Graph: step time, stalls and device memory per stage, and whether the plan is valid.
+One concern, hence one module: the simulator every plan is judged by.
 
 Three streams: one compute stream, and one copy stream per direction of the host link (h2d, d2h). A copy
 occupies its direction exclusively; copies in one direction run FIFO in issue order, each for
