@@ -38,7 +38,6 @@ from .lineage import FixedRef, GenState, Node, NodeRef
 Tensor = torch.Tensor
 RNG_REASON = "it draws random numbers (replayed with recorded RNG states only in steps run under the dispatch mode)"
 RNG_PENDING = "it draws random numbers, and the state it draws from is read when its module is called"
-UNBOUND_REASON = "it reads a tensor of the recorded step that later steps do not save"
 
 
 @dataclass(slots=True)
@@ -125,7 +124,8 @@ class ProgramRecorder:
         fixed: list[Any] = []
         for rec in random:
             where = self.random_calls.get(id(rec))
-            if where is None or any(isinstance(a, GenState) for a in (*rec.args, *rec.kwargs.values())):
+            # a record refused for another reason (a non-deterministic CUDA kernel) stays refused
+            if where is None or rec.why_not or any(isinstance(a, GenState) for a in (*rec.args, *rec.kwargs.values())):
                 fixed.append(rec)
             else:
                 at.setdefault(where[0], (where[1], []))[1].append(rec)
@@ -218,7 +218,7 @@ class StepProgram:
 
     def cannot_rebuild(self, evicted: list[Node]) -> str:
         """Why rebuilding ``evicted`` (what the recorded step evicted) may need an op the steady state does
-        not replay ("" if it cannot): a random op it gives no state, or one reading a temporary."""
+        not replay, or "": a random op it gives no state, or one reading a temporary."""
         random = {id(r) for r in self.random}
         temporaries = {id(r) for r in self.temporaries}
         for n in _closure(evicted):
