@@ -377,6 +377,15 @@ class Runtime:
         self._root_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
 
     def _step_inputs(self, tensors: list[torch.Tensor]) -> None:
+        count = self.store.count_external
+        if count is not None:
+            # the batch is training state even where autograd saves none of it (an attention mask)
+            for t in tensors:
+                if t.device == self.device:
+                    try:
+                        count(t.untyped_storage())
+                    except (RuntimeError, NotImplementedError):
+                        pass
         if self._program_rec is not None:
             self._program_rec.step_inputs(tensors)
         steady = self._steady
