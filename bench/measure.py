@@ -481,6 +481,11 @@ def run_methods(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Te
         for s in live[k:] + live[:k]:
             if s.result.status != "ok":
                 continue
+            for o in live:
+                # the others' gradients go (each set them to None before its own step anyway): a budget caps
+                # what the allocator holds, and a hybridmem runtime would count another variant's gradients
+                if o is not s and o.variant is not None:
+                    o.variant.model.zero_grad(set_to_none=True)
             try:
                 loss, dt = one_step(s.variant, loss_fn, seed=1000 + r)
             except Exception as e:
@@ -523,6 +528,9 @@ def run_methods(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Te
         if s.result.status != "ok" or not measure_peaks:
             continue
         v = s.variant
+        for o in live:  # as in the rounds: no other variant's gradients held meanwhile
+            if o.variant is not None:
+                o.variant.model.zero_grad(set_to_none=True)
         try:
             torch.manual_seed(0)
             v.model.zero_grad(set_to_none=True)  # outside the probe: the peak is the step's own

@@ -74,9 +74,8 @@ def _feasible(e: Any, budget: int, methods: list[str]) -> int:
 
 
 def _alone(e: Any, method: str, budget: int, **kw: Any) -> list[Any]:
-    """``method`` interleaved with checkpoint and plain PyTorch, and no other hybridmem runtime: the budget
-    caps what the allocator holds, so another runtime's gradients, allocated through the same allocator
-    and alive between its steps, would count against this one's budget."""
+    """``method`` interleaved with checkpoint and plain PyTorch, and no other hybridmem runtime (one
+    runtime's bookkeeping between its steps is allocator memory another runtime's budget would count)."""
     res, _ = measure.run_methods(e.model, e.inputs, e.loss_fn, ["ckpt-block", method], budget=budget, warmup=1, **kw)
     return res
 
