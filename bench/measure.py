@@ -33,6 +33,7 @@ importable, else the CPU allocator's own events from ``torch.profiler``), in a s
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import math
 import os
@@ -134,16 +135,35 @@ def _plain_forward(model: nn.Module, inputs: Any) -> Callable[[], Any]:
     return lambda: model(*args, **kwargs)
 
 
-class CheckpointBlock(nn.Module):
-    """Runs ``inner`` under non-reentrant ``torch.utils.checkpoint`` (RNG state preserved, kwargs allowed)."""
+# Selective activation checkpointing keeps what these ops return (the compute-heavy ones) and recomputes the rest
+_SAC_SAVE = frozenset(("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                       "_scaled_dot_product_cudnn_attention"))
 
-    def __init__(self, inner: nn.Module) -> None:
+
+def _sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = getattr(op, "_opname", "")
+    return CheckpointPolicy.MUST_SAVE if name in _SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class CheckpointBlock(nn.Module):
+    """Runs ``inner`` under non-reentrant ``torch.utils.checkpoint`` (RNG state preserved, kwargs allowed);
+    ``selective``: selective activation checkpointing (the outputs of matrix products, convolutions and
+    attention kept, the rest recomputed)."""
+
+    def __init__(self, inner: nn.Module, selective: bool = False) -> None:
         super().__init__()
         self.inner = inner
+        self.selective = selective
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.utils.checkpoint import checkpoint
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+        if self.selective:
+            return checkpoint(self.inner, *args, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, _sac_policy), **kwargs)
         return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
@@ -154,7 +174,7 @@ def _is_leaf(m: nn.Module) -> bool:
     return next(m.children(), None) is None
 
 
-def wrap_blocks(model: nn.Module) -> int:
+def wrap_blocks(model: nn.Module, selective: bool = False) -> int:
     """Wrap every block of ``model`` in :class:`CheckpointBlock`, in place; return how many.
 
     A block is a composite child of a ``Sequential``/``ModuleList`` (ResNet bottlenecks, MobileNet
@@ -170,7 +190,7 @@ def wrap_blocks(model: nn.Module) -> int:
         if isinstance(m, (nn.Sequential, nn.ModuleList)) and any(not _is_leaf(k) for k in kids):
             for i, k in enumerate(kids):
                 if not _is_leaf(k):
-                    m[i] = CheckpointBlock(k)
+                    m[i] = CheckpointBlock(k, selective)
                     count += 1
             return
         if isinstance(m, nn.Sequential) and kids and all(_is_leaf(k) for k in kids) \
@@ -186,7 +206,7 @@ def wrap_blocks(model: nn.Module) -> int:
             for name in list(m._modules):
                 del m._modules[name]
             for i, r in enumerate(runs):
-                m.add_module(str(i), CheckpointBlock(nn.Sequential(*r)))
+                m.add_module(str(i), CheckpointBlock(nn.Sequential(*r), selective))
             count += len(runs)
             return
         for k in kids:
@@ -251,8 +271,8 @@ def build_variant(method: str, model: nn.Module, inputs: Any, *, budget: int | N
         from torch.autograd.graph import save_on_cpu
 
         return Variant(method, m, _plain_forward(m, inputs), context=lambda: save_on_cpu(pin_memory=False))
-    if method == "ckpt-block":
-        if wrap_blocks(m) == 0:
+    if method in ("ckpt-block", "ckpt-selective"):
+        if wrap_blocks(m, selective=method == "ckpt-selective") == 0:
             raise Unavailable("no blocks found to wrap")
         return Variant(method, m, _plain_forward(m, inputs))
     if method == "ckpt-sqrt":

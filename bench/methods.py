@@ -4,7 +4,7 @@ from __future__ import annotations
 # measured on this CPU (bench.measure runs them)
 METHODS: tuple[str, ...] = ("unmanaged", "hybridmem-monitor", "hybridmem-online", "hybridmem-recompute",
                             "hybridmem-recompute-mode", "hybridmem-plan",
-                            "ckpt-sqrt", "ckpt-block", "save-on-cpu")
+                            "ckpt-sqrt", "ckpt-block", "ckpt-selective", "save-on-cpu")
 LABELS: dict[str, str] = {
     "unmanaged": "unmanaged (plain PyTorch)",
     "hybridmem-monitor": "hybridmem monitor-only (budget=None)",
@@ -15,6 +15,7 @@ LABELS: dict[str, str] = {
     "hybridmem-plan": "hybridmem with plan",
     "ckpt-sqrt": "torch checkpoint_sequential sqrt(n)",
     "ckpt-block": "torch checkpoint per block",
+    "ckpt-selective": "torch selective activation checkpointing per block (matmul/conv/attention outputs kept)",
     "save-on-cpu": "torch save_on_cpu",
 }
 
