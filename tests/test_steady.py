@@ -20,6 +20,7 @@ from hybridmem.zoo import build
 from hybridmem.runtime import cpumeter
 from hybridmem.runtime.meter import profiler_peak
 from hybridmem.runtime.stats import PolicyStats
+from tests.helpers.runtime import raw
 
 torch.set_num_threads(1)
 
@@ -51,13 +52,9 @@ def _train(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., torch.
         if ctx is not None:
             ctx.__exit__(None, None, None)
             stats = s.stats()
-    grads = [_raw(p.grad) for p in model.parameters() if p.grad is not None]
-    state = [_raw(t) for t in (*model.parameters(), *model.buffers())]
+    grads = [raw(p.grad) for p in model.parameters() if p.grad is not None]
+    state = [raw(t) for t in (*model.parameters(), *model.buffers())]
     return [losses, grads, state], stats
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _rc(stats: Any) -> PolicyStats:

@@ -25,6 +25,7 @@ from .distributed import FsdpStorageSync
 from ..errors import UnknownNameError
 from .meter import Meter
 from ..graph.costs import get_cost_model
+from ..graph.outputs import storage_of
 from ..graph.plan import Plan
 from .ledger import TensorLog
 from . import ckpt
@@ -43,7 +44,7 @@ from .prefetch import Prefetcher
 from .produced import ProducedTable
 from .program import ProgramRecorder, StepProgram, SteadyPack
 from .residency import NoMode, Residency
-from .saved import Saved, SavedStore
+from .saved import REGISTER_BELOW, Saved, SavedStore
 from .stats import Stats, StatsRecorder
 from .steps import FORWARD, Clock, StepTracker
 from .threads import OwnerThread, drop_hooks, leave_mode
@@ -381,11 +382,9 @@ class Runtime:
         if count is not None:
             # the batch is training state even where autograd saves none of it (an attention mask)
             for t in tensors:
-                if t.device == self.device:
-                    try:
-                        count(t.untyped_storage())
-                    except (RuntimeError, NotImplementedError):
-                        pass
+                st = storage_of(t) if t.device == self.device else None
+                if st is not None:
+                    count(st)
         if self._program_rec is not None:
             self._program_rec.step_inputs(tensors)
         steady = self._steady
@@ -468,7 +467,7 @@ class Runtime:
         # A step whose recording came near the budget registers each entry as it is made: the dispatch mode
         # registers before each op that nears the budget (mode._cap), and no op is seen here.
         if (steady is not None and steady.program.pressure) \
-                or self.budget - self.meter.current_bytes < self.budget // 4:
+                or self.budget - self.meter.current_bytes < self.budget // REGISTER_BELOW:
             store.register_pending()
 
     def _diverged(self, why: str) -> None:
@@ -483,10 +482,11 @@ class Runtime:
         rec, self._program_rec = self._program_rec, None
         self.residency.on_evicted = None
         why = self._steady_refusal(rec)
-        prog = rec.finish(self._module_state()) if rec is not None and not why else None
-        pressure = self._pressure()
-        if prog is not None and rec is not None:
+        prog = None
+        if rec is not None and not why:
+            prog = rec.finish(self._module_state())
             why = prog.cannot_rebuild(rec.evicted)
+        pressure = self._pressure()
         if prog is None or why:
             self.stats.note(f"steady state: not used ({why})")
             return
@@ -553,10 +553,9 @@ class Runtime:
             self._packfn = self._pack
             stages = steady.program.stages
             self.stats.steady_steps += 1
-            if self.program is not None:
-                if not steady.complete:
-                    self._diverged(f"the step saved {steady.k} tensors where the recorded step saved "
-                                   f"{len(steady.saves)}")
+            if self.program is not None and not steady.complete:
+                self._diverged(f"the step saved {steady.k} tensors where the recorded step saved "
+                               f"{len(steady.saves)}")
         elif self._program_rec is not None:
             self._finish_program(stages)
         self.store.drain()

@@ -27,6 +27,7 @@ from ..graph.outputs import storage_of as _storage
 from .meter import Meter, MeterMode, _register, _register_inputs, _reread_written
 from .lineage import replay_info
 from .rng import RngBefore, host_state, rng_state
+from .saved import REGISTER_BELOW
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -86,7 +87,7 @@ class RuntimeMode(MeterMode):
         self.clock = rt.clock
         self._stage = -1
         # below this headroom, new saved activations are registered with the native allocator device
-        self._register_below = (self.budget or 0) // 4
+        self._register_below = (self.budget or 0) // REGISTER_BELOW
         self._facts: OpFacts | None = None
         self._recording = False
         self._rng: Any = None

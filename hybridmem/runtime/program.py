@@ -104,7 +104,7 @@ class ProgramRecorder:
                 if rec.func is None or id(rec) in seen:
                     continue
                 seen.add(id(rec))
-                if rec.rng is not None or any(isinstance(a, GenState) for a in (*rec.args, *rec.kwargs.values())):
+                if rec.rng is not None or _explicit_generator(rec):
                     random.append(rec)
                 for r in rec.refs():
                     if isinstance(r, FixedRef) and r.alias is not None and id(r) not in seen:
@@ -125,7 +125,7 @@ class ProgramRecorder:
         for rec in random:
             where = self.random_calls.get(id(rec))
             # a record refused for another reason (a non-deterministic CUDA kernel) stays refused
-            if where is None or rec.why_not or any(isinstance(a, GenState) for a in (*rec.args, *rec.kwargs.values())):
+            if where is None or rec.why_not or _explicit_generator(rec):
                 fixed.append(rec)
             else:
                 at.setdefault(where[0], (where[1], []))[1].append(rec)
@@ -141,14 +141,35 @@ class ProgramRecorder:
         got = self.roots.get(st)
         given = self.inputs.get(st)
         if st in persistent:  # module state: read as it is, at the version it has when the step starts
-            refresh.append((r, -1 if r.version < 0 else r.version - r.alias._version))
+            refresh.append((r, _delta(r, r.alias._version)))
         elif given is not None and given[1]() is storage:  # the batch: bound again at the step's first call
-            inputs[given[0]].append((r, -1 if r.version < 0 else r.version - r.alias._version))
+            inputs[given[0]].append((r, _delta(r, r.alias._version)))
         elif got is not None and got[1]() is storage:  # saved by the step: bound again at that pack
             s = self.saves[got[0]]
-            s.rebind.append((r, -1 if r.version < 0 else r.version - s.root_version))
+            s.rebind.append((r, _delta(r, s.root_version)))
         else:
             temporaries.append(r)  # a temporary of the recorded step: nothing in a later step stands for it
+
+
+def _explicit_generator(rec: Any) -> bool:
+    """Whether a recorded op draws from a ``generator=`` argument (its state is not the default one)."""
+    return any(isinstance(a, GenState) for a in (*rec.args, *rec.kwargs.values()))
+
+
+def _delta(r: FixedRef, base: int) -> int:
+    """How far ``r``'s recorded version is past ``base`` (the version of what it will be bound to then);
+    -1: the value is not read, no version to check."""
+    return -1 if r.version < 0 else r.version - base
+
+
+def _bind(refs: list[tuple[FixedRef, int]], t: Tensor) -> None:
+    """Point ``refs`` at ``t``'s root, at its version now plus each reference's delta."""
+    root = t._base if t._base is not None else t
+    v = root._version
+    for r, delta in refs:
+        r.alias = root
+        if delta >= 0:
+            r.version = v + delta
 
 
 def _closure(roots: Iterable[Node]) -> list[Node]:
@@ -195,11 +216,7 @@ class StepProgram:
             return (f"the step's inputs are {[(list(s), str(d)) for s, d in got]} where the recorded step's were "
                     f"{[(list(s), str(d)) for s, d in self.input_shapes]}")
         for t, refs in zip(tensors, self.inputs):
-            root = t._base if t._base is not None else t
-            for r, delta in refs:
-                r.alias = root
-                if delta >= 0:
-                    r.version = root._version + delta
+            _bind(refs, t)
         return ""
 
     def module_called(self, call: int, module: torch.nn.Module, state: Callable[[], Any]) -> str:
@@ -299,12 +316,7 @@ class SteadyPack:
             return self._leave(f"save #{k} is {list(t.shape)} {t.dtype} where the recorded step saved "
                                f"{list(s.shape)} {s.dtype}", t)
         if s.rebind:
-            root = t._base if t._base is not None else t
-            v = root._version
-            for r, delta in s.rebind:
-                r.alias = root
-                if delta >= 0:
-                    r.version = v + delta
+            _bind(s.rebind, t)
         node = s.node
         if node is None:
             return self.store_pack(t)

@@ -51,6 +51,9 @@ def _calibrate_sole() -> int:
 
 
 _SOLE = _calibrate_sole()
+# New entries are registered with the allocator once less than budget / REGISTER_BELOW is free (the
+# dispatch mode checks before each op, a steady-state step at each save): far from the budget, nothing is.
+REGISTER_BELOW = 4
 
 
 class Kept:
