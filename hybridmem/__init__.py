@@ -38,6 +38,8 @@ _API = {
     "get_cost_model": ("hybridmem.graph.costs", "get_cost_model"),
     "parse_bytes": ("hybridmem.graph.units", "parse_bytes"),
     "simulate": ("hybridmem.graph.simulate", "simulate"),
+    "compile_backend": ("hybridmem.compile.backend", "compile_backend"),
+    "CompileBackend": ("hybridmem.compile.backend", "CompileBackend"),
 }
 
 __all__ = sorted([*_API, "plan"]) + ["__version__"]

@@ -115,8 +115,12 @@ def _save_report(path: str) -> None:
               "(save it with hybridmem.runfile.save_run(path, hybridmem.stats()) before disable())",
               file=sys.stderr)
         return
+    st = runtime.stats()
+    if hasattr(st, "regions"):     # hybridmem.compile.CompileStats: no decision report to render
+        print(f"hybridmem: HYBRIDMEM_REPORT={path}: not written: run files hold the eager runtime's decisions; "
+              f"this run compiled its steps (HYBRIDMEM_COMPILE):\n{st}", file=sys.stderr)
+        return
     try:
-        st = runtime.stats()
         extra = {"argv": list(sys.argv), "pid": os.getpid(),
                  "environment": {k: v for k, v in os.environ.items() if k.startswith("HYBRIDMEM_")}}
         save_run(path, st, device=st.device, extra=extra)

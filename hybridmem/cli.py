@@ -145,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--monitor", choices=("auto", "allocator", "ops"),
                    help="without a budget: how to measure (default auto: the allocator's counters where "
                         "possible, nothing per op; ops: every op, in the units a budget caps)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile calls that name no backend plan each compiled region under the budget "
+                        "(HYBRIDMEM_COMPILE=1) instead of managing eager ops")
     p.add_argument("--report", help="save the run's report here at exit (a .json run file for `hybridmem report`)")
     p.add_argument("--quiet", action="store_true", help="no summary at exit")
     p.add_argument("script", help="the Python script")
@@ -396,7 +399,7 @@ def simulate_summary(res: Any) -> dict[str, Any]:
 def cmd_run(args: argparse.Namespace) -> int:
     settings = {"HYBRIDMEM_BUDGET": args.budget, "HYBRIDMEM_POLICIES": args.policies,
                 "HYBRIDMEM_PLAN": args.plan, "HYBRIDMEM_CONFIG": args.config, "HYBRIDMEM_REPORT": args.report,
-                "HYBRIDMEM_MONITOR": args.monitor}
+                "HYBRIDMEM_MONITOR": args.monitor, "HYBRIDMEM_COMPILE": "1" if args.compile else None}
     code = run_script([args.script, *args.args], {k: v for k, v in settings.items() if v is not None})
     if not args.quiet:
         _print_run_summary()
@@ -412,7 +415,10 @@ def _print_run_summary() -> None:
 
 def run_summary(st: Any) -> str:
     """One screen about a run (``hybridmem run`` prints it at exit): peak against the budget, bytes each
-    policy evicted, the time regeneration and stalls cost, and whether a plan was followed."""
+    policy evicted, the time regeneration and stalls cost, and whether a plan was followed. A compiled run
+    (``--compile``) prints its regions' plans."""
+    if hasattr(st, "regions"):          # hybridmem.compile.CompileStats
+        return str(st) if st.regions else f"{st}\n  no compiled region ran: did the script call torch.compile?"
     if st.budget_bytes is None:
         head = f"peak {fmt_bytes(st.peak_bytes)} (measure only: no budget)"
     else:

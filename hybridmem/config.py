@@ -25,6 +25,7 @@ ENV_VARS = {
     "HYBRIDMEM_LOSSY": "lossy",
     "HYBRIDMEM_VERBOSE": "verbose",
     "HYBRIDMEM_MONITOR": "monitor",
+    "HYBRIDMEM_COMPILE": "compile",
 }
 
 MONITORS = ("auto", "allocator", "ops")
@@ -45,6 +46,8 @@ class Config:
     # mode: the cap's units, stages, min_budget_bytes), "auto" (CPU: allocator where the native meter
     # builds, else ops; CUDA: ops).
     monitor: str = "auto"
+    # torch.compile without a backend uses hybridmem's under the budget (hybridmem.compile.session)
+    compile: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # plugin-specific settings (YAML 'plugins:' section)
     # setting -> where its value came from, as given (see _source): errors found later, when the runtime
     # uses the setting (a device, a policy's options), name it
@@ -132,7 +135,7 @@ def _as_extra(value: Any, key: str) -> dict[str, Any]:
 
 # setting -> validator(value, key) returning the value to store; raises ValueError
 _CHECKS = {"policies": _as_names, "lossy": _as_names, "verbose": _as_bool, "budget": _as_budget,
-           "monitor": _as_monitor, "extra": _as_extra}
+           "monitor": _as_monitor, "extra": _as_extra, "compile": _as_bool}
 
 
 def _source(where: str, key: str, value: Any) -> str:

@@ -25,24 +25,9 @@ import hybridmem
 from bench.gpu_check import compressible_bytes
 from hybridmem.zoo import build
 from hybridmem.runtime import cpumeter
+from tests.helpers.models import BasicBlock
+from tests.helpers.peaks import real_peak
 from tests.helpers.runtime import min_budget_of
-
-# The acceptance tool lies in shared/tools beside the checkout; without it, the same measurement from
-# hybridmem.runtime.meter.profiler_peak (torch.profiler's memory events) and the state's storages.
-_TOOLS = Path(__file__).resolve().parents[2] / "shared" / "tools"
-if (_TOOLS / "real_peak.py").is_file():
-    sys.path.insert(0, str(_TOOLS))
-    from real_peak import real_peak  # noqa: E402
-else:
-    from hybridmem.runtime.meter import profiler_peak
-
-    def real_peak(step: Callable[[], Any], model: nn.Module, optimizer: Any = None, inputs: Any = ()) -> int:
-        ts = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
-        if optimizer is not None:
-            ts += [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-        ts += [t for t in inputs if torch.is_tensor(t)]
-        state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}
-        return sum(state.values()) + profiler_peak(step)
 
 pytestmark = pytest.mark.skipif(cpumeter.load() is None,
                                 reason=f"native allocator device unavailable: {cpumeter.unavailable_reason()}")
@@ -138,25 +123,6 @@ def _zoo(name: str) -> tuple[Case, int]:
 def test_zoo_real_peak_within_budget_every_step(name: str, policies: tuple[str, ...], one_thread) -> None:
     case, cut = _zoo(name)
     _check(case, policies, cut)
-
-
-class BasicBlock(nn.Module):
-    """torchvision's ResNet-18/34 block, written from its published structure."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        y = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(self.bn2(self.conv2(y)) + identity)
 
 
 def resnet18(width: int = 16, classes: int = 10) -> nn.Module:

@@ -67,7 +67,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFAULT_POLICIES,
            plan: "Plan | str | Path | None" = None, device: str | None = None,
-           config: "str | Path | Mapping[str, Any] | Config | None" = None, *, monitor: str | None = None) -> None:
+           config: "str | Path | Mapping[str, Any] | Config | None" = None, *, monitor: str | None = None,
+           compile: bool | None = None) -> None:
     """Start managing saved activations on this thread; replaces a runtime already enabled.
 
     ``budget``: bytes the managed device may hold (an int, ``"512MiB"``, ``"8GB"``, ``"8GiB"``; on CUDA
@@ -80,17 +81,26 @@ def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFA
     budget or plan): ``"allocator"`` reads the allocator's counters, nothing per op (on the CPU the native
     meter of :mod:`hybridmem.runtime.cpumeter`); ``"ops"`` meters every op (the cap's units, stages,
     ``min_budget_bytes``); ``"auto"`` (default): allocator on the CPU where the native meter builds, else
-    ops. Raises ValueError on a malformed budget or setting, UnknownNameError (a ValueError) on an unknown
-    policy.
+    ops. ``compile`` (or ``HYBRIDMEM_COMPILE=1``): instead of the eager runtime, ``torch.compile`` calls
+    that name no backend plan each compiled region under the budget (:mod:`hybridmem.compile.session`);
+    ``stats()`` then returns its :class:`~hybridmem.compile.CompileStats`. Raises ValueError on a malformed
+    budget or setting, UnknownNameError (a ValueError) on an unknown policy.
     """
     global _current
     from .core import Runtime, resolve_plan  # here, not at the top: core reads this package's _current
 
     plan_obj = plan if isinstance(plan, Plan) else None
-    cfg = Config.resolve(config, budget=budget, device=device, monitor=monitor,
+    cfg = Config.resolve(config, budget=budget, device=device, monitor=monitor, compile=compile,
                          policies=None if policies is DEFAULT_POLICIES else policies,
                          plan=None if plan is None or plan_obj is not None else str(plan))
-    rt = Runtime(cfg, plan_obj if plan_obj is not None else resolve_plan(cfg.plan))
+    if cfg.compile:
+        if plan_obj is not None:
+            raise ValueError("plan: a Plan is for the eager runtime; a compiled step is planned when it compiles: "
+                             "leave plan unset with compile=True")
+        from ..compile.session import CompileSession  # torch._dynamo is imported only when compile is asked for
+        rt: Any = CompileSession(cfg)
+    else:
+        rt = Runtime(cfg, plan_obj if plan_obj is not None else resolve_plan(cfg.plan))
     if _live() is not None:
         disable()
     rt.install()
@@ -116,7 +126,8 @@ def enabled() -> bool:
 
 def stats() -> Stats:
     """Measurements since ``enable()`` or the last ``reset_stats()`` (see :class:`Stats`); after the
-    enabling thread exited, those it left."""
+    enabling thread exited, those it left. Under ``enable(compile=True)``: the compiled regions' plans
+    (:class:`~hybridmem.compile.CompileStats`)."""
     rt = _live() or _orphan
     if rt is None:
         raise RuntimeError("hybridmem is not enabled: call hybridmem.enable() (or set HYBRIDMEM_BUDGET) first")
@@ -147,7 +158,7 @@ class Session:
 def session(budget: int | str | None = None, policies: Sequence[str] | str = DEFAULT_POLICIES,
             plan: "Plan | str | Path | None" = None, device: str | None = None,
             config: "str | Path | Mapping[str, Any] | Config | None" = None, *,
-            monitor: str | None = None) -> Iterator[Session]:
+            monitor: str | None = None, compile: bool | None = None) -> Iterator[Session]:
     """``enable(...)`` for the duration of a ``with`` block; the runtime enabled before (if any) comes back."""
     global _current
     outer = _live()
@@ -155,7 +166,8 @@ def session(budget: int | str | None = None, policies: Sequence[str] | str = DEF
         outer.uninstall()
         _current = None
     try:
-        enable(budget=budget, policies=policies, plan=plan, device=device, config=config, monitor=monitor)
+        enable(budget=budget, policies=policies, plan=plan, device=device, config=config, monitor=monitor,
+               compile=compile)
         s = Session(_current)
         try:
             yield s

@@ -1,0 +1,224 @@
+"""Compiled training steps side by side: unmanaged ``torch.compile``, PyTorch's activation memory budget
+and hybridmem's compile backend, at equal real peak.
+
+    python -m bench.compiled --models resnet50,gpt --size small --ratios 0.5,0.2 --rounds 10 --json out.json
+
+For each model: the step compiled by Inductor unmanaged, then with
+``torch._functorch.config.activation_memory_budget`` at each ratio (PyTorch's recompute knapsack), then
+with ``hybridmem.compile_backend`` whose budget is the real peak that ratio reached. Every variant is
+compiled once (its first step, timed, Inductor's caches off so each compile is a cold one), checked
+against the unmanaged losses and gradients, and its real peak measured as acceptance does (the training
+state alive at the step's start + the CPU allocator's peak during the step, torch.profiler events).
+Step times are CPU seconds of the training thread, variants interleaved in every round, reported as the
+median of per-round ratios to the unmanaged step.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import statistics
+import time
+import types
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from bench.measure import alloc_peak, step_clock
+
+__all__ = ["CompiledResult", "compare", "main"]
+
+
+@dataclass
+class CompiledResult:
+    """One variant of one model."""
+
+    model: str
+    variant: str                      # "inductor", "amb=0.5", "hybridmem@amb=0.5"
+    budget_bytes: int | None = None   # hybridmem's budget
+    real_peak_bytes: int = 0
+    compile_s: float = 0.0            # wall seconds of the first step (compile included)
+    plan_s: float = 0.0               # of which hybridmem's planning
+    step_ratio: float = 1.0           # median per-round step time / unmanaged
+    max_grad_diff: float = 0.0        # largest gradient difference to the unmanaged compiled step
+    bit_identical: bool = True
+    recomputed: int = 0
+    note: str = ""
+
+
+@dataclass
+class _Variant:
+    name: str
+    model: nn.Module
+    compiled: Callable[..., Any]
+    optimizer: torch.optim.Optimizer
+    result: CompiledResult
+    ratios: list[float] = field(default_factory=list)
+
+
+def _state_bytes(model: nn.Module, optimizer: Any, inputs: list[Any]) -> int:
+    ts = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    ts += [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    ts += [t for t in inputs if torch.is_tensor(t)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
+
+
+def _step(v: _Variant, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    loss = loss_fn(v.compiled(*args, **kwargs))
+    loss.backward()
+    return loss.detach()
+
+
+class _Own(nn.Module):
+    """A model behind a forward of its own: Dynamo caches compiled code per code object, so two
+    variants of one model would otherwise share the first one's compiled step."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+
+def _own_forward(self: _Own, *args: Any, **kwargs: Any) -> Any:
+    return self.inner(*args, **kwargs)
+
+
+def _distinct(model: nn.Module, label: str) -> nn.Module:
+    code = _own_forward.__code__.replace(co_name="forward_" + re.sub(r"\W", "_", label))
+    fn = types.FunctionType(code, _own_forward.__globals__, code.co_name)
+    cls = type(f"Own_{code.co_name}", (_Own,), {"forward": fn})
+    return cls(model)
+
+
+def _prepare(name: str, entry: Any, label: str, backend: Any, amb: float | None, args: tuple, kwargs: dict) -> _Variant:
+    from torch._functorch import config as fconfig
+
+    model = copy.deepcopy(entry.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = torch.compile(_distinct(model, label), backend=backend)
+    res = CompiledResult(model=name, variant=label)
+    v = _Variant(label, model, compiled, opt, res)
+    patch = fconfig.patch(activation_memory_budget=amb) if amb is not None else fconfig.patch({})
+    t0 = time.perf_counter()
+    with patch:                                   # the partition runs at the first call
+        torch.manual_seed(0)
+        _step(v, args, kwargs, entry.loss_fn)
+    res.compile_s = time.perf_counter() - t0
+    return v
+
+
+def _measure_peak(v: _Variant, args: tuple, kwargs: dict, loss_fn: Any) -> int:
+    v.model.zero_grad(set_to_none=True)
+    state = _state_bytes(v.model, v.optimizer, [*args, *kwargs.values()])
+    torch.manual_seed(0)
+    return state + alloc_peak(lambda: _step(v, args, kwargs, loss_fn))
+
+
+def compare(name: str, size: str = "small", ratios: tuple[float, ...] = (0.5,), rounds: int = 10,
+            log: Callable[[str], None] = print) -> list[CompiledResult]:
+    """The variants of one zoo model (see the module docstring)."""
+    import torch._inductor.config as iconfig
+    from torch._functorch import config as fconfig
+
+    from hybridmem.compile import compile_backend
+    from hybridmem.zoo import build
+
+    entry = build(name, size)
+    args, kwargs = entry.args_kwargs()
+    variants: list[_Variant] = []
+    with iconfig.patch(fx_graph_cache=False), fconfig.patch(enable_autograd_cache=False):
+        base = _prepare(name, entry, "inductor", "inductor", None, args, kwargs)
+        variants.append(base)
+        base.result.real_peak_bytes = _measure_peak(base, args, kwargs, entry.loss_fn)
+        log(f"{name}: inductor compiled in {base.result.compile_s:.1f} s, real peak {base.result.real_peak_bytes}")
+        for r in ratios:
+            amb = _prepare(name, entry, f"amb={r}", "inductor", r, args, kwargs)
+            amb.result.real_peak_bytes = _measure_peak(amb, args, kwargs, entry.loss_fn)
+            variants.append(amb)
+            log(f"{name}: amb={r} compiled in {amb.result.compile_s:.1f} s, real peak {amb.result.real_peak_bytes}")
+            budget = amb.result.real_peak_bytes
+            backend = compile_backend(budget)
+            try:
+                hm = _prepare(name, entry, f"hybridmem@amb={r}", backend, None, args, kwargs)
+            except Exception as e:     # a budget below what a plan can reach: reported, not hidden
+                log(f"{name}: hybridmem at {budget} B: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                variants.append(_Variant(f"hybridmem@amb={r}", None, None, None,  # type: ignore[arg-type]
+                                         CompiledResult(name, f"hybridmem@amb={r}", budget_bytes=budget,
+                                                        note=str(e).splitlines()[0][:300])))
+                continue
+            st = backend.stats()
+            hm.result.budget_bytes = budget
+            hm.result.plan_s = st.plan_seconds
+            hm.result.recomputed = sum(x.recomputed for x in st.regions)
+            hm.result.real_peak_bytes = _measure_peak(hm, args, kwargs, entry.loss_fn)
+            variants.append(hm)
+            log(f"{name}: hybridmem@{budget} compiled in {hm.result.compile_s:.1f} s (planning {hm.result.plan_s:.1f} s), "
+                f"real peak {hm.result.real_peak_bytes}\n{st}")
+    live = [v for v in variants if v.compiled is not None]
+    # the same step's gradients: each variant against the unmanaged compiled step
+    ref = None
+    for v in live:
+        v.model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        _step(v, args, kwargs, entry.loss_fn)
+        grads = [p.grad.detach().clone() for p in v.model.parameters()]
+        if ref is None:
+            ref = grads
+        else:
+            v.result.bit_identical = all(torch.equal(a, b) for a, b in zip(grads, ref))
+            v.result.max_grad_diff = max(float((a - b).abs().max()) for a, b in zip(grads, ref))
+    clock = step_clock()
+    for k in range(rounds):
+        times: dict[str, float] = {}
+        order = live[k % len(live):] + live[:k % len(live)]      # the first mover rotates
+        for v in order:
+            v.model.zero_grad(set_to_none=True)
+            torch.manual_seed(2 + k)
+            t0 = clock()
+            _step(v, args, kwargs, entry.loss_fn)
+            times[v.name] = clock() - t0
+        for v in live:
+            v.ratios.append(times[v.name] / times["inductor"])
+    for v in live:
+        v.result.step_ratio = statistics.median(v.ratios)
+    return [v.result for v in variants]
+
+
+def table(results: list[CompiledResult]) -> str:
+    """A markdown table of the results, peaks as a share of the unmanaged compiled step's."""
+    lines = ["| model | variant | real peak (÷ compiled unmanaged) | step time (÷ compiled unmanaged) | compile s (planning s) | grads |",
+             "|---|---|---:|---:|---:|---|"]
+    base = {r.model: r.real_peak_bytes for r in results if r.variant == "inductor"}
+    for r in results:
+        if r.note:
+            lines.append(f"| {r.model} | {r.variant} | budget {r.budget_bytes / base[r.model]:.3f}: {r.note} | | | |")
+            continue
+        grads = "bit-identical" if r.bit_identical else f"max diff {r.max_grad_diff:.1e}"
+        lines.append(f"| {r.model} | {r.variant} | {r.real_peak_bytes / base[r.model]:.3f} | ×{r.step_ratio:.3f} | "
+                     f"{r.compile_s:.1f}" + (f" ({r.plan_s:.1f})" if r.plan_s else "") + f" | {grads} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="resnet50,mobilenet,transformer,gpt")
+    p.add_argument("--size", default="small")
+    p.add_argument("--ratios", default="0.5")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--json", default=None, help="write the results here")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    results: list[CompiledResult] = []
+    for name in a.models.split(","):
+        results += compare(name.strip(), a.size, tuple(float(x) for x in a.ratios.split(",")), a.rounds)
+        print(table(results), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump([asdict(r) for r in results], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

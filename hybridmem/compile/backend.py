@@ -1,0 +1,374 @@
+"""``torch.compile`` backend: an STR plan inside the compiled graph.
+
+    backend = hybridmem.compile_backend(budget="8GiB")
+    model = torch.compile(model, backend=backend)
+    ...train as usual...
+    print(backend.stats())
+
+For each compiled region AOTAutograd traces the joint forward-backward graph; the backend turns it
+into a hybridmem Graph (:mod:`hybridmem.compile.joint`), plans it under the region's share of the
+budget with the hybridmem solvers, and hands the plan to PyTorch's partitioner as checkpoint policies
+(:mod:`hybridmem.compile.partition`). Inductor (or, with ``compiler="eager"``, AOTAutograd's eager
+runner) then compiles the partitioned forward and backward as usual: nothing of hybridmem runs while
+the step runs.
+
+What the budget covers: the bytes the device holds while a compiled step runs: the regions'
+parameters, buffers and inputs, the gradients they produce, their saved and temporary activations,
+and the optimizer's state when ``optimizer=`` is given. Regions (graph breaks) share it in the order
+they are first compiled: a region plans for what the regions before it keep through their backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+
+from ..errors import BudgetInfeasibleError, UnknownNameError
+from ..graph.costs import DeviceModel, get_cost_model
+from ..graph.units import fmt_bytes, parse_bytes
+from .joint import JointGraph, joint_graph
+from .partition import Decisions, apply_plan, decisions
+from .scratch import measure_scratch
+
+__all__ = ["CompileBackend", "CompileStats", "RegionStats", "compile_backend", "POLICIES", "COMPILERS"]
+
+POLICIES = ("swap", "recompute")      # what a compiled graph can do with a saved tensor
+COMPILERS = ("inductor", "eager")     # what compiles the partitioned graphs
+NO_LINK_BW = 1e-3                     # B/s: the host link of a device that cannot swap (planners avoid it)
+# Inductor's compiled step holds more than the op-by-op joint graph at its peak (its kernels' buffers
+# live by kernel, not by op, and its backward runs in its own order): 3.3-4.3 % of the keep-all peak
+# on the CPU (ResNet-50 small, a ResNet-18-like net; 2026-12-01). Its plans leave this share free.
+INDUCTOR_MARGIN = 0.05
+
+
+@dataclass
+class RegionStats:
+    """What was decided for one compiled region (one joint forward-backward graph)."""
+
+    name: str
+    stages: int                       # ops of the joint graph (forward + backward)
+    forward_stages: int
+    keep_all_peak_bytes: int          # the graph's peak with every saved tensor kept, op by op
+    min_budget_bytes: int             # no budget below this can fit the region (outside bytes included)
+    budget_bytes: int                 # this region's share of the budget
+    margin_bytes: int                 # of the share, left free for the compiler's own buffers (INDUCTOR_MARGIN)
+    predicted_peak_bytes: int         # the plan's peak under the simulator
+    saved_bytes: int                  # bytes the forward saves for the backward, kept
+    recomputed: int = 0               # saved tensors the backward recomputes ...
+    recomputed_bytes: int = 0
+    swapped: int = 0                  # ... and those it reloads from the host
+    swapped_bytes: int = 0
+    predicted_overhead: float = 0.0   # predicted step time / compute time - 1
+    gap_to_lower_bound: float | None = None
+    solver: str = ""
+    plan_from: str = ""
+    plan_s: float = 0.0               # seconds spent turning the graph into a plan and tags
+    note: str = ""
+
+
+@dataclass
+class CompileStats:
+    """The compiled regions one backend planned, in the order they were first compiled."""
+
+    device: str
+    budget_bytes: int
+    outside_bytes: int                # bytes counted outside the regions (the optimizer's state)
+    regions: list[RegionStats] = field(default_factory=list)
+
+    @property
+    def plan_seconds(self) -> float:
+        return sum(r.plan_s for r in self.regions)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+        return asdict(self)
+
+    def __str__(self) -> str:
+        lines = [f"hybridmem compiled on {self.device}: budget {fmt_bytes(self.budget_bytes)}, "
+                 f"{len(self.regions)} region(s), planning {self.plan_seconds:.2f} s"
+                 + (f", optimizer state {fmt_bytes(self.outside_bytes)}" if self.outside_bytes else "")]
+        for r in self.regions:
+            lines.append(
+                f"  {r.name}: {r.stages} ops, keep-all peak {fmt_bytes(r.keep_all_peak_bytes)}, share "
+                f"{fmt_bytes(r.budget_bytes)}, predicted peak {fmt_bytes(r.predicted_peak_bytes)}; saved "
+                f"{fmt_bytes(r.saved_bytes)}, recomputed {r.recomputed} ({fmt_bytes(r.recomputed_bytes)}), "
+                f"swapped {r.swapped} ({fmt_bytes(r.swapped_bytes)}); predicted +{100 * r.predicted_overhead:.1f} %"
+                + (f"; {r.note}" if r.note else ""))
+        return "\n".join(lines)
+
+
+def _device_of(example_inputs: Sequence[Any]) -> torch.device:
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def _cost_model(device: torch.device, name: str | None, can_swap: bool) -> DeviceModel:
+    if name is None and device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device).lower()
+        name = next((n for n in ("h200", "h100", "a100", "v100") if n in gpu), "h100")
+    model = get_cost_model(name or "cpu")
+    if not can_swap and isinstance(model, DeviceModel):
+        # a link this slow makes every swap cost more than any recompute: the planners recompute
+        model = replace(model, h2d_bw=NO_LINK_BW, d2h_bw=NO_LINK_BW, name=f"{model.name} (no swap)")
+    return model
+
+
+def _optimizer_bytes(optimizer: Any) -> int:
+    if optimizer is None:
+        return 0
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer (its state counts against the budget), "
+                        f"got {type(optimizer).__name__}")
+    from ..graph.optstate import optimizer_state
+    states, _ = optimizer_state(optimizer)
+    return sum(s.nbytes for s in states if s.on_device)
+
+
+class _Partitioner:
+    """The partition function AOTAutograd (or Inductor) calls with each region's joint graph."""
+
+    def __init__(self, backend: "CompileBackend") -> None:
+        self.backend = backend
+        # unique to this backend: a cached partition made under another budget is never reused
+        self.token = f"hybridmem-partition:{os.getpid()}:{id(backend)}:{time.time_ns()}"
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from torch._functorch import config as fconfig
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        offload = self.backend._prepare(gm, kwargs)
+        patch = fconfig.patch(enable_activation_offloading=True, activation_offload_separate_stream=True,
+                              activation_offload_sink_wait=True, activation_reload_prefetch=True) \
+            if offload else contextlib.nullcontext()
+        with patch:
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> str:
+        return self.token
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Inductor pickles its config into cache keys: this object stands there as its token
+        return (str, (self.token,))
+
+
+class CompileBackend:
+    """A ``torch.compile`` backend that plans each compiled region under a byte budget.
+
+    ``budget``: bytes (``8 << 30``, ``"8GiB"``; on CUDA also ``"60%"`` of the device's memory).
+    ``device``: where the compiled step runs (default: the device of the region's inputs).
+    ``policies``: which of ``swap`` and ``recompute`` may evict (swap needs CUDA: on the CPU a swap
+    frees nothing). ``solver``: a hybridmem solver (``approx`` by default; see ``hybridmem plan
+    --list-solvers``), with ``time_limit`` seconds per region. ``optimizer``: the training loop's
+    optimizer, whose state then counts against the budget. ``cost_model``: a hybridmem device model
+    name (default: the CPU model, or the GPU's). ``compiler``: ``inductor`` (default) or ``eager``
+    (AOTAutograd's eager runner: the same partition, no kernel generation). ``scratch``: measure the
+    library ops' scratch by running each once on zeros (:mod:`hybridmem.compile.scratch`; default on).
+    """
+
+    def __init__(self, budget: int | str, device: str | torch.device | None = None,
+                 policies: Sequence[str] | str = POLICIES, solver: str = "approx",
+                 time_limit: float | None = None, optimizer: Any = None, cost_model: str | None = None,
+                 compiler: str = "inductor", scratch: bool = True) -> None:
+        from .. import solvers
+        self.policies = _policies(policies)
+        if solver not in solvers.SOLVERS:
+            raise UnknownNameError("solver", solver, solvers.SOLVERS)
+        if compiler not in COMPILERS:
+            raise UnknownNameError("compiler", compiler, COMPILERS)
+        if time_limit is not None and not (isinstance(time_limit, (int, float)) and time_limit > 0):
+            raise ValueError(f"time_limit {time_limit!r}: expected seconds > 0, or None")
+        self.device = None if device is None else _device(device)
+        if budget is None or isinstance(budget, bool):
+            raise ValueError("budget: expected bytes (an int, '8GiB'; on CUDA also '60%' of device memory), "
+                             f"got {budget!r}")
+        self.budget = budget
+        self._budget_b: int | None = None
+        if not (isinstance(budget, str) and budget.strip().endswith("%")):
+            self._budget_b = parse_bytes(budget, what="budget")
+        elif self.device is not None and self.device.type != "cuda":
+            raise ValueError(f"budget {budget!r}: a percentage needs a CUDA device (of its memory); "
+                             "give bytes on the CPU, e.g. '2GiB'")
+        self.solver, self.time_limit, self.compiler, self.scratch = solver, time_limit, compiler, bool(scratch)
+        self.cost_model_name = cost_model
+        if cost_model is not None:
+            get_cost_model(cost_model)          # an unknown name fails here, naming the known ones
+        self.optimizer_bytes = _optimizer_bytes(optimizer)
+        self._held: dict[tuple[str, ...], int] = {}      # region key -> bytes it keeps through its backward
+        self._regions: dict[tuple[str, ...], RegionStats] = {}
+        self._current: tuple[str, ...] = ()
+        self._dev: torch.device | None = self.device
+        self.partitioner = _make_partitioner(self)
+
+    # ---- torch.compile calls this ----------------------------------------------------------------
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        # a region's identity across recompiles (new shapes, guards): the names of its tensor inputs
+        self._current = tuple(str(n.target) for n, x in zip(
+            (n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs) if isinstance(x, torch.Tensor))
+        if self._dev is None:
+            self._dev = _device_of(example_inputs)
+        if self.compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner})
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=self.partitioner,
+                            keep_inference_input_mutations=True)(gm, example_inputs)
+
+    # ---- what the user reads -------------------------------------------------------------------
+    def stats(self) -> CompileStats:
+        dev = self._dev or torch.device("cpu")
+        return CompileStats(device=str(dev), budget_bytes=self._budget_bytes(dev),
+                            outside_bytes=self.optimizer_bytes, regions=list(self._regions.values()))
+
+    # ---- planning ----------------------------------------------------------------------------
+    def _budget_bytes(self, dev: torch.device) -> int:
+        if self._budget_b is None:
+            if dev.type != "cuda":
+                raise ValueError(f"budget {self.budget!r}: a percentage needs a CUDA device; this region runs "
+                                 f"on {dev}: give bytes, e.g. '2GiB'")
+            total = torch.cuda.get_device_properties(dev).total_memory
+            return parse_bytes(self.budget, what="budget", total=total)
+        return self._budget_b
+
+    def _prepare(self, gm: fx.GraphModule, kwargs: dict[str, Any]) -> bool:
+        """Plan the joint graph ``gm`` and tag it; return whether any tensor is offloaded."""
+        from torch._functorch import config as fconfig
+        from torch._functorch.compile_utils import fx_graph_cse
+        from torch._functorch.partitioners import classify_nodes
+
+        from .. import solvers
+        from ..graph.simulate import simulate
+
+        t0 = time.perf_counter()
+        dev = self._dev or torch.device("cpu")
+        can_swap = "swap" in self.policies and dev.type == "cuda"
+        model = _cost_model(dev, self.cost_model_name, can_swap)
+        # the same clean-up the partitioner starts with, so that the tags land on the nodes it keeps
+        gm.graph.eliminate_dead_code()
+        if fconfig.cse:
+            gm.graph = fx_graph_cse(gm.graph)
+        gm.recompile()
+        nfwd = kwargs["num_fwd_outputs"]
+        static_idx = list(kwargs.get("static_lifetime_input_indices") or [])
+        info = classify_nodes(gm, static_idx, nfwd)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        jg = joint_graph(gm, [n for n in gm.graph.nodes if info.is_required_fw(n)],
+                         [p for i, p in enumerate(placeholders) if i in static_idx],
+                         [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
+                         name=f"region {len(self._regions) + 1}", fuse=self.compiler == "inductor")
+        if self.scratch:
+            jg.graph.meta["workspace"] = measure_scratch(jg, dev)
+        g = jg.graph
+        key = self._current
+        budget = self._budget_bytes(dev)
+        outside = self.optimizer_bytes + sum(b for k, b in self._held.items() if k != key)
+        share = budget - outside
+        peak = g.peak_bytes()
+        margin = int(INDUCTOR_MARGIN * peak) if self.compiler == "inductor" else 0
+        name = f"region {list(self._regions).index(key) + 1 if key in self._regions else len(self._regions) + 1}"
+        least = solvers.memory_floor(g, model) + margin + outside
+        if budget < least:
+            raise BudgetInfeasibleError(
+                f"hybridmem compile: {name} needs a budget of at least {fmt_bytes(least)} ({least} B) with every "
+                f"evictable activation recomputed or swapped ({fmt_bytes(least - outside)} in the region"
+                + (f", of which {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
+                + f"; {fmt_bytes(outside)} held outside it: the optimizer's state and the regions compiled "
+                f"before); the budget is {fmt_bytes(budget)} ({budget} B)", least)
+        if share >= peak + margin:
+            d = Decisions()
+            st = RegionStats(name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=peak,
+                             min_budget_bytes=least, margin_bytes=margin, budget_bytes=share,
+                             predicted_peak_bytes=peak, saved_bytes=g.saved_bytes(),
+                             note="the share holds the keep-all peak: PyTorch's own partition")
+        else:
+            try:
+                p = solvers.plan(g, share - margin, device=model, solver=self.solver, time_limit=self.time_limit)
+            except BudgetInfeasibleError:
+                # the least budget this solver finds a plan for (bisection), so the error names it
+                least_plan = solvers.plan(g, "min", device=model, solver=self.solver, time_limit=self.time_limit)
+                need = int(least_plan.budget_bytes) + margin + outside
+                raise BudgetInfeasibleError(
+                    f"hybridmem compile: {name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
+                    f"the least budget it has a plan for is {fmt_bytes(need)} ({need} B): "
+                    f"{fmt_bytes(least_plan.budget_bytes)} in the region"
+                    + (f", {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
+                    + f", {fmt_bytes(outside)} held outside it (the optimizer's state and the regions compiled "
+                    f"before)", need) from None
+            d = decisions(p)
+            if d.swap and not can_swap:
+                raise BudgetInfeasibleError(
+                    f"hybridmem compile: {name} fits {fmt_bytes(share)} only by swapping {len(d.swap)} tensor(s), "
+                    f"which a compiled graph on {dev} cannot (policies {list(self.policies)}); "
+                    f"a larger budget lets recompute alone fit", None)
+            apply_plan(jg, d)
+            res = simulate(g, p, device=model, budget=share - margin)
+            st = RegionStats(
+                name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=peak,
+                min_budget_bytes=least, margin_bytes=margin, budget_bytes=share, predicted_peak_bytes=int(res.peak_bytes),
+                saved_bytes=g.saved_bytes() - d.bytes_of(jg, "recompute") - d.bytes_of(jg, "swap"),
+                recomputed=len(d.recompute), recomputed_bytes=d.bytes_of(jg, "recompute"),
+                swapped=len(d.swap), swapped_bytes=d.bytes_of(jg, "swap"),
+                predicted_overhead=float(p.info.get("overhead") or 0.0),
+                gap_to_lower_bound=p.info.get("gap_to_lower_bound"), solver=p.solver,
+                plan_from=str(p.info.get("plan_from") or ""))
+        self._held[key] = g.fixed_bytes() + st.saved_bytes + (st.swapped_bytes if dev.type != "cuda" else 0)
+        st.plan_s = time.perf_counter() - t0
+        self._regions[key] = st
+        return bool(d.swap)
+
+
+def _make_partitioner(backend: CompileBackend) -> Any:
+    """The partition function, as the ``CustomPartitionerFn`` Inductor's config asks for (the class is
+    made here so that importing this module does not import Inductor)."""
+    global _PartitionerFn
+    if _PartitionerFn is None:
+        from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+        class HybridmemPartitioner(_Partitioner, CustomPartitionerFn):
+            pass
+
+        _PartitionerFn = HybridmemPartitioner
+    return _PartitionerFn(backend)
+
+
+_PartitionerFn: Any = None
+
+
+def _policies(policies: Sequence[str] | str) -> tuple[str, ...]:
+    items = tuple(p.strip() for p in policies.split(",")) if isinstance(policies, str) else tuple(policies)
+    if not items:
+        raise ValueError(f"policies: expected at least one of {list(POLICIES)}")
+    for p in items:
+        if p == "compress":
+            raise ValueError("policies: 'compress' is not available inside a compiled graph (its codecs run "
+                             f"in the eager runtime); accepted here: {list(POLICIES)}")
+        if p not in POLICIES:
+            raise UnknownNameError("policy", p, POLICIES)
+    return items
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"invalid device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported: expected 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available here; use 'cpu'")
+    return dev
+
+
+def compile_backend(budget: int | str, device: str | torch.device | None = None,
+                    policies: Sequence[str] | str = POLICIES, solver: str = "approx", **options: Any) -> CompileBackend:
+    """A ``torch.compile`` backend that keeps each compiled training step under ``budget`` bytes
+    (:class:`CompileBackend`; ``options``: ``time_limit``, ``optimizer``, ``cost_model``, ``compiler``)."""
+    return CompileBackend(budget, device=device, policies=policies, solver=solver, **options)

@@ -1,0 +1,231 @@
+"""AOTAutograd's joint forward-backward FX graph as a hybridmem :class:`~hybridmem.graph.ir.Graph`.
+
+Every ``call_function`` node but ``getitem`` is a stage: the forward nodes (those the forward outputs
+need) in graph order, then the rest in graph order, which is how the partitioned graphs run them. A
+tensor is a storage: a view names its base's storage, the outputs of a multi-output op are its
+``getitem`` nodes' storages. Sizes come from ``node.meta["val"]`` (fake tensors), costs from a hybridmem
+cost model (FLOPs from :func:`hybridmem.graph.flops.op_flops`, bytes read and written).
+
+Kinds: the partition's static inputs (parameters, buffers) are ``param``, the other placeholders
+(step inputs, tangents) ``input``; the forward's user-visible outputs and everything the backward
+returns (gradients) outlive the step and are not evictable (``other``, ``grad``). Forward tensors the
+backward reads are ``saved``. Random ops are not recomputable (their replay would draw new numbers).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..graph.flops import op_flops
+from ..graph.ir import Graph, Stage, TensorInfo
+
+__all__ = ["JointGraph", "joint_graph", "node_nbytes"]
+
+
+@dataclass
+class JointGraph:
+    """A joint FX graph's hybridmem Graph and the map back to its nodes."""
+
+    graph: Graph
+    producer_node: dict[int, fx.Node] = field(default_factory=dict)   # tensor id -> the node that makes it
+    stage_node: list[fx.Node] = field(default_factory=list)           # stage index -> its node
+    tensor_nodes: dict[int, list[fx.Node]] = field(default_factory=dict)  # tensor id -> nodes naming it
+    fused: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)  # stage node -> pointwise nodes fused into it
+
+    def forward_nodes_of(self, tensor_id: int) -> list[fx.Node]:
+        """The nodes a decision on ``tensor_id`` tags: its producer, the pointwise nodes fused into it
+        and, for a multi-output op, the ``getitem`` nodes that name this output."""
+        producer = self.producer_node[tensor_id]
+        return [*self.fused.get(producer, ()), producer,
+                *(n for n in self.tensor_nodes.get(tensor_id, ()) if n.target is operator.getitem)]
+
+
+def _vals(v: Any) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return [x for x in v if isinstance(x, torch.Tensor)]
+    return []
+
+
+def _hint(x: Any) -> int:
+    """An int from a size that may be symbolic (dynamic shapes): its hint."""
+    try:
+        return int(x)
+    except Exception:
+        from torch.fx.experimental.symbolic_shapes import hint_int
+        return int(hint_int(x))
+
+
+def node_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s storage (its whole storage: a view keeps all of it alive)."""
+    try:
+        return _hint(t.untyped_storage().nbytes())
+    except Exception:
+        return _hint(t.numel()) * t.element_size()
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except Exception:
+        return ("tensor", id(t))
+
+
+def _is_random(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def _arg_vals(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return a.meta.get("val")
+    if isinstance(a, (tuple, list)):
+        return type(a)(_arg_vals(x) for x in a)
+    if isinstance(a, dict):
+        return {k: _arg_vals(v) for k, v in a.items()}
+    return a
+
+
+def _flops(node: fx.Node) -> float:
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return 0.0
+    return op_flops(node.target, _arg_vals(node.args), _arg_vals(node.kwargs), node.meta.get("val"))
+
+
+def _pointwise(n: fx.Node) -> bool:
+    return (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and torch.Tag.pointwise in n.target.tags and not _is_random(n))
+
+
+def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """Pointwise chains a fusing compiler (Inductor) runs as one kernel: a pointwise node whose only
+    user is a pointwise node of the same pass is fused into it (its value never materializes).
+    Returns each chain's last node -> the nodes fused into it, in graph order."""
+    into: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        if not _pointwise(n) or n in returned or len(n.users) != 1:
+            continue
+        (u,) = n.users
+        if _pointwise(u) and (u in fw) == (n in fw):
+            into[n] = u
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:                       # graph order: members before the node they fuse into
+        if n in into:
+            last = into[n]
+            while last in into:
+                last = into[last]
+            groups.setdefault(last, []).append(n)
+    return groups
+
+
+def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: Iterable[fx.Node],
+                fwd_outputs: Iterable[fx.Node], cost_model: Any = None, name: str = "",
+                fuse: bool = False) -> JointGraph:
+    """The hybridmem Graph of joint graph ``gm``.
+
+    ``forward``: the nodes the forward computes (``classify_nodes``' required forward nodes);
+    ``static_inputs``: the placeholders that are parameters or buffers; ``fwd_outputs``: the nodes the
+    forward returns to the user (not evictable). ``cost_model``: a hybridmem cost model for stage costs
+    (None: costs stay 0). ``fuse``: one stage per pointwise chain (:func:`fusion_groups`), as a fusing
+    compiler runs it: its inner values take no memory, and recomputing its output replays the chain.
+    """
+    fw = set(forward)
+    static = set(static_inputs)
+    user_out = set(fwd_outputs)
+    nodes = list(gm.graph.nodes)
+    out_node = next(n for n in nodes if n.op == "output")
+    returned = {a for a in out_node.all_input_nodes}
+    groups = fusion_groups(nodes, fw, returned) if fuse else {}
+    inner = {m for ms in groups.values() for m in ms}
+    order = [n for n in nodes if n.op == "call_function" and n in fw] + \
+            [n for n in nodes if n.op == "call_function" and n not in fw]
+    order = [n for n in order if n.target is not operator.getitem and n not in inner]
+
+    tensors: list[TensorInfo] = []
+    by_storage: dict[Any, int] = {}
+    node_tensor: dict[fx.Node, list[int]] = {}
+    jg = JointGraph(graph=None, fused=groups)  # type: ignore[arg-type]
+
+    def tensor_of(val: torch.Tensor, node: fx.Node, producer: int, kind: str, op: fx.Node | None = None) -> int:
+        key = _storage_key(val)
+        tid = by_storage.get(key)
+        if tid is None:
+            tid = len(tensors)
+            by_storage[key] = tid
+            tensors.append(TensorInfo(id=tid, nbytes=node_nbytes(val), dtype=str(val.dtype).replace("torch.", ""),
+                                      shape=tuple(_hint(s) for s in val.shape), kind=kind, producer=producer,
+                                      name=node.name))
+            jg.producer_node[tid] = op if op is not None else node
+        jg.tensor_nodes.setdefault(tid, []).append(node)
+        return tid
+
+    for n in nodes:
+        if n.op == "placeholder":
+            node_tensor[n] = [tensor_of(v, n, -1, "param" if n in static else "input") for v in _vals(n.meta.get("val"))]
+
+    stages: list[Stage] = []
+    for idx, n in enumerate(order):
+        phase = "forward" if n in fw else "backward"
+        members = [*groups.get(n, ()), n]
+        ins: list[int] = []
+        for m in members:
+            for a in m.all_input_nodes:
+                for tid in node_tensor.get(a, ()):      # a fused member has no tensor: skipped
+                    if tid not in ins:
+                        ins.append(tid)
+        outs: list[int] = []
+        vals = _vals(n.meta.get("val"))
+        getitems = [u for u in n.users if u.target is operator.getitem]
+        if getitems and not isinstance(n.meta.get("val"), torch.Tensor):
+            produced = []
+            for g in getitems:
+                gv = _vals(g.meta.get("val"))
+                tids = [tensor_of(v, g, idx, "activation", op=n) for v in gv]
+                node_tensor[g] = tids
+                produced += tids
+            node_tensor[n] = produced
+        else:
+            node_tensor[n] = [tensor_of(v, n, idx, "activation") for v in vals]
+        for tid in node_tensor[n]:
+            if tensors[tid].producer == idx and tid not in outs:
+                outs.append(tid)
+        read = sum(tensors[t].nbytes for t in ins)
+        wrote = sum(tensors[t].nbytes for t in outs)
+        random = _is_random(n)
+        op = "+".join(str(m.target) for m in members)
+        stages.append(Stage(index=idx, id=f"{phase}/{n.name}", op=op, phase=phase,
+                            flops=sum(_flops(m) for m in members), bytes_accessed=read + wrote, inputs=ins,
+                            outputs=outs, rng=random, deterministic=not random))
+        jg.stage_node.append(n)
+
+    for s in stages:
+        for tid in s.inputs:
+            tensors[tid].consumers.append(s.index)
+    for n in returned:
+        for tid in node_tensor.get(n, ()):
+            t = tensors[tid]
+            if t.producer >= 0:
+                t.freed_after = None
+                t.kind = "other" if n in user_out or stages[t.producer].phase == "forward" else "grad"
+    for t in tensors:
+        t.consumers = sorted(set(t.consumers))
+        if t.producer < 0:
+            continue
+        if t.kind == "activation":
+            t.freed_after = max([t.producer, *t.consumers])
+            t.saved = stages[t.producer].phase == "forward" and any(
+                stages[c].phase == "backward" for c in t.consumers)
+    g = Graph(stages=stages, tensors=tensors, meta={"source": "aot-joint", "model": name, "writes_recorded": True})
+    if cost_model is not None:
+        times = cost_model.op_times(g)
+        for s, t in zip(g.stages, times):
+            s.cost_s = float(t)
+        g.meta["cost_model"] = cost_model.name
+    jg.graph = g.validate()
+    return jg

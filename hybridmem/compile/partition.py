@@ -1,0 +1,61 @@
+"""The partition of a joint graph by a hybridmem plan.
+
+PyTorch's own partitioner (``min_cut_rematerialization_partition``) decides which forward values the
+backward reads as saved tensors and which it recomputes. It honours per-node checkpoint policies, so a
+plan is applied by tagging nodes before it runs:
+
+- **recompute** -> ``CheckpointPolicy.MUST_RECOMPUTE``: the backward replays the producing op (and, where
+  PyTorch finds it cheaper, the pointwise ops before it);
+- **swap** -> ``MUST_SAVE`` plus ``should_offload``: PyTorch's activation-offloading pass moves the saved
+  tensor to the host after its last forward use and back before its first backward use, on a side
+  stream with prefetch (CUDA only);
+- **keep** -> no tag: the partitioner keeps its own choice, which never saves more than keeping does.
+
+Nothing runs per op at run time: the compiled forward and backward are the partitioned graphs.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..graph.plan import Plan
+from .joint import JointGraph
+
+__all__ = ["Decisions", "apply_plan", "decisions"]
+
+TAG = "recompute"               # the node.meta key PyTorch's partitioner reads
+OFFLOAD = "should_offload"      # the node.meta key its activation-offloading pass reads
+
+
+@dataclass
+class Decisions:
+    """What a plan asked of one joint graph's saved tensors (ids of the hybridmem Graph)."""
+
+    recompute: list[int] = field(default_factory=list)
+    swap: list[int] = field(default_factory=list)
+
+    def bytes_of(self, jg: JointGraph, which: str) -> int:
+        return sum(jg.graph.tensors[t].nbytes for t in getattr(self, which))
+
+
+def decisions(plan: Plan) -> Decisions:
+    """The tensors ``plan`` recomputes and swaps (a tensor both swapped and recomputed counts as swapped:
+    its host copy is what the backward reads first)."""
+    swapped = sorted({a.tensor for a in plan.actions if a.kind == "swap_out"})
+    rec = sorted({a.tensor for a in plan.actions if a.kind == "recompute"} - set(swapped))
+    return Decisions(recompute=rec, swap=swapped)
+
+
+def apply_plan(jg: JointGraph, d: Decisions) -> None:
+    """Tag ``jg``'s nodes with ``d``'s decisions (see the module docstring). A node the user's own
+    checkpointing tagged (``torch.utils.checkpoint`` inside the compiled code) keeps its tag."""
+    for tid in d.recompute:
+        for n in jg.forward_nodes_of(tid):
+            n.meta.setdefault(TAG, CheckpointPolicy.MUST_RECOMPUTE)
+    for tid in d.swap:
+        for n in jg.forward_nodes_of(tid):
+            n.meta.setdefault(TAG, CheckpointPolicy.MUST_SAVE)
+            # the offload pass moves the value the backward reads: the getitem for a multi-output op
+            if n.target is operator.getitem or len(jg.forward_nodes_of(tid)) == 1:
+                n.meta[OFFLOAD] = True
