@@ -2,6 +2,7 @@
 and hybridmem's compile backend, at equal real peak.
 
     python -m bench.compiled --models resnet50,gpt --size small --ratios 0.5,0.2 --rounds 10 --json out.json
+    python -m bench.compiled --from-json out.json --plot docs/img/compiled.png     # table and plot again
 
 For each model: the step compiled by Inductor unmanaged, then with
 ``torch._functorch.config.activation_memory_budget`` at each ratio (PyTorch's recompute knapsack), then
@@ -201,6 +202,36 @@ def table(results: list[CompiledResult]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[CompiledResult], path: str) -> None:
+    """Step time against real peak (both ÷ the unmanaged compiled step's), one panel per model: PyTorch's
+    activation memory budget and hybridmem's backend at the same peaks."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in results))
+    fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        rs = [r for r in results if r.model == name and not r.note]
+        base = next(r for r in rs if r.variant == "inductor").real_peak_bytes
+        for label, pick, marker in (("torch.compile (Inductor)", lambda v: v == "inductor", "s"),
+                                    ("activation_memory_budget", lambda v: v.startswith("amb="), "o"),
+                                    ("hybridmem compile backend", lambda v: v.startswith("hybridmem@"), "^")):
+            pts = sorted((r.real_peak_bytes / base, r.step_ratio, r.variant) for r in rs if pick(r.variant))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
+                for x, y, v in pts:
+                    ax.annotate(v.split("@")[-1].replace("amb=", ""), (x, y), fontsize=7,
+                                textcoords="offset points", xytext=(3, 3))
+        ax.set_title(name)
+        ax.set_xlabel("real peak ÷ unmanaged compiled")
+        ax.set_ylabel("step time ÷ unmanaged compiled")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="resnet50,mobilenet,transformer,gpt")
@@ -208,7 +239,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratios", default="0.5")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="draw step time against real peak here (PNG)")
+    p.add_argument("--from-json", default=None, help="tables and plot from a results file, without running")
     a = p.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            results = [CompiledResult(**d) for d in json.load(f)]
+        print(table(results))
+        if a.plot:
+            plot(results, a.plot)
+        return 0
     torch.set_num_threads(1)
     results: list[CompiledResult] = []
     for name in a.models.split(","):
@@ -217,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             with open(a.json, "w") as f:
                 json.dump([asdict(r) for r in results], f, indent=1)
+    if a.plot:
+        plot(results, a.plot)
     return 0
 
 

@@ -12,7 +12,9 @@ and every BatchNorm buffer are bit-identical to the unmanaged run (lossless poli
 whether the CUDA caching-allocator hook (hybridmem's free-memory callback) was built and registered; each
 row shows how often the caching allocator called it and what it freed, and the swap rows the copy time
 hidden behind compute vs exposed (stall), and ``steady`` the steps that ran without the dispatch mode
-(recompute rows: steps 3 and 4 when the steady state applies). Exit status 1 if a row fails.
+(recompute rows: steps 3 and 4 when the steady state applies). Then ``--compiled`` models (default
+ResNet-50) under ``torch.compile``: Inductor unmanaged, and hybridmem's compile backend at 70 % of its
+peak with swap and recompute (PyTorch's activation offloading for the swaps). Exit status 1 if a row fails.
 """
 from __future__ import annotations
 
@@ -187,11 +189,61 @@ def hook_lines(device: torch.device) -> list[str]:
     return [f"# CUDA caching-allocator hook: built, registered={native.cuda_registered} ({native.path.name})"]
 
 
+def _compiled_steps(model: torch.nn.Module, entry, backend, device: torch.device) -> tuple[list[int], list, float]:
+    """4 SGD steps of ``torch.compile(model, backend=backend)``: the peak of each, the last gradients,
+    the mean time of the steps after the first (which compiles)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    args, kwargs = entry.args_kwargs()
+    peaks, times = [], []
+    for step in range(STEPS):
+        torch.manual_seed(step)           # the same dropout masks in both runs
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        entry.loss_fn(compiled(*args, **kwargs)).backward()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0)
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        opt.step()
+    return peaks, grads, min(times[2:] or times)   # steps 1-2 may compile (a recompile after the first)
+
+
+def check_compiled(name: str, size: str, device: torch.device, fraction: float = 0.7) -> list[str]:
+    """torch.compile (Inductor) unmanaged, then under hybridmem's compile backend at ``fraction`` of its
+    peak with swap and recompute: peaks per step, step time, gradients within rounding."""
+    from hybridmem.compile import compile_backend
+
+    entry = build(name, size, device=device)
+    base = copy.deepcopy(entry.model)
+    peaks0, grads0, ms0 = _compiled_steps(copy.deepcopy(base), entry, "inductor", device)
+    budget = int(fraction * max(peaks0)) if device.type == "cuda" else 1 << 40
+    backend = compile_backend(budget, device=device)
+    try:
+        peaks, grads, ms = _compiled_steps(copy.deepcopy(base), entry, backend, device)
+    except Exception as e:
+        return [f"compiled {name:12s} budget {budget / 2**20:.1f} MiB: {type(e).__name__}: {str(e).splitlines()[0][:200]}  FAIL"]
+    close = all(torch.allclose(a, b, rtol=1e-3, atol=1e-5) for a, b in zip(grads, grads0))
+    ok = close and (device.type != "cuda" or max(peaks) <= budget)
+    st = backend.stats()
+    lines = [f"compiled {name:12s} budget {budget / 2**20:8.1f} MiB  peaks {'/'.join(f'{p / 2**20:.1f}' for p in peaks)} "
+             f"(unmanaged {max(peaks0) / 2**20:.1f})  step {ms * 1e3:.1f} ms (unmanaged {ms0 * 1e3:.1f})  "
+             f"grads {'close' if close else 'DIFFER'}  {'ok' if ok else 'FAIL'}"]
+    lines += [f"  {line}" for line in str(st).splitlines()]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
     ap.add_argument("--models", default="resnet50,transformer,gpt,unet,mobilenet", help="zoo models")
     ap.add_argument("--size", default="small", help="zoo size (default: small)")
+    ap.add_argument("--compiled", default="resnet50",
+                    help="zoo models to check under torch.compile with hybridmem's backend ('' to skip)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -213,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'yes' if r.identical else 'NO':>9s} {r.step_ms:8.1f} {r.base_ms:8.1f} {r.regen_ms:9.1f} "
                   f"{r.stall_ms:9.1f} {r.hidden_ms:9.1f} {r.hook_calls:10d} {r.hook_freed / 2**20:8.1f} {r.steady:6d}  "
                   f"{'ok' if r.ok else 'FAIL'}")
+    for model in filter(None, args.compiled.split(",")):
+        for line in check_compiled(model, args.size, device):
+            failed += line.endswith("FAIL")
+            print(line)
     print(f"{failed} row(s) failed")
     return 1 if failed else 0
 

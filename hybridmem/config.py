@@ -68,7 +68,7 @@ class Config:
         """Merge defaults < YAML < environment < keyword arguments (``None`` kwargs are ignored)."""
         env = os.environ if env is None else env
         base = cls()
-        source = config if config is not None else env.get("HYBRIDMEM_CONFIG")
+        source = config if config is not None else (env.get("HYBRIDMEM_CONFIG") or None)  # empty: unset
         if isinstance(source, Config):
             base = source
         elif source is not None:

@@ -84,6 +84,8 @@ def test_zoo_model_trains_bit_identical_within_the_budget(name: str) -> None:
     peaks, grads, losses = _train(copy.deepcopy(base), args, kwargs, e.loss_fn, b)
     st = b.stats()
     assert st.regions[0].recomputed > 0, st
+    assert len(st.regions[0].decisions) == st.regions[0].recomputed
+    assert "recompute" in st.report()
     assert all(p <= budget for p in peaks), (peaks, budget, str(st))
     assert max(peaks) < ref_peaks[-1]
     assert _same(grads, ref_grads)
@@ -237,3 +239,23 @@ def test_bad_arguments_say_what_is_accepted(kwargs: dict, match: str) -> None:
 
 def test_the_backend_is_public_api() -> None:
     assert hybridmem.compile_backend is compile_backend
+
+
+def test_hybridmem_run_compile_routes_torch_compile(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    from hybridmem.cli import main
+    for var in ("HYBRIDMEM_BUDGET", "HYBRIDMEM_COMPILE", "HYBRIDMEM_POLICIES", "HYBRIDMEM_CONFIG", "HYBRIDMEM_PLAN"):
+        monkeypatch.setenv(var, "")        # restored after the test: the run writes them
+    script = tmp_path / "script.py"
+    script.write_text("import torch\n"
+                      "backend = torch.compile.__hybridmem_original__ and torch.compile.__wrapped__\n"
+                      "print('compile routed')\n")
+    original = torch.compile
+    try:
+        assert main(["run", "--compile", "--budget", "64MiB", str(script)]) == 0
+        out, err = capsys.readouterr()
+        assert "compile routed" in out
+        assert "budget 64.00 MiB, 0 region(s)" in err and "did the script call torch.compile?" in err
+    finally:
+        hybridmem.disable()
+    assert torch.compile is original

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -40,10 +40,11 @@ __all__ = ["CompileBackend", "CompileStats", "RegionStats", "compile_backend", "
 POLICIES = ("swap", "recompute")      # what a compiled graph can do with a saved tensor
 COMPILERS = ("inductor", "eager")     # what compiles the partitioned graphs
 NO_LINK_BW = 1e-3                     # B/s: the host link of a device that cannot swap (planners avoid it)
-# Inductor's compiled step holds more than the op-by-op joint graph at its peak (its kernels' buffers
-# live by kernel, not by op, and its backward runs in its own order): 3.3-4.3 % of the keep-all peak
-# on the CPU (ResNet-50 small, a ResNet-18-like net; 2026-12-01). Its plans leave this share free.
-INDUCTOR_MARGIN = 0.05
+# Inductor's compiled step holds more at its peak than the joint graph counts op by op (its kernels'
+# buffers live by kernel, not by op, and it orders the backward and the recomputed ops its own way):
+# 0.7-1.6 MiB on ResNet-50 small (4.3-6.4 % of the keep-all peak), 3.3 % on a ResNet-18-like net
+# (CPU, 2026-12-01). Its plans leave this share of the keep-all peak free.
+INDUCTOR_MARGIN = 0.08
 
 
 @dataclass
@@ -69,6 +70,8 @@ class RegionStats:
     plan_from: str = ""
     plan_s: float = 0.0               # seconds spent turning the graph into a plan and tags
     note: str = ""
+    # one record per evicted tensor: the node that makes it, its op, bytes and policy, largest first
+    decisions: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -85,8 +88,17 @@ class CompileStats:
         return sum(r.plan_s for r in self.regions)
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
         return asdict(self)
+
+    def report(self, top: int = 10) -> str:
+        """The regions and, for each, its ``top`` largest evicted tensors with what was decided."""
+        lines = [str(self)]
+        for r in self.regions:
+            for d in r.decisions[:top]:
+                lines.append(f"    {r.name}: {d['policy']:9s} {fmt_bytes(d['bytes']):>11s}  {d['node']} ({d['op']})")
+            if len(r.decisions) > top:
+                lines.append(f"    {r.name}: ... {len(r.decisions) - top} more")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         lines = [f"hybridmem compiled on {self.device}: budget {fmt_bytes(self.budget_bytes)}, "
@@ -309,6 +321,9 @@ class CompileBackend:
                     f"which a compiled graph on {dev} cannot (policies {list(self.policies)}); "
                     f"a larger budget lets recompute alone fit", None)
             apply_plan(jg, d)
+            records = [{"node": jg.producer_node[t].name, "op": g.stages[g.tensors[t].producer].op,
+                        "bytes": g.tensors[t].nbytes, "policy": policy}
+                       for policy, ids in (("recompute", d.recompute), ("swap", d.swap)) for t in ids]
             res = simulate(g, p, device=model, budget=share - margin)
             st = RegionStats(
                 name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=peak,
@@ -318,7 +333,8 @@ class CompileBackend:
                 swapped=len(d.swap), swapped_bytes=d.bytes_of(jg, "swap"),
                 predicted_overhead=float(p.info.get("overhead") or 0.0),
                 gap_to_lower_bound=p.info.get("gap_to_lower_bound"), solver=p.solver,
-                plan_from=str(p.info.get("plan_from") or ""))
+                plan_from=str(p.info.get("plan_from") or ""),
+                decisions=sorted(records, key=lambda r: -r["bytes"]))
         self._held[key] = g.fixed_bytes() + st.saved_bytes + (st.swapped_bytes if dev.type != "cuda" else 0)
         st.plan_s = time.perf_counter() - t0
         self._regions[key] = st

@@ -104,15 +104,17 @@ def _pointwise(n: fx.Node) -> bool:
 
 
 def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
-    """Pointwise chains a fusing compiler (Inductor) runs as one kernel: a pointwise node whose only
-    user is a pointwise node of the same pass is fused into it (its value never materializes).
-    Returns each chain's last node -> the nodes fused into it, in graph order."""
+    """Forward pointwise chains a fusing compiler (Inductor) runs as one kernel: a pointwise forward node
+    whose only user is a pointwise forward node is fused into it (its value never materializes, and a
+    recompute replays the chain). The backward is left op by op: its peak, where the budget binds, is
+    what the count must not underestimate. Returns each chain's last node -> the nodes fused into it,
+    in graph order."""
     into: dict[fx.Node, fx.Node] = {}
     for n in nodes:
-        if not _pointwise(n) or n in returned or len(n.users) != 1:
+        if n not in fw or not _pointwise(n) or n in returned or len(n.users) != 1:
             continue
         (u,) = n.users
-        if _pointwise(u) and (u in fw) == (n in fw):
+        if _pointwise(u) and u in fw:
             into[n] = u
     groups: dict[fx.Node, list[fx.Node]] = {}
     for n in nodes:                       # graph order: members before the node they fuse into
