@@ -144,10 +144,11 @@ def compare(name: str, size: str = "small", ratios: tuple[float, ...] = (0.5,), 
             try:
                 hm = _prepare(name, entry, f"hybridmem@amb={r}", backend, None, args, kwargs)
             except Exception as e:     # a budget below what a plan can reach: reported, not hidden
-                log(f"{name}: hybridmem at {budget} B: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                # Dynamo wraps the backend's error: its first line names the backend, the cause follows
+                why = next((ln for ln in str(e).splitlines() if "Error:" in ln), str(e).splitlines()[0])[:400]
+                log(f"{name}: hybridmem at {budget} B: {why}")
                 variants.append(_Variant(f"hybridmem@amb={r}", None, None, None,  # type: ignore[arg-type]
-                                         CompiledResult(name, f"hybridmem@amb={r}", budget_bytes=budget,
-                                                        note=str(e).splitlines()[0][:300])))
+                                         CompiledResult(name, f"hybridmem@amb={r}", budget_bytes=budget, note=why)))
                 continue
             st = backend.stats()
             hm.result.budget_bytes = budget
