@@ -34,7 +34,7 @@ from hybridmem.graph.plan import Action
 
 from . import lp as lp_relaxation
 from ._common import Problem, Schedule
-from .gaps import KEEP, REC, SWAP, Gap, GapModel, Realized
+from .gaps import KEEP, REC, SWAP, SWAP_ISSUE_POINTS, Gap, GapModel, Realized
 from .lp import LPValues
 from .milp import stage_link_copies
 
@@ -185,7 +185,14 @@ class GapPlanner(GapModel):
         return best
 
     def improve(self, r: Realized, deadline: float) -> Realized:
-        """Extend residency where memory allows; else try a cheaper regeneration. Repeats until stable."""
+        """Extend residency where memory allows; else try a cheaper regeneration. Repeats until stable:
+        first with a swap-in issued at the earliest or the latest hidden stage only (few trials per gap),
+        then also at the stages between them (:meth:`swap_issue_stages`), until stable again."""
+        for points in (0, SWAP_ISSUE_POINTS):
+            r = self._improve(r, deadline, points)
+        return r
+
+    def _improve(self, r: Realized, deadline: float, points: int) -> Realized:
         changed = True
         while changed and time.perf_counter() < deadline:
             changed = False
@@ -197,7 +204,7 @@ class GapPlanner(GapModel):
                 snap = self._snapshot()
                 trials: list[tuple[str, int]] = [(KEEP, -1)]
                 if self.allow_swap and self.can_swap(g):
-                    trials += [(SWAP, q) for q in sorted({g.lo + 1, self.latest_hidden_q(g)}) if q != g.q]
+                    trials += [(SWAP, q) for q in self.swap_issue_stages(g, points) if q != g.q]
                 if g.kind == SWAP and self.can_rec(g.k, g.hi):
                     trials.append((REC, -1))
                 if g.kind == REC:      # regenerate where a replay of it runs anyway (as a source), keep to hi

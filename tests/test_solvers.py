@@ -537,3 +537,71 @@ def test_the_milp_without_a_plan_in_hand_starts_from_the_best_start_that_does_no
     actions = approx._unfit_start(fine, [(float("inf"), "capuchin", gp)])
     assert actions == schedule_to_actions(fine, gp.schedule(gp.realize()))
     assert approx._unfit_start(fine, []) is None
+
+
+def test_swap_issue_stages_span_the_earliest_to_the_latest_hidden() -> None:
+    from hybridmem.solvers.gaps import SWAP_ISSUE_POINTS
+    g = random_graph(40, seed=18)
+    p = build_problem(g, int(0.5 * g.peak_bytes()), "h100-80gb")
+    gp = relax.GapPlanner(p)
+    wide = [x for x in gp.gaps if gp.latest_hidden_q(x) - x.lo > SWAP_ISSUE_POINTS + 2]
+    assert wide
+    for x in wide:
+        qs = gp.swap_issue_stages(x)
+        assert qs == sorted(set(qs)) and qs[0] == x.lo + 1 and qs[-1] == gp.latest_hidden_q(x)
+        assert len(qs) == SWAP_ISSUE_POINTS + 2 and all(x.lo < q <= x.hi for q in qs)
+        assert gp.swap_issue_stages(x, 0) == [x.lo + 1, gp.latest_hidden_q(x)]
+
+
+@pytest.mark.parametrize("seed,share", [(18, 0.5), (18, 0.6), (12, 0.6)])
+def test_improve_finds_swaps_issued_between_the_earliest_and_latest_hidden_stage(seed: int, share: float) -> None:
+    """From the DTR plan, the improvement with swap-ins issued between the earliest and the latest hidden
+    stage ends cheaper than with those two alone (where another copy holds the link, the latest hidden
+    stage stalls and the earliest holds the bytes too long)."""
+    import time
+
+    from hybridmem.solvers.baselines import dtr_plan
+
+    g = random_graph(40, seed=seed)
+    budget = int(share * g.peak_bytes())
+    p = build_problem(g, budget, "h100-80gb")
+    start = dtr_plan(p, budget).actions
+    costs = []
+    for full in (False, True):
+        gp = relax.GapPlanner(p)
+        gp.load_actions(start)
+        r = gp.realize()
+        r = gp.improve(r, time.perf_counter() + 30) if full else gp._improve(r, time.perf_counter() + 30, 0)
+        assert gp.feasible(r)
+        costs.append(r.cost)
+    assert costs[1] < costs[0] - 1e-9
+
+
+def test_large_graphs_polish_their_best_start_before_the_lp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a large graph the best fitting start and Capuchin's construction are polished right after the
+    starts (a short time limit then ends with polished plans), before the STR LP; the final polish does
+    not take them again."""
+    from hybridmem.solvers import approx
+
+    events: list[tuple[str, list[str]]] = []
+    real_polish, real_problem = approx._polish, approx._solve_problem
+
+    def polish(pool, fine, str_plan, seeds, *args, **kwargs):
+        events.append(("polish", [s[1] for s in seeds]))
+        return real_polish(pool, fine, str_plan, seeds, *args, **kwargs)
+
+    def solve_problem(*args, **kwargs):
+        events.append(("str", []))
+        return real_problem(*args, **kwargs)
+
+    monkeypatch.setattr(approx, "_polish", polish)
+    monkeypatch.setattr(approx, "_solve_problem", solve_problem)
+    for share in (0.4, 0.5):
+        events.clear()
+        g = random_graph(80, seed=18)
+        out = plan(g, int(share * g.peak_bytes()), time_limit=20, recompute_lp=False)
+        assert [e[0] for e in events][:2] == ["polish", "str"]
+        assert "capuchin" in events[0][1]
+        if len(events) > 2:       # the final polish (none where the STR plan runs at compute speed)
+            assert events[2][0] == "polish" and not set(events[0][1]) & set(events[2][1])
+        assert simulate(g, out, device="h100-80gb").peak_bytes <= out.budget_bytes
