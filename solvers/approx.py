@@ -191,14 +191,14 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
     if exact and deadline is not None:
         reserve = EXACT_SHARE * (deadline - time.perf_counter())
         stop = deadline - (min(reserve, EXACT_IMPROVE_S) if time_limit is None else reserve)
-    polished: set[str] = set()
+    polished: dict[str, Any] = {}
     if seeds and solver != "milp" and relax.is_large(fine) and options.get("early_polish", True):
         # the best start and Capuchin's construction polished now: on large graphs these are most often
         # the plans that win, and a short time limit then ends with them rather than with raw starts
         left = options.get("polish_s", 12.0) * EARLY_POLISH_SHARE
         if stop is not None:
             left = min(left, (stop - time.perf_counter()) * EARLY_POLISH_SHARE)
-        polished = _polish(pool, fine, None, seeds, solver, time.perf_counter() + left, options, best_of=1)
+        _polish(pool, fine, None, seeds, solver, time.perf_counter() + left, options, best_of=1, planners=polished)
     t_early = time.perf_counter()
     if solver != "greedy" and options.get("recompute_lp", True):
         left = None if stop is None else (stop - time.perf_counter()) * RECOMPUTE_LP_SHARE
@@ -249,8 +249,9 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
         polish = False                     # nothing to gain: the step already runs at compute speed
     if polish:
         # the MILP's time limit is its own: the polish after it gets its usual share
-        _polish(pool, fine, str_plan, [s for s in seeds if s[1] not in polished], solver,
-                None if solver == "milp" else stop, options)
+        # the starts polished early go on from where that polish left them
+        again = [(t, name, polished.get(name, arg)) for t, name, arg in seeds]
+        _polish(pool, fine, str_plan, again, solver, None if solver == "milp" else stop, options)
     t_polish = time.perf_counter()
     if exact:
         _exact_start(pool, fine, deadline, verbose, options, notes, capped=time_limit is None)
@@ -303,15 +304,16 @@ def _fine_floor(graph: Graph, p: Problem, model: Any, options: dict[str, Any]) -
 
 
 def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple[float, str, Any]], solver: str,
-            deadline: float | None, options: dict[str, Any], best_of: int = 2) -> set[str]:
+            deadline: float | None, options: dict[str, Any], best_of: int = 2,
+            planners: dict[str, Any] | None = None) -> None:
     """Full-graph polish: starts (the STR plan, the ``best_of`` best seeds, Capuchin's construction) repaired
     where they do not fit and improved gap by gap (:func:`solvers.relax.refine`), best start first;
-    every result is offered to ``pool``. Returns the names of the starts it took."""
+    every result is offered to ``pool``; ``planners`` gets each start's planner as the polish left it."""
     left = options.get("polish_s", 12.0)
     if deadline is not None:
         left = min(left, max(deadline - time.perf_counter(), 0.0))
     if left <= 0.1:
-        return set()
+        return
     ranked = sorted(seeds, key=lambda s: s[0])
     if str_plan is not None:
         t_str = pool.best[0] if pool.best[3] == "str" else float("inf")
@@ -324,10 +326,10 @@ def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple
             starts.append((name, arg))     # STR and Capuchin are repaired even when they do not fit
     info = dict(str_plan.info) if str_plan is not None else {}
     # each result is written as a plan and simulated after refine returns: keep time for that
-    for name, sched, _ in relax.refine(fine, starts, time_budget=0.85 * left, keep_improved_only=True):
+    for name, sched, _ in relax.refine(fine, starts, time_budget=0.85 * left, keep_improved_only=True,
+                                       planners=planners):
         cand = make_plan(fine, schedule_to_actions(fine, sched), solver, dict(info))
         pool.offer(f"polish:{name}", cand)
-    return {name for name, _ in starts}
 
 
 def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bool, options: dict[str, Any],

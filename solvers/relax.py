@@ -459,14 +459,15 @@ def stage_link_start(p: Problem, actions: list[Action], compact: bool, time_budg
 
 
 def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.0,
-           keep_improved_only: bool = False) -> list[tuple[str, Schedule, float]]:
+           keep_improved_only: bool = False, planners: dict[str, Any] | None = None) -> list[tuple[str, Schedule, float]]:
     """Improve plans on ``p`` (the full graph) gap by gap: each start is ``(name, actions)`` (a plan's
     actions, e.g. the coarse plan written on the full graph: repaired first if it does not fit there),
     ``(name, GapPlanner)`` (a planner on ``p`` in some state, used as it is) or ``("capuchin", None)``
     (Capuchin's construction). Returns ``(name, schedule, model seconds)`` for
     every start that fits, improved by extending residency and cheaper regenerations where memory allows.
     With ``keep_improved_only``, a start that fits as it is comes back only if the model finds it
-    improved (the caller judged the start itself already)."""
+    improved (the caller judged the start itself already). ``planners``: filled with each start's
+    planner as the polish left it (a later polish can go on from there)."""
     t0 = time.perf_counter()
     out = []
     for i, (name, arg) in enumerate(starts):
@@ -490,6 +491,8 @@ def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.
             if not gp.feasible(r):
                 continue
             repaired = True
+        if planners is not None:
+            planners[name] = gp
         c0 = r.cost
         if repaired or not keep_improved_only:
             out.append((f"{name}", gp.schedule(r), r.cost))

@@ -3,6 +3,7 @@ coarsening; the hybrid plan against the baselines."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 
@@ -579,29 +580,48 @@ def test_improve_finds_swaps_issued_between_the_earliest_and_latest_hidden_stage
 
 def test_large_graphs_polish_their_best_start_before_the_lp(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a large graph the best fitting start and Capuchin's construction are polished right after the
-    starts (a short time limit then ends with polished plans), before the STR LP; the final polish does
-    not take them again."""
+    starts (a short time limit then ends with polished plans), before the STR LP; the final polish goes on
+    from where that polish left them (their planners, not the raw starts)."""
     from hybridmem.solvers import approx
 
-    events: list[tuple[str, list[str]]] = []
-    real_polish, real_problem = approx._polish, approx._solve_problem
+    events: list[tuple[str, list[tuple[str, Any]]]] = []
+    real_refine = relax.refine
 
-    def polish(pool, fine, str_plan, seeds, *args, **kwargs):
-        events.append(("polish", [s[1] for s in seeds]))
-        return real_polish(pool, fine, str_plan, seeds, *args, **kwargs)
+    def refine(p, starts, **kwargs):
+        events.append(("polish", list(starts)))
+        return real_refine(p, starts, **kwargs)
 
-    def solve_problem(*args, **kwargs):
+    def no_str_plan(*args, **kwargs):
         events.append(("str", []))
-        return real_problem(*args, **kwargs)
+        return None               # the STR step finds nothing: the final polish has the starts alone
 
-    monkeypatch.setattr(approx, "_polish", polish)
-    monkeypatch.setattr(approx, "_solve_problem", solve_problem)
-    for share in (0.4, 0.5):
-        events.clear()
-        g = random_graph(80, seed=18)
-        out = plan(g, int(share * g.peak_bytes()), time_limit=20, recompute_lp=False)
-        assert [e[0] for e in events][:2] == ["polish", "str"]
-        assert "capuchin" in events[0][1]
-        if len(events) > 2:       # the final polish (none where the STR plan runs at compute speed)
-            assert events[2][0] == "polish" and not set(events[0][1]) & set(events[2][1])
-        assert simulate(g, out, device="h100-80gb").peak_bytes <= out.budget_bytes
+    monkeypatch.setattr(relax, "refine", refine)
+    monkeypatch.setattr(approx, "_solve_problem", no_str_plan)
+    g = random_graph(80, seed=3, device="v100-16gb")
+    out = plan(g, int(0.6 * g.peak_bytes()), device="v100-16gb", time_limit=20, recompute_lp=False)
+    assert [e[0] for e in events] == ["polish", "str", "polish"]
+    early, final = dict(events[0][1]), dict(events[2][1])
+    assert "capuchin" in early and len(early) <= 2          # the best fitting start and Capuchin's
+    for name in early:
+        assert isinstance(final[name], relax.GapPlanner)    # went on from where the first polish left it
+    assert simulate(g, out, device="v100-16gb").peak_bytes <= out.budget_bytes
+
+
+def test_refine_hands_back_its_planners_as_it_left_them() -> None:
+    """``refine(planners=...)``: each start's planner in the state its polish ended in (the ``approx``
+    portfolio's final polish goes on from there)."""
+    import time
+
+    from hybridmem.solvers.baselines import dtr_plan
+
+    g = random_graph(40, seed=18)
+    budget = int(0.5 * g.peak_bytes())
+    p = build_problem(g, budget, "h100-80gb")
+    planners: dict[str, Any] = {}
+    out = relax.refine(p, [("dtr", dtr_plan(p, budget).actions)], time_budget=30, planners=planners)
+    assert isinstance(planners["dtr"], relax.GapPlanner)
+    r = planners["dtr"].realize()
+    assert planners["dtr"].feasible(r) and r.cost == pytest.approx(out[-1][2])
+    # going on from there: nothing is lost, and a converged planner stays where it is
+    r2 = planners["dtr"].improve(r, time.perf_counter() + 30)
+    assert r2.cost <= r.cost + 1e-12
