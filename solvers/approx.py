@@ -210,8 +210,8 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
         if inner < int(p.min_bytes().max()):
             break
         left = None if stop is None else (stop - time.perf_counter()) * str_share
-        if solver == "milp" and time_limit is None:
-            left = None
+        if solver == "milp":
+            left = time_limit        # the MILP's own limit, whatever the starts took (None: its default)
         if left is not None and left < 0.3:
             notes.append(f"no time left for {solver} on the {'coarse ' if coarse else ''}problem")
             break

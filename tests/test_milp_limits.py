@@ -173,3 +173,28 @@ def test_a_warm_start_that_satisfies_the_model_is_the_solution_when_the_solver_s
     monkeypatch.setattr(mip.Model, "optimize", hang)
     res = milp.solve_problem(p, time_limit=3, start=ok.schedule, link="stage")
     assert res.status == milp.START_STATUS and res.schedule is not None
+
+
+def test_the_milp_gets_its_whole_time_limit_whatever_the_starts_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``solver="milp"``: ``time_limit`` is the MILP's own; heuristic starts that ran long (a loaded
+    machine) do not leave it "no time left"."""
+    from hybridmem.solvers import approx
+
+    real_seed, seen = approx._seed, []
+
+    def slow_seed(pool, fine):
+        time.sleep(2.5)
+        return real_seed(pool, fine)
+
+    def spy(p, solver, time_limit, *args, **kwargs):
+        seen.append(time_limit)
+        return None
+
+    monkeypatch.setattr(approx, "_seed", slow_seed)
+    monkeypatch.setattr(approx, "_solve_problem", spy)
+    g = random_graph(80, seed=3)
+    try:
+        plan(g, int(0.6 * g.peak_bytes()), solver="milp", time_limit=2.0, recompute_lp=False)
+    except Exception:
+        pass                     # no MILP plan here (the spy returns none): only its time limit matters
+    assert seen == [2.0]
