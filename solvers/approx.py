@@ -193,12 +193,13 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
         stop = deadline - (min(reserve, EXACT_IMPROVE_S) if time_limit is None else reserve)
     polished: dict[str, Any] = {}
     if seeds and solver != "milp" and relax.is_large(fine) and options.get("early_polish", True):
-        # the best start and Capuchin's construction polished now: on large graphs these are most often
-        # the plans that win, and a short time limit then ends with them rather than with raw starts
+        # the best start (Capuchin's construction where none fits) polished now: on large graphs that is
+        # most often the plan that wins, and a short time limit then ends with it rather than a raw start
         left = options.get("polish_s", 12.0) * EARLY_POLISH_SHARE
         if stop is not None:
             left = min(left, (stop - time.perf_counter()) * EARLY_POLISH_SHARE)
-        _polish(pool, fine, None, seeds, solver, time.perf_counter() + left, options, best_of=1, planners=polished)
+        _polish(pool, fine, None, seeds, solver, time.perf_counter() + left, options, best_of=1, planners=polished,
+                repair=False)
     t_early = time.perf_counter()
     if solver != "greedy" and options.get("recompute_lp", True):
         left = None if stop is None else (stop - time.perf_counter()) * RECOMPUTE_LP_SHARE
@@ -305,10 +306,11 @@ def _fine_floor(graph: Graph, p: Problem, model: Any, options: dict[str, Any]) -
 
 def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple[float, str, Any]], solver: str,
             deadline: float | None, options: dict[str, Any], best_of: int = 2,
-            planners: dict[str, Any] | None = None) -> None:
+            planners: dict[str, Any] | None = None, repair: bool = True) -> None:
     """Full-graph polish: starts (the STR plan, the ``best_of`` best seeds, Capuchin's construction) repaired
     where they do not fit and improved gap by gap (:func:`solvers.relax.refine`), best start first;
-    every result is offered to ``pool``; ``planners`` gets each start's planner as the polish left it."""
+    every result is offered to ``pool``; ``planners`` gets each start's planner as the polish left it.
+    Without ``repair`` STR and Capuchin are added only where no start fits."""
     left = options.get("polish_s", 12.0)
     if deadline is not None:
         left = min(left, max(deadline - time.perf_counter(), 0.0))
@@ -322,7 +324,7 @@ def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple
     fitting = [s for s in ranked if s[0] < float("inf")]
     starts = [(name, arg) for _, name, arg in fitting[:best_of]]
     for _, name, arg in ranked:
-        if name in ("str", "capuchin") and name not in [n for n, _ in starts]:
+        if name in ("str", "capuchin") and name not in [n for n, _ in starts] and (repair or not starts):
             starts.append((name, arg))     # STR and Capuchin are repaired even when they do not fit
     info = dict(str_plan.info) if str_plan is not None else {}
     # each result is written as a plan and simulated after refine returns: keep time for that

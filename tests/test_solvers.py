@@ -579,9 +579,9 @@ def test_improve_finds_swaps_issued_between_the_earliest_and_latest_hidden_stage
 
 
 def test_large_graphs_polish_their_best_start_before_the_lp(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a large graph the best fitting start and Capuchin's construction are polished right after the
-    starts (a short time limit then ends with polished plans), before the STR LP; the final polish goes on
-    from where that polish left them (their planners, not the raw starts)."""
+    """On a large graph the best fitting start (Capuchin's construction where none fits) is polished right
+    after the starts (a short time limit then ends with a polished plan), before the STR LP; the final
+    polish goes on from where that polish left it (its planner, not the raw start)."""
     from hybridmem.solvers import approx
 
     events: list[tuple[str, list[tuple[str, Any]]]] = []
@@ -601,7 +601,7 @@ def test_large_graphs_polish_their_best_start_before_the_lp(monkeypatch: pytest.
     out = plan(g, int(0.6 * g.peak_bytes()), device="v100-16gb", time_limit=20, recompute_lp=False)
     assert [e[0] for e in events] == ["polish", "str", "polish"]
     early, final = dict(events[0][1]), dict(events[2][1])
-    assert "capuchin" in early and len(early) <= 2          # the best fitting start and Capuchin's
+    assert list(early) == ["capuchin"]          # the best fitting start here
     for name in early:
         assert isinstance(final[name], relax.GapPlanner)    # went on from where the first polish left it
     assert simulate(g, out, device="v100-16gb").peak_bytes <= out.budget_bytes
@@ -625,3 +625,23 @@ def test_refine_hands_back_its_planners_as_it_left_them() -> None:
     # going on from there: nothing is lost, and a converged planner stays where it is
     r2 = planners["dtr"].improve(r, time.perf_counter() + 30)
     assert r2.cost <= r.cost + 1e-12
+
+
+def test_the_early_polish_leaves_an_unfit_capuchin_to_the_final_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_polish(repair=False)`` (the early polish) takes the best fitting start alone; Capuchin's
+    construction that does not fit is repaired by the final polish (``repair=True``), or by the early
+    one where no start fits."""
+    from hybridmem.solvers import approx
+    from hybridmem.solvers.baselines import dtr_plan
+
+    g = random_graph(40, seed=18)
+    budget = int(0.5 * g.peak_bytes())
+    p = build_problem(g, budget, "h100-80gb")
+    taken: list[list[str]] = []
+    monkeypatch.setattr(relax, "refine", lambda p, starts, **kw: taken.append([n for n, _ in starts]) or [])
+    pool = approx._Pool(g, budget, p.model)
+    seeds = [(1.0, "dtr", dtr_plan(p, budget).actions), (float("inf"), "capuchin", relax.GapPlanner(p))]
+    approx._polish(pool, p, None, seeds, "approx", None, {}, best_of=1, repair=False)
+    approx._polish(pool, p, None, seeds, "approx", None, {}, best_of=1)
+    approx._polish(pool, p, None, seeds[1:], "approx", None, {}, best_of=1, repair=False)
+    assert taken == [["dtr"], ["dtr", "capuchin"], ["capuchin"]]
