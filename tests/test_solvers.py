@@ -425,6 +425,19 @@ def test_approx_offers_the_recompute_only_lp_start(vgg16_tiny: Graph) -> None:
     assert "recompute-lp" not in off.info["phases_s"]
 
 
+def test_the_recompute_only_lp_start_needs_a_second(monkeypatch: pytest.MonkeyPatch, vgg16_tiny: Graph) -> None:
+    """Its share of what is left after the starts under RECOMPUTE_LP_MIN_S: not started (building its
+    model alone would overrun the limit on a large graph)."""
+    from hybridmem.solvers import approx
+
+    g = vgg16_tiny
+    budget = int(min_feasible_budget(g) + 0.3 * (g.peak_bytes() - min_feasible_budget(g)))
+    monkeypatch.setattr(approx, "RECOMPUTE_LP_MIN_S", 1e6)
+    assert "recompute-lp" not in plan(g, budget, solver="approx", time_limit=10, **COARSE).info["phases_s"]
+    monkeypatch.setattr(approx, "RECOMPUTE_LP_MIN_S", 0.0)
+    assert "recompute-lp" in plan(g, budget, solver="approx", time_limit=10, **COARSE).info["phases_s"]
+
+
 def test_read_closure_follows_chains_of_bundles_made_in_one_coarse_stage() -> None:
     """A replay of C reads B, whose replay reads A: A may be needed wherever C is recomputed, even when
     all three were made in the same (coarse) stage, where no order of one pass sees it."""
