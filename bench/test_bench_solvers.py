@@ -16,6 +16,12 @@
   LP relaxation of the full graph is not solved (about 70k columns for ResNet-152 and, because the STR
   model times copies conservatively, not a bound on plans outside it). The table printed with ``-s`` has
   solve time against graph size.
+- ``test_plan_command_end_to_end``: the whole ``hybridmem plan ... --json`` command in a fresh process at the
+  same four points, imports included (the planner sizes its time so that the command ends in about 10 s):
+  wall and CPU seconds, the load average before it, the gap to the valid bound.
+- ``test_polish_from_dtr_until_stable``: the gap-by-gap improvement alone, no time limit, ResNet-101/152 at
+  35 %: the gap reached with the swap-in at the earliest or latest hidden stage only, then with the stages
+  between them too, and the CPU seconds.
 - ``test_baselines_table`` (slow): every solver at six budgets from the least feasible to the keep-all peak
   on ``v100-16gb`` and ``h100-80gb`` for a few zoo models; the table is printed and the hybrid plan must be
   no slower than any baseline that fits the same budget.
@@ -89,6 +95,88 @@ def test_plan_end_to_end(benchmark, name: str, frac: float) -> None:
     assert p.info.lower_bound_s >= p.info.compute_s * (1 - 1e-12)
     assert p.info.gap_to_lower_bound <= MAX_GAP, \
         f"{name} at {frac:.0%}: {p.info.gap_to_lower_bound:.1%} over the valid lower bound ({p.info.lower_bound_kind})"
+
+
+@pytest.mark.parametrize("frac", END_TO_END_BUDGETS)
+@pytest.mark.parametrize("name", ["resnet101", "resnet152"])
+def test_plan_command_end_to_end(benchmark, name: str, frac: float) -> None:
+    """The whole command, ``hybridmem plan --model NAME --size paper --budget FRAC --json``, in a fresh
+    process (imports, capture, the planner with the time it sizes to end the command in about 10 s, the
+    output): its wall and CPU seconds (the process and its children), the load average before it, and
+    the plan's gap to the valid bound. Asserted: it ends within ``MAX_S`` and the plan is within
+    ``MAX_GAP`` of the bound (the wall time depends on what else the machine runs: the load is reported)."""
+    import json
+    import resource
+    import subprocess
+    import sys
+
+    got: dict[str, Any] = {}
+    cmd = [sys.executable, "-m", "hybridmem.cli", "plan", "--model", name, "--size", "paper",
+           "--budget", f"{frac * 100:g}%", "--json"]
+
+    def run() -> None:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        got["load"] = os.getloadavg()
+        t0 = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+        got["wall_s"] = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        got["cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        got["summary"] = json.loads(out.stdout)
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    s = got["summary"]
+    print(f"\n{name:10s} budget {frac:.0%}  wall {got['wall_s']:5.1f} s  cpu {got['cpu_s']:5.1f} s  load "
+          f"{got['load'][0]:.2f}  planner {s['solve_s']:5.1f} s  gap to the valid bound "
+          f"{s['gap_to_lower_bound']:6.2%}  from {s['plan_from']}")
+    benchmark.extra_info.update(wall_s=got["wall_s"], cpu_s=got["cpu_s"], load=got["load"][0],
+                                solve_s=s["solve_s"], gap_to_lower_bound=s["gap_to_lower_bound"],
+                                plan_from=s["plan_from"], phases_s=s.get("phases_s"))
+    assert got["wall_s"] <= MAX_S, f"{name} at {frac:.0%}: the command took {got['wall_s']:.1f} s"
+    assert s["gap_to_lower_bound"] <= MAX_GAP
+
+
+@pytest.mark.parametrize("name", ["resnet101", "resnet152"])
+def test_polish_from_dtr_until_stable(benchmark, name: str) -> None:
+    """The gap-by-gap improvement on its own, without a time limit: ResNet-101/152 (paper) at 35 % of the
+    peak from the DTR start on the full graph, improved until nothing changes with the swap-in issued at
+    the earliest or the latest hidden stage only, then also at the stages between them. Printed: the gap
+    to the valid bound after each and the CPU seconds; asserted: the second is no worse."""
+    from hybridmem.graph.costs import get_cost_model
+    from hybridmem.solvers import relax
+    from hybridmem.solvers._common import build_problem, make_plan, schedule_to_actions
+    from hybridmem.solvers.baselines import dtr_plan
+    from hybridmem.solvers.bound import lower_bound
+    from hybridmem.solvers.gaps import SWAP_ISSUE_POINTS
+
+    g, _ = captured(name)
+    model = get_cost_model("h100-80gb")
+    budget = int(0.35 * g.peak_bytes())
+    fine = build_problem(g, budget, model)
+    bound = lower_bound(g, budget, model).time_s
+    got: dict[str, Any] = {}
+
+    def gap(gp: Any, r: Any) -> float:
+        res = simulate(g, make_plan(fine, schedule_to_actions(fine, gp.schedule(r)), "approx"), device=model,
+                       budget=budget, strict=True)
+        return res.time_s / bound - 1
+
+    def run() -> None:
+        gp = relax.GapPlanner(fine)
+        gp.load_actions(dtr_plan(fine, budget).actions)
+        r = gp.realize()
+        c0 = time.process_time()
+        r = gp._improve(r, time.perf_counter() + 3600, 0)
+        got["two"], got["two_cpu"] = gap(gp, r), time.process_time() - c0
+        r = gp._improve(r, time.perf_counter() + 3600, SWAP_ISSUE_POINTS)
+        got["between"], got["cpu"] = gap(gp, r), time.process_time() - c0
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    print(f"\n{name:10s} 35 %  two issue stages {got['two']:6.2%} ({got['two_cpu']:.1f} s CPU)  with the "
+          f"{SWAP_ISSUE_POINTS} between {got['between']:6.2%} ({got['cpu']:.1f} s CPU, both)  load "
+          f"{os.getloadavg()[0]:.2f}")
+    benchmark.extra_info.update(got)
+    assert got["between"] <= got["two"] + 1e-12
 
 
 def test_solve_time_against_graph_size(benchmark) -> None:

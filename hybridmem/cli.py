@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,7 +22,11 @@ from .graph.simulate import simulate
 from .graph.units import fmt_bytes, plan_budget_bytes
 from .runfile import is_run_file, main as run_report
 
+_IMPORTED = time.perf_counter()
 DEFAULT_DEVICE = "h100-80gb"
+COMMAND_S = 10.0         # `plan` with one budget, approx or greedy, no --time-limit: the whole command's seconds
+FINISH_S = 0.6           # ... of which kept for what follows the planner (the bound, the plan's annotation, output)
+MIN_PLAN_S = 3.0         # the planner's seconds at least, whatever the capture took
 DEVICE_HELP = (f"device cost model: v100-16gb, a100-80gb, h100-80gb, h200, or cpu (this machine) "
                f"(default: {DEFAULT_DEVICE})")
 
@@ -120,7 +125,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="super-stages to coarsen to (default 100; implies --coarsen)")
     p.add_argument("--solver-backend", choices=("cbc", "highs"), default=None,
                    help="MILP backend: cbc (default, bundled) or highs (pip install 'hybridmem[highs]')")
-    p.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="solver time limit in seconds (default for approx and greedy at one budget: what is left of "
+                        f"{COMMAND_S:g} s for the whole command, capture included, at least {MIN_PLAN_S:g} s; "
+                        "otherwise the solver's own)")
     p.add_argument("--verbose", action="store_true", help="show solver output")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("-o", "--output", type=Path, help="write the plan here (.yaml); with --shapes, the plan book folder")
@@ -252,7 +260,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     g = apply_costs(_graph_from_args(args), get_cost_model(args.device))
     if args.sweep is not None:
         return _sweep(g, args, options)
-    p = solvers.plan(g, args.budget, device=args.device, solver=args.solver, time_limit=args.time_limit,
+    p = solvers.plan(g, args.budget, device=args.device, solver=args.solver, time_limit=_plan_time_limit(args),
                      verbose=args.verbose, **options)
     summary = _plan_summary(g, p)
     if args.output:
@@ -263,6 +271,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         _print_table(summary)
     return 0
+
+
+def _plan_time_limit(args: argparse.Namespace) -> float | None:
+    """``--time-limit``, else for approx and greedy at one budget what is left of ``COMMAND_S`` seconds
+    since the process started (imports and capture count), less ``FINISH_S``, at least ``MIN_PLAN_S``:
+    `hybridmem plan` ends in about ten seconds. None (the solver's own default) for the other solvers and
+    for ``--budget min``."""
+    if args.time_limit is not None:
+        return args.time_limit
+    if args.solver not in solvers.approx.DEFAULT_TIME or solvers.is_min(args.budget):
+        return None
+    return max(COMMAND_S - process_age_s() - FINISH_S, MIN_PLAN_S)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere since this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])   # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter() - _IMPORTED
 
 
 def _check_zoo_shapes(model: str | None, size: str, shapes: Sequence[str]) -> None:

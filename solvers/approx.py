@@ -31,6 +31,7 @@ EXACT_SHARE = 0.5          # of approx's time after its heuristic starts, kept f
 EXACT_IMPROVE_S = 5.0      # approx without a time limit: the exact MILP's seconds when a plan is in hand
 MIN_EXACT_S = 0.3          # seconds left below which approx does not start its exact MILP
 SHRINK_ATTEMPTS = 4
+EARLY_POLISH_SHARE = 0.6   # large graphs: of the time left after the starts, for polishing the best of them
 
 # ---- the STR planners ----------------------------------------------------------------------------
 DEFAULT_TIME = {"approx": 24.0, "greedy": 16.0}
@@ -102,6 +103,7 @@ def _seed(pool: _Pool, fine: Problem) -> list[tuple[float, str, Any]]:
 
 RECOMPUTE_LP_SHARE = 0.35   # of the time left after the seeds, at most, for the recompute-only LP start
 RECOMPUTE_LP_GATE = 1.25    # rounded only if its LP overhead is below this times the best start's overhead
+RECOMPUTE_LP_MIN_S = 1.0  # seconds, at least, for it (building its model alone takes about a second on ResNet-152)
 
 
 def _recompute_start(pool: _Pool, p: Problem, seeds: list[tuple[float, str, Any]], time_limit: float | None,
@@ -184,13 +186,24 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
             (deadline - time.perf_counter()) * str_share
         lp_job = lp_relaxation.Background(p, lp_s, verbose=verbose, compact=True)
     seeds = _seed(pool, fine) if options.get("seed", True) else []
+    t_starts = time.perf_counter()
     stop = deadline                       # for the phases before the exact MILP, which gets the rest
     if exact and deadline is not None:
         reserve = EXACT_SHARE * (deadline - time.perf_counter())
         stop = deadline - (min(reserve, EXACT_IMPROVE_S) if time_limit is None else reserve)
+    polished: dict[str, Any] = {}
+    if seeds and solver != "milp" and relax.is_large(fine) and options.get("early_polish", True):
+        # the best start (Capuchin's construction where none fits) polished now: on large graphs that is
+        # most often the plan that wins, and a short time limit then ends with it rather than a raw start
+        left = options.get("polish_s", 12.0) * EARLY_POLISH_SHARE
+        if stop is not None:
+            left = min(left, (stop - time.perf_counter()) * EARLY_POLISH_SHARE)
+        _polish(pool, fine, None, seeds, solver, time.perf_counter() + left, options, best_of=1, planners=polished,
+                repair=False)
+    t_early = time.perf_counter()
     if solver != "greedy" and options.get("recompute_lp", True):
         left = None if stop is None else (stop - time.perf_counter()) * RECOMPUTE_LP_SHARE
-        if left is None or left >= 0.3:
+        if left is None or left >= RECOMPUTE_LP_MIN_S:
             _recompute_start(pool, p, seeds, left, notes)
     t_seed = time.perf_counter()
     str_plan: Plan | None = None
@@ -198,8 +211,8 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
         if inner < int(p.min_bytes().max()):
             break
         left = None if stop is None else (stop - time.perf_counter()) * str_share
-        if solver == "milp" and time_limit is None:
-            left = None
+        if solver == "milp":
+            left = time_limit        # the MILP's own limit, whatever the starts took (None: its default)
         if left is not None and left < 0.3:
             notes.append(f"no time left for {solver} on the {'coarse ' if coarse else ''}problem")
             break
@@ -237,14 +250,18 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
         polish = False                     # nothing to gain: the step already runs at compute speed
     if polish:
         # the MILP's time limit is its own: the polish after it gets its usual share
-        _polish(pool, fine, str_plan, seeds, solver, None if solver == "milp" else stop, options)
+        # the starts polished early go on from where that polish left them
+        again = [(t, name, polished.get(name, arg)) for t, name, arg in seeds]
+        _polish(pool, fine, str_plan, again, solver, None if solver == "milp" else stop, options)
     t_polish = time.perf_counter()
     if exact:
         _exact_start(pool, fine, deadline, verbose, options, notes, capped=time_limit is None)
     elif solver == "approx" and pool.best[1] is None and time_limit is None and options.get("milp_fallback", True):
         _milp_fallback(pool, p, str_plan, seeds, verbose, options, notes)
     _, out, res, source = pool.best
-    phases = (f"setup {t_seed - t0:.2f} (seeds {','.join(pool.tried)}), {solver} {t_str - t_seed:.2f}, "
+    phases = (f"setup {t_seed - t0:.2f} (seeds {','.join(pool.tried)}: starts {t_starts - t0:.2f}, "
+              f"their polish {t_early - t_starts:.2f}, recompute-only LP {t_seed - t_early:.2f}), "
+              f"{solver} {t_str - t_seed:.2f}, "
               f"polish {t_polish - t_str:.2f}, exact milp {time.perf_counter() - t_polish:.2f}")
     if out is None:
         upper, by = pool.reached if pool.reached else (graph.peak_bytes(), "keep-all")
@@ -288,10 +305,12 @@ def _fine_floor(graph: Graph, p: Problem, model: Any, options: dict[str, Any]) -
 
 
 def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple[float, str, Any]], solver: str,
-            deadline: float | None, options: dict[str, Any]) -> None:
-    """Full-graph polish: starts (the STR plan, the two best seeds, Capuchin's construction) repaired
+            deadline: float | None, options: dict[str, Any], best_of: int = 2,
+            planners: dict[str, Any] | None = None, repair: bool = True) -> None:
+    """Full-graph polish: starts (the STR plan, the ``best_of`` best seeds, Capuchin's construction) repaired
     where they do not fit and improved gap by gap (:func:`solvers.relax.refine`), best start first;
-    every result is offered to ``pool``."""
+    every result is offered to ``pool``; ``planners`` gets each start's planner as the polish left it.
+    Without ``repair`` STR and Capuchin are added only where no start fits."""
     left = options.get("polish_s", 12.0)
     if deadline is not None:
         left = min(left, max(deadline - time.perf_counter(), 0.0))
@@ -303,13 +322,14 @@ def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple
         ranked.insert(0, (t_str, "str", str_plan.actions))
         ranked.sort(key=lambda s: s[0])
     fitting = [s for s in ranked if s[0] < float("inf")]
-    starts = [(name, arg) for _, name, arg in fitting[:2]]
+    starts = [(name, arg) for _, name, arg in fitting[:best_of]]
     for _, name, arg in ranked:
-        if name in ("str", "capuchin") and name not in [n for n, _ in starts]:
+        if name in ("str", "capuchin") and name not in [n for n, _ in starts] and (repair or not starts):
             starts.append((name, arg))     # STR and Capuchin are repaired even when they do not fit
     info = dict(str_plan.info) if str_plan is not None else {}
     # each result is written as a plan and simulated after refine returns: keep time for that
-    for name, sched, _ in relax.refine(fine, starts, time_budget=0.85 * left, keep_improved_only=True):
+    for name, sched, _ in relax.refine(fine, starts, time_budget=0.85 * left, keep_improved_only=True,
+                                       planners=planners):
         cand = make_plan(fine, schedule_to_actions(fine, sched), solver, dict(info))
         pool.offer(f"polish:{name}", cand)
 

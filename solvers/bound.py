@@ -72,10 +72,15 @@ def lower_bound(graph: "Graph", budget: int, device: Any = DEFAULT_DEVICE) -> Lo
     last = np.array([x.last_stage(n) for x in cand], dtype=np.int64)
     last_read = np.array([max(x.consumers, default=-1) for x in cand], dtype=np.int64)
     size = np.array([x.nbytes for x in cand], dtype=np.int64)
-    written = np.array([bool(writers.get(int(i))) for i in ids], dtype=bool)
+    # (candidate, in-place writer after its producer) pairs, flat: a stage's replay costs are array work
+    pairs = [(j, w) for j, i in enumerate(ids) for w in set(writers.get(int(i), ())) if w > prod[j]]
+    pair_c = np.array([j for j, _ in pairs], dtype=np.int64)
+    pair_w = np.array([w for _, w in pairs], dtype=np.int64)
     det = np.array([s.deterministic for s in graph.stages], dtype=bool)
     best = LowerBound(compute, compute, -1, 0.0, 0.0)
-    for t in np.flatnonzero(mem > budget):
+    # the stages that need most first: the bound they give lets most of the others be skipped cheaply
+    over = np.flatnonzero(mem > budget)
+    for t in over[np.argsort(-mem[over], kind="stable")]:
         t = int(t)
         alive = (prod < t) & (t <= last)
         reads = graph.stages[t].inputs
@@ -89,8 +94,10 @@ def lower_bound(graph: "Graph", budget: int, device: Any = DEFAULT_DEVICE) -> Lo
         swap_cap = int(size[later].sum())
         if swap_cap < need:
             return LowerBound(float("inf"), compute, t, float(swap_cap), 0.0, feasible=False)
-        rate, nbytes = _recompute_groups(ids[later], prod[later], size[later], written[later], t, op_s, det,
-                                         writers)
+        if max(before[t], need * per_d2h) + max(compute - before[t], need * per_h2d) <= best.time_s:
+            continue        # all swapped (no recompute): the value below is at most this, not above the bound
+        sel = later[pair_c] & (pair_w <= t)
+        rate, nbytes = _recompute_groups(prod[later], size[later], prod[pair_c[sel]], pair_w[sel], op_s, det)
         cum_b = np.concatenate(([0.0], np.cumsum(nbytes)))
         cum_s = np.concatenate(([0.0], np.cumsum(nbytes * rate)))
 
@@ -115,24 +122,24 @@ def lower_bound(graph: "Graph", budget: int, device: Any = DEFAULT_DEVICE) -> Lo
     return best
 
 
-def _recompute_groups(ids: np.ndarray, prod: np.ndarray, size: np.ndarray, written: np.ndarray, t: int,
-                      op_s: np.ndarray, det: np.ndarray, writers: dict[int, list[int]]
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    """(seconds per byte, bytes) of each producer's replay that could regenerate the tensors ``ids``
-    (made by ``prod``, ``size`` bytes each; ``written``: written in place later), sorted cheapest first.
-    A replay after ``t`` runs the producer and at least its forward in-place writers before ``t``; a
-    non-deterministic stage (``det`` false) in it rules the recompute out."""
+def _recompute_groups(prod: np.ndarray, size: np.ndarray, w_prod: np.ndarray, w_stage: np.ndarray,
+                      op_s: np.ndarray, det: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds per byte, bytes) of each producer's replay that could regenerate the tensors made by
+    ``prod`` (``size`` bytes each), sorted cheapest first. A replay after ``t`` runs the producer and at
+    least its forward in-place writers before ``t`` (``w_stage``, each writing a tensor of producer
+    ``w_prod``; a writer of several of its tensors runs once); a non-deterministic stage (``det`` false)
+    in it rules the recompute out."""
     groups, inverse = np.unique(prod, return_inverse=True)
     nbytes = np.bincount(inverse, weights=size.astype(np.float64), minlength=len(groups))
     cost = op_s[groups].astype(np.float64)
     ok = det[groups].copy()
-    # the writers only where there are any: the rest is one array operation per stage
-    extra: dict[int, set[int]] = {}
-    for k, i in zip(inverse[written], ids[written]):
-        extra.setdefault(int(k), set()).update(w for w in writers[int(i)] if groups[k] < w <= t)
-    for k, ws in extra.items():
-        cost[k] += sum(op_s[w] for w in ws)
-        ok[k] &= all(det[w] for w in ws)
+    if len(w_stage):
+        # each (producer, writer) once
+        key = np.unique(w_prod * (len(op_s) + 1) + w_stage)
+        g = np.searchsorted(groups, key // (len(op_s) + 1))
+        w = key % (len(op_s) + 1)
+        np.add.at(cost, g, op_s[w])
+        np.logical_and.at(ok, g, det[w])
     rate = cost[ok] / nbytes[ok]
     order = np.argsort(rate, kind="stable")
     return rate[order], nbytes[ok][order]

@@ -20,6 +20,7 @@ import numpy as np
 from ._common import Problem, Schedule, TensorSchedule, source_available
 
 KEEP, REC, SWAP = "keep", "rec", "swap"
+SWAP_ISSUE_POINTS = 4      # swap-in issue stages the improvement tries between the earliest and latest hidden
 
 
 @dataclass
@@ -243,6 +244,18 @@ class GapModel:
         target = self.cum[g.hi] - self.h2d_s[g.k]
         q = int(np.searchsorted(self.cum, target + 1e-15, side="right")) - 1
         return min(max(q, g.lo + 1), g.hi)
+
+    def swap_issue_stages(self, g: Gap, points: int = SWAP_ISSUE_POINTS) -> list[int]:
+        """Issue stages to try for swapping gap ``g`` in: the earliest (``lo + 1``: no stall, the copy held
+        longest), the latest hidden one (alone on the link, it lands just in time) and ``points`` evenly
+        between them. With other copies queued on the link the latest hidden stage stalls and the earliest
+        holds the bytes long; a stage between is often the one that does neither, which is what lets a
+        plan carry more bytes over the host link instead of recomputing them."""
+        a, b = g.lo + 1, self.latest_hidden_q(g)
+        qs = {a, b}
+        if points and b > a + 1:
+            qs.update(int(round(x)) for x in np.linspace(a, b, points + 2)[1:-1])
+        return sorted(qs)
 
     def _snapshot(self) -> tuple:
         return [(g.kind, g.q) for g in self.gaps], list(self.out)

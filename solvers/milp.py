@@ -754,6 +754,7 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
             # early enough that it returns by itself keeps its incumbent and bound, which a stop by
             # the parent at the deadline loses
             time_limit = max(time_limit - max(OVERRUN_RESERVE_S, OVERRUN_SHARE * time_limit), 0.5 * time_limit)
+    values = None
     if start is not None and not relax:
         values = start_from_schedule(sm, start)
         m.start = values
@@ -780,8 +781,28 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
     if obj is not None and bound is not None:
         bound = min(bound, obj)              # the bound includes copy charges the objective no longer has
     gap = max(0.0, obj - bound) if obj is not None and bound is not None else None
-    return SolveResult(status.name.lower(), obj, bound, gap, dt, sched, m.num_cols, m.num_rows, sm.build_s,
+    name = status.name.lower()
+    if sched is None and values is not None and sm.start_note == START_SATISFIES:
+        # the start is a solution of the model: CBC stopped before it took it in (its root LP, its
+        # preprocessing) or found none better, and says it has none
+        sched, name, obj = start, START_STATUS, start_objective(sm, values)
+        gap = max(0.0, obj - bound) if bound is not None else None
+    return SolveResult(name, obj, bound, gap, dt, sched, m.num_cols, m.num_rows, sm.build_s,
                        start_note=sm.start_note)
+
+
+START_SATISFIES = "the warm start satisfies the MILP"
+START_STATUS = "feasible (the warm start)"   # the solver stopped with nothing of its own: the start it was given
+
+
+def start_objective(sm: StrModel, values: list[tuple[Any, float]]) -> float:
+    """The objective at the start ``values`` (seconds of step time over the compute time, as
+    :func:`solve` reports it: copy charges left out)."""
+    by_id = {id(v): x for v, x in values}
+    e = sm.m.objective
+    obj = (e.const + sum(coef * by_id.get(id(v), 0.0) for v, coef in e.expr.items())) * TIME_UNIT
+    copies = sum(1 for v in (*sm.P.values(), *sm.Y.values()) if by_id.get(id(v), 0.0) > 0.5)
+    return obj - copies * COPY_CHARGE
 
 
 def check_start(sm: StrModel, start: Schedule, values: list[tuple[Any, float]] | None = None) -> str:
@@ -804,7 +825,7 @@ def check_start(sm: StrModel, start: Schedule, values: list[tuple[Any, float]] |
             family = "_".join(w for w in c.name.split("_") if not w.isdigit())
             broken[family] = broken.get(family, 0) + 1
     if not broken:
-        sm.start_note = "the warm start satisfies the MILP"
+        sm.start_note = START_SATISFIES
     else:
         rows = ", ".join(f"{k} {n}" for k, n in sorted(broken.items(), key=lambda kv: -kv[1]))
         sm.start_note = (f"the warm start breaks {sum(broken.values())} rows of the MILP ({rows}), so the "
@@ -925,7 +946,10 @@ def solve_problem(p: Problem, *, time_limit: float | None = None, start: Schedul
     elapsed = time.monotonic() - t0
     if res is None:
         status = "crashed" if died or deadline is None else TIME_LIMIT_STATUS
-        res = SolveResult(status, None, None, None, max(elapsed - size[2], 0.0), None, size[0], size[1], size[2],
+        sched = None
+        if status == TIME_LIMIT_STATUS and start is not None and size[3] == START_SATISFIES:
+            status, sched = START_STATUS, start     # stopped at the deadline: the start it had is a solution
+        res = SolveResult(status, None, None, None, max(elapsed - size[2], 0.0), sched, size[0], size[1], size[2],
                           start_note=size[3])
     res.elapsed_s = elapsed
     return res

@@ -34,7 +34,7 @@ from hybridmem.graph.plan import Action
 
 from . import lp as lp_relaxation
 from ._common import Problem, Schedule
-from .gaps import KEEP, REC, SWAP, Gap, GapModel, Realized
+from .gaps import KEEP, REC, SWAP, SWAP_ISSUE_POINTS, Gap, GapModel, Realized
 from .lp import LPValues
 from .milp import stage_link_copies
 
@@ -185,7 +185,14 @@ class GapPlanner(GapModel):
         return best
 
     def improve(self, r: Realized, deadline: float) -> Realized:
-        """Extend residency where memory allows; else try a cheaper regeneration. Repeats until stable."""
+        """Extend residency where memory allows; else try a cheaper regeneration. Repeats until stable:
+        first with a swap-in issued at the earliest or the latest hidden stage only (few trials per gap),
+        then also at the stages between them (:meth:`swap_issue_stages`), until stable again."""
+        for points in (0, SWAP_ISSUE_POINTS):
+            r = self._improve(r, deadline, points)
+        return r
+
+    def _improve(self, r: Realized, deadline: float, points: int) -> Realized:
         changed = True
         while changed and time.perf_counter() < deadline:
             changed = False
@@ -197,7 +204,7 @@ class GapPlanner(GapModel):
                 snap = self._snapshot()
                 trials: list[tuple[str, int]] = [(KEEP, -1)]
                 if self.allow_swap and self.can_swap(g):
-                    trials += [(SWAP, q) for q in sorted({g.lo + 1, self.latest_hidden_q(g)}) if q != g.q]
+                    trials += [(SWAP, q) for q in self.swap_issue_stages(g, points) if q != g.q]
                 if g.kind == SWAP and self.can_rec(g.k, g.hi):
                     trials.append((REC, -1))
                 if g.kind == REC:      # regenerate where a replay of it runs anyway (as a source), keep to hi
@@ -452,14 +459,15 @@ def stage_link_start(p: Problem, actions: list[Action], compact: bool, time_budg
 
 
 def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.0,
-           keep_improved_only: bool = False) -> list[tuple[str, Schedule, float]]:
+           keep_improved_only: bool = False, planners: dict[str, Any] | None = None) -> list[tuple[str, Schedule, float]]:
     """Improve plans on ``p`` (the full graph) gap by gap: each start is ``(name, actions)`` (a plan's
     actions, e.g. the coarse plan written on the full graph: repaired first if it does not fit there),
     ``(name, GapPlanner)`` (a planner on ``p`` in some state, used as it is) or ``("capuchin", None)``
     (Capuchin's construction). Returns ``(name, schedule, model seconds)`` for
     every start that fits, improved by extending residency and cheaper regenerations where memory allows.
     With ``keep_improved_only``, a start that fits as it is comes back only if the model finds it
-    improved (the caller judged the start itself already)."""
+    improved (the caller judged the start itself already). ``planners``: filled with each start's
+    planner as the polish left it (a later polish can go on from there)."""
     t0 = time.perf_counter()
     out = []
     for i, (name, arg) in enumerate(starts):
@@ -483,6 +491,8 @@ def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.
             if not gp.feasible(r):
                 continue
             repaired = True
+        if planners is not None:
+            planners[name] = gp
         c0 = r.cost
         if repaired or not keep_improved_only:
             out.append((f"{name}", gp.schedule(r), r.cost))

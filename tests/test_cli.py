@@ -205,3 +205,43 @@ def test_a_baseline_is_declared_in_one_place(monkeypatch):
     assert baselines.REGISTRY["dummy"].run is baselines.keep_all
     with pytest.raises(ValueError, match="registered twice"):
         baselines.baseline("dummy", "again")(baselines.keep_all)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--budget", "100%"], "sized"),
+    (["--budget", "100%", "--solver", "greedy"], "sized"),
+    (["--budget", "100%", "--time-limit", "5"], 5.0),
+    (["--budget", "min"], None),
+    (["--budget", "100%", "--solver", "milp"], None),
+])
+def test_plan_time_limit_is_sized_to_end_the_command_in_ten_seconds(small_graph_file, monkeypatch, argv, expected):
+    """Without --time-limit, approx and greedy at one budget get what is left of the command's ten
+    seconds (the process's age counts), at least MIN_PLAN_S; the others keep their solver's default."""
+    import hybridmem.cli as cli
+    import hybridmem.solvers as solvers
+
+    seen = {}
+    real = solvers.plan
+
+    def spy(graph, budget, **kwargs):
+        seen["time_limit"] = kwargs["time_limit"]
+        return real(graph, budget, **kwargs)
+
+    monkeypatch.setattr(solvers, "plan", spy)
+    monkeypatch.setattr(cli, "process_age_s", lambda: 4.0)
+    assert main(["plan", "--graph", str(small_graph_file), *argv]) == 0
+    if expected == "sized":
+        assert seen["time_limit"] == pytest.approx(cli.COMMAND_S - 4.0 - cli.FINISH_S)
+        monkeypatch.setattr(cli, "process_age_s", lambda: 9.5)
+        assert main(["plan", "--graph", str(small_graph_file), *argv]) == 0
+        assert seen["time_limit"] == cli.MIN_PLAN_S
+    else:
+        assert seen["time_limit"] == expected
+
+
+def test_process_age_counts_from_the_process_start():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.5); from hybridmem.cli import process_age_s; "
+                          "print(process_age_s())"], capture_output=True, text=True, timeout=120)
+    assert 0.5 <= float(out.stdout) < 60

@@ -70,8 +70,11 @@ def test_plan_falls_back_to_the_approx_plan_on_the_time_limit_and_says_so(
     monkeypatch.setattr(milp, "solve", _hanging_solve(tmp_path / "child.pid"))
     budget = int(0.7 * graph24.peak_bytes())
     pl = plan(graph24, budget, device=DEVICE, solver="milp", time_limit=5)
-    assert pl.info["status"] == "time limit"
-    assert "time limit" in pl.info["fallback"] and "approx plan" in pl.info["fallback"]
+    if pl.info.get("warm_start") == milp.START_SATISFIES:
+        assert pl.info["status"] == milp.START_STATUS     # stopped, its start is still a solution
+    else:
+        assert pl.info["status"] == "time limit"
+        assert "time limit" in pl.info["fallback"] and "approx plan" in pl.info["fallback"]
     assert pl.info["milp_s"] < 5 + MARGIN_S
     assert pl.info["milp_vars"] > 0
     res = simulate(graph24, pl, device=DEVICE, budget=budget, strict=True)
@@ -144,3 +147,54 @@ def test_a_warm_start_the_model_refuses_is_reported() -> None:
     assert ok.schedule is not None
     sm2 = milp.build_model(p, link="stage")
     assert milp.check_start(sm2, ok.schedule) == "the warm start satisfies the MILP"
+
+
+def test_a_warm_start_that_satisfies_the_model_is_the_solution_when_the_solver_stops_with_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CBC stopped by its time limit before it takes a start in (its root LP, its preprocessing) says it
+    has no solution; a start that satisfies every row is one, so the MILP returns it, objective included.
+    The same when the child is stopped at the deadline."""
+    import mip
+
+    g = random_graph(16, seed=3)
+    p = build_problem(g, int(0.7 * g.peak_bytes()), "h100-80gb")
+    ok = milp.solve(milp.build_model(p, link="stage"), time_limit=5)
+    assert ok.schedule is not None and ok.objective is not None
+    monkeypatch.setattr(mip.Model, "optimize", lambda self, **kw: mip.OptimizationStatus.NO_SOLUTION_FOUND)
+    res = milp.solve(milp.build_model(p, link="stage"), time_limit=5, start=ok.schedule)
+    assert res.status == milp.START_STATUS and res.schedule is ok.schedule
+    assert res.objective == pytest.approx(ok.objective, rel=1e-6, abs=1e-9)
+    # without a start (or with one that breaks rows) there is still none
+    assert milp.solve(milp.build_model(p, link="stage"), time_limit=5).schedule is None
+
+    def hang(self, **kw):
+        time.sleep(60)
+
+    monkeypatch.setattr(mip.Model, "optimize", hang)
+    res = milp.solve_problem(p, time_limit=3, start=ok.schedule, link="stage")
+    assert res.status == milp.START_STATUS and res.schedule is not None
+
+
+def test_the_milp_gets_its_whole_time_limit_whatever_the_starts_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``solver="milp"``: ``time_limit`` is the MILP's own; heuristic starts that ran long (a loaded
+    machine) do not leave it "no time left"."""
+    from hybridmem.solvers import approx
+
+    real_seed, seen = approx._seed, []
+
+    def slow_seed(pool, fine):
+        time.sleep(2.5)
+        return real_seed(pool, fine)
+
+    def spy(p, solver, time_limit, *args, **kwargs):
+        seen.append(time_limit)
+        return None
+
+    monkeypatch.setattr(approx, "_seed", slow_seed)
+    monkeypatch.setattr(approx, "_solve_problem", spy)
+    g = random_graph(80, seed=3)
+    try:
+        plan(g, int(0.6 * g.peak_bytes()), solver="milp", time_limit=2.0, recompute_lp=False)
+    except Exception:
+        pass                     # no MILP plan here (the spy returns none): only its time limit matters
+    assert seen == [2.0]

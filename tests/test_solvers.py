@@ -3,6 +3,7 @@ coarsening; the hybrid plan against the baselines."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 
@@ -424,6 +425,19 @@ def test_approx_offers_the_recompute_only_lp_start(vgg16_tiny: Graph) -> None:
     assert "recompute-lp" not in off.info["phases_s"]
 
 
+def test_the_recompute_only_lp_start_needs_a_second(monkeypatch: pytest.MonkeyPatch, vgg16_tiny: Graph) -> None:
+    """Its share of what is left after the starts under RECOMPUTE_LP_MIN_S: not started (building its
+    model alone would overrun the limit on a large graph)."""
+    from hybridmem.solvers import approx
+
+    g = vgg16_tiny
+    budget = int(min_feasible_budget(g) + 0.3 * (g.peak_bytes() - min_feasible_budget(g)))
+    monkeypatch.setattr(approx, "RECOMPUTE_LP_MIN_S", 1e6)
+    assert "recompute-lp" not in plan(g, budget, solver="approx", time_limit=10, **COARSE).info["phases_s"]
+    monkeypatch.setattr(approx, "RECOMPUTE_LP_MIN_S", 0.0)
+    assert "recompute-lp" in plan(g, budget, solver="approx", time_limit=10, **COARSE).info["phases_s"]
+
+
 def test_read_closure_follows_chains_of_bundles_made_in_one_coarse_stage() -> None:
     """A replay of C reads B, whose replay reads A: A may be needed wherever C is recomputed, even when
     all three were made in the same (coarse) stage, where no order of one pass sees it."""
@@ -537,3 +551,110 @@ def test_the_milp_without_a_plan_in_hand_starts_from_the_best_start_that_does_no
     actions = approx._unfit_start(fine, [(float("inf"), "capuchin", gp)])
     assert actions == schedule_to_actions(fine, gp.schedule(gp.realize()))
     assert approx._unfit_start(fine, []) is None
+
+
+def test_swap_issue_stages_span_the_earliest_to_the_latest_hidden() -> None:
+    from hybridmem.solvers.gaps import SWAP_ISSUE_POINTS
+    g = random_graph(40, seed=18)
+    p = build_problem(g, int(0.5 * g.peak_bytes()), "h100-80gb")
+    gp = relax.GapPlanner(p)
+    wide = [x for x in gp.gaps if gp.latest_hidden_q(x) - x.lo > SWAP_ISSUE_POINTS + 2]
+    assert wide
+    for x in wide:
+        qs = gp.swap_issue_stages(x)
+        assert qs == sorted(set(qs)) and qs[0] == x.lo + 1 and qs[-1] == gp.latest_hidden_q(x)
+        assert len(qs) == SWAP_ISSUE_POINTS + 2 and all(x.lo < q <= x.hi for q in qs)
+        assert gp.swap_issue_stages(x, 0) == [x.lo + 1, gp.latest_hidden_q(x)]
+
+
+@pytest.mark.parametrize("seed,share", [(18, 0.5), (18, 0.6), (12, 0.6)])
+def test_improve_finds_swaps_issued_between_the_earliest_and_latest_hidden_stage(seed: int, share: float) -> None:
+    """From the DTR plan, the improvement with swap-ins issued between the earliest and the latest hidden
+    stage ends cheaper than with those two alone (where another copy holds the link, the latest hidden
+    stage stalls and the earliest holds the bytes too long)."""
+    import time
+
+    from hybridmem.solvers.baselines import dtr_plan
+
+    g = random_graph(40, seed=seed)
+    budget = int(share * g.peak_bytes())
+    p = build_problem(g, budget, "h100-80gb")
+    start = dtr_plan(p, budget).actions
+    costs = []
+    for full in (False, True):
+        gp = relax.GapPlanner(p)
+        gp.load_actions(start)
+        r = gp.realize()
+        r = gp.improve(r, time.perf_counter() + 30) if full else gp._improve(r, time.perf_counter() + 30, 0)
+        assert gp.feasible(r)
+        costs.append(r.cost)
+    assert costs[1] < costs[0] - 1e-9
+
+
+def test_large_graphs_polish_their_best_start_before_the_lp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a large graph the best fitting start (Capuchin's construction where none fits) is polished right
+    after the starts (a short time limit then ends with a polished plan), before the STR LP; the final
+    polish goes on from where that polish left it (its planner, not the raw start)."""
+    from hybridmem.solvers import approx
+
+    events: list[tuple[str, list[tuple[str, Any]]]] = []
+    real_refine = relax.refine
+
+    def refine(p, starts, **kwargs):
+        events.append(("polish", list(starts)))
+        return real_refine(p, starts, **kwargs)
+
+    def no_str_plan(*args, **kwargs):
+        events.append(("str", []))
+        return None               # the STR step finds nothing: the final polish has the starts alone
+
+    monkeypatch.setattr(relax, "refine", refine)
+    monkeypatch.setattr(approx, "_solve_problem", no_str_plan)
+    g = random_graph(80, seed=3, device="v100-16gb")
+    out = plan(g, int(0.6 * g.peak_bytes()), device="v100-16gb", time_limit=20, recompute_lp=False)
+    assert [e[0] for e in events] == ["polish", "str", "polish"]
+    early, final = dict(events[0][1]), dict(events[2][1])
+    assert list(early) == ["capuchin"]          # the best fitting start here
+    for name in early:
+        assert isinstance(final[name], relax.GapPlanner)    # went on from where the first polish left it
+    assert simulate(g, out, device="v100-16gb").peak_bytes <= out.budget_bytes
+
+
+def test_refine_hands_back_its_planners_as_it_left_them() -> None:
+    """``refine(planners=...)``: each start's planner in the state its polish ended in (the ``approx``
+    portfolio's final polish goes on from there)."""
+    import time
+
+    from hybridmem.solvers.baselines import dtr_plan
+
+    g = random_graph(40, seed=18)
+    budget = int(0.5 * g.peak_bytes())
+    p = build_problem(g, budget, "h100-80gb")
+    planners: dict[str, Any] = {}
+    out = relax.refine(p, [("dtr", dtr_plan(p, budget).actions)], time_budget=30, planners=planners)
+    assert isinstance(planners["dtr"], relax.GapPlanner)
+    r = planners["dtr"].realize()
+    assert planners["dtr"].feasible(r) and r.cost == pytest.approx(out[-1][2])
+    # going on from there: nothing is lost, and a converged planner stays where it is
+    r2 = planners["dtr"].improve(r, time.perf_counter() + 30)
+    assert r2.cost <= r.cost + 1e-12
+
+
+def test_the_early_polish_leaves_an_unfit_capuchin_to_the_final_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_polish(repair=False)`` (the early polish) takes the best fitting start alone; Capuchin's
+    construction that does not fit is repaired by the final polish (``repair=True``), or by the early
+    one where no start fits."""
+    from hybridmem.solvers import approx
+    from hybridmem.solvers.baselines import dtr_plan
+
+    g = random_graph(40, seed=18)
+    budget = int(0.5 * g.peak_bytes())
+    p = build_problem(g, budget, "h100-80gb")
+    taken: list[list[str]] = []
+    monkeypatch.setattr(relax, "refine", lambda p, starts, **kw: taken.append([n for n, _ in starts]) or [])
+    pool = approx._Pool(g, budget, p.model)
+    seeds = [(1.0, "dtr", dtr_plan(p, budget).actions), (float("inf"), "capuchin", relax.GapPlanner(p))]
+    approx._polish(pool, p, None, seeds, "approx", None, {}, best_of=1, repair=False)
+    approx._polish(pool, p, None, seeds, "approx", None, {}, best_of=1)
+    approx._polish(pool, p, None, seeds[1:], "approx", None, {}, best_of=1, repair=False)
+    assert taken == [["dtr"], ["dtr", "capuchin"], ["capuchin"]]

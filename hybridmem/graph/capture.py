@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import ExitStack, nullcontext
+import types
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Callable
 
 import torch
@@ -63,6 +64,59 @@ __all__ = ["capture", "run_step", "split_inputs", "compute_loss", "CaptureError"
 
 Tensor = torch.Tensor
 GRANULARITIES = ("op", "module")
+
+
+
+# ---- torch._dynamo, not imported for a capture ----------------------------------------------------
+@contextmanager
+def dynamo_deferred() -> Any:
+    """While the step runs, ``import torch._dynamo`` finds a stand-in whose ``disable(fn)`` is ``fn``.
+
+    On ``meta`` the step runs PyTorch's Python decompositions (batch norm, the elementwise references),
+    wrapped by ``torch._disable_dynamo``, which imports ``torch._dynamo`` (about a second) on its first
+    call, only to keep a compiler that is not running out of them. Outside a compile that wrapper is the
+    function itself, so the capture does not need the import. Any other use of ``torch._dynamo`` while the
+    stand-in is there imports the real module and goes to it. Afterwards the stand-in is gone and the
+    functions it was asked about forget it: a later ``torch.compile`` imports and uses the real one. Does
+    nothing where ``torch._dynamo`` is already imported."""
+    if "torch._dynamo" in sys.modules:
+        yield
+        return
+    asked: list[Any] = []
+    stub = types.ModuleType("torch._dynamo")
+
+    def disable(fn: Any = None, recursive: bool = True, *, reason: Any = None, wrapping: bool = True) -> Any:
+        if fn is None:
+            return lambda f: disable(f, recursive, reason=reason, wrapping=wrapping)
+        asked.append(fn)
+        return fn
+
+    def _real(name: str) -> Any:
+        _drop_stub(stub)
+        import torch._dynamo as real
+        return getattr(real, name)
+
+    stub.disable = disable  # type: ignore[attr-defined]
+    stub.__getattr__ = _real  # type: ignore[attr-defined]
+    sys.modules["torch._dynamo"] = stub
+    torch._dynamo = stub  # type: ignore[attr-defined]  # ``import torch._dynamo`` then reads the attribute
+    try:
+        yield
+    finally:
+        _drop_stub(stub)
+        for fn in asked:
+            if getattr(fn, "__dynamo_disable", None) is fn:
+                try:
+                    del fn.__dynamo_disable
+                except AttributeError:
+                    pass
+
+
+def _drop_stub(stub: types.ModuleType) -> None:
+    if sys.modules.get("torch._dynamo") is stub:
+        del sys.modules["torch._dynamo"]
+    if torch.__dict__.get("_dynamo") is stub:
+        del torch._dynamo  # type: ignore[attr-defined]
 
 
 # ---- the training step --------------------------------------------------------------------------
@@ -189,6 +243,7 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
         stack.callback(lambda: [h.remove() for h in handles])
         if dev.type == "meta":
             stack.enter_context(torch.device("meta"))  # factory calls inside forward land on meta too
+            stack.enter_context(dynamo_deferred())     # decompositions run there: no compiler import
         if dev.type == "cpu":
             rec.native, scratch = _scratch_meter(stack)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.saved, lambda x: x))
