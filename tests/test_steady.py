@@ -76,15 +76,20 @@ def _zoo(name: str, steps: int = 4) -> tuple[nn.Module, list[tuple], Callable[..
 
 
 def _budget_run(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., torch.Tensor], cut: float,
-                **extra: Any) -> tuple[list, Any, int, list[Any]]:
-    """Train under peak - cut * saved (raised to the minimum an OOM names, as a user would)."""
+                per_step: Callable[[int, Any], None] | None = None, **extra: Any) -> tuple[list, Any, int, list[Any]]:
+    """Train under peak - cut * saved (raised to the minimum an OOM names, as a user would); ``per_step``
+    is called after each step, as in ``_train``."""
     peak, saved = _monitor_peak(model, batches, loss_fn)
     budget = int(peak - cut * saved)
     per: list[Any] = []
     for _ in range(6):
         per.clear()
         try:
-            got, st = _train(model, batches, loss_fn, per_step=lambda i, s: per.append(s),
+            def each(i: int, s: Any) -> None:
+                per.append(s)
+                if per_step is not None:
+                    per_step(i, s)
+            got, st = _train(model, batches, loss_fn, per_step=each,
                              session={"budget": budget, "policies": ("recompute",), **extra})
             return got, st, budget, per
         except torch.OutOfMemoryError as e:
@@ -289,3 +294,41 @@ def test_steady_state_can_be_switched_off_and_checks_its_setting() -> None:
     assert st.steady_steps == 0
     with pytest.raises(ValueError, match="steady: expected true or false"):
         hybridmem.enable(budget="1GiB", config={"plugins": {"steady": "yes"}})
+
+
+def test_steady_state_rebuilds_each_tensor_once_per_chain_without_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebuild in a steady-state step plans its whole chain at once (sources the allocator already freed
+    are replayed within it, those it has not are held for it), so no tensor is rebuilt twice by one chain,
+    and its ops run without the dispatch mode (the allocator caps each allocation)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from hybridmem.runtime import replay
+
+    model, batches, loss_fn = _zoo("gpt")
+    ref, _ = _train(model, batches, loss_fn)
+    replays: list[tuple[int, int]] = []   # (step, id of the node) per node replayed
+    modes: list[Any] = []                 # the dispatch mode active at each replayed op of a steady step
+    step = [0]
+    run, call = replay.Replayer._replay, replay.Replayer._call
+
+    def counted(self: Any, n: Any, v: int, memo: dict) -> Any:
+        replays.append((step[0], id(n)))
+        return run(self, n, v, memo)
+
+    def seen(self: Any, func: Any, args: Any, kwargs: Any) -> Any:
+        modes.append((step[0], _get_current_dispatch_mode()))
+        return call(self, func, args, kwargs)
+
+    monkeypatch.setattr(replay.Replayer, "_replay", counted)
+    monkeypatch.setattr(replay.Replayer, "_call", seen)
+
+    def per_step(i: int, s: Any) -> None:
+        step[0] = i + 1
+    got, st, budget, per = _budget_run(model, batches, loss_fn, cut=0.5, per_step=per_step)
+    assert got == ref
+    assert st.steady_steps == len(batches) - 2, st.notes
+    assert st.peak_bytes <= budget
+    steady = [k for k in replays if k[0] >= 2]
+    assert steady, "the steady-state steps rebuilt nothing"
+    assert len(steady) == len(set(steady)), "a node was replayed twice in one steady-state step"
+    assert all(m is None for s, m in modes if s >= 2), "a steady-state rebuild ran under the dispatch mode"

@@ -38,9 +38,18 @@ class Replayer:
     """
 
     def __init__(self, fetch: Callable[["Entry"], Tensor], adopt: Callable[["Entry", Tensor], None],
-                 epoch: Callable[[], int], claim: Callable[["Entry"], bool] | None = None):
+                 epoch: Callable[[], int], claim: Callable[["Entry"], bool] | None = None,
+                 drain: Callable[[], None] | None = None, hold_done: Callable[[list["Entry"]], None] | None = None,
+                 retry: Callable[..., Any] | None = None):
         self.fetch, self.adopt, self.epoch = fetch, adopt, epoch
         self.claim: Callable[["Entry"], bool] = claim or (lambda e: e.tensor is not None)
+        # drain(): record the entries the allocator freed (before a chain is planned, so that its plan
+        # sees them gone); hold_done(entries): the chain has run, the registered sources it claimed may
+        # be freed again; retry(func, *args, **kwargs): run an op again after the allocator refused it
+        # (replays that run outside the dispatch mode: see ``unmetered``)
+        self.drain: Callable[[], None] = drain or (lambda: None)
+        self.hold_done: Callable[[list["Entry"]], None] = hold_done or (lambda es: None)
+        self.retry = retry
 
     # -- validity and cost ---------------------------------------------------------------------
     def why_not(self, node: Node, version: int) -> str:
@@ -120,7 +129,16 @@ class Replayer:
         Plans the chain first (which versions must be replayed, in dependency order), then runs it,
         dropping each intermediate result as soon as its last consumer in the chain has run, so a
         long chain holds only its frontier."""
-        order, deps = self._plan(node, version)
+        self.drain()
+        held: list["Entry"] = []
+        try:
+            return self._materialize(node, version, held)
+        finally:
+            if held:
+                self.hold_done(held)
+
+    def _materialize(self, node: Node, version: int, held: list["Entry"]) -> Tensor:
+        order, deps = self._plan(node, version, held)
         uses: dict[tuple[int, int], int] = {}
         for k in order:
             for d in deps[k][1]:
@@ -135,7 +153,7 @@ class Replayer:
                     if got is None:
                         # available when the chain was planned, evicted since: the replays before it
                         # allocated, and the cap made room by dropping it. Regenerate it the same way.
-                        got = self.materialize(dn, dv)
+                        got = self._materialize(dn, dv, held)
                     memo[d] = got
             memo[k] = self._replay(n, v, memo)
             for d in deps[k][1]:
@@ -149,8 +167,14 @@ class Replayer:
         assert got is not None
         return got
 
-    def _plan(self, node: Node, version: int) -> tuple[list[tuple[int, int]], dict[tuple[int, int], Any]]:
-        """Post-order of the (node, version) pairs to replay, and per pair ((node, version), inputs)."""
+    def _plan(self, node: Node, version: int,
+              held: list["Entry"]) -> tuple[list[tuple[int, int]], dict[tuple[int, int], Any]]:
+        """Post-order of the (node, version) pairs to replay, and per pair ((node, version), inputs).
+
+        The chain's sources that the allocator may free (registered entries) are claimed here and
+        appended to ``held``: freed while the chain allocates, each would be rebuilt by a chain of its
+        own (and what it shares with this one replayed twice). One the allocator freed already is
+        replayed within this chain."""
         deps: dict[tuple[int, int], Any] = {}
         order: list[tuple[int, int]] = []
         if self.available(node, version):
@@ -179,11 +203,21 @@ class Replayer:
                 k = (id(m), w)
                 if k in deps:
                     continue
-                if self.available(m, w):
+                if self.available(m, w) and self._hold(m, held):
                     deps[k] = ((m, w), [])  # fetched when first needed, never replayed
                 else:
                     stack.append((m, w, False))
         return order, deps
+
+    def _hold(self, n: Node, held: list["Entry"]) -> bool:
+        """Take ``n``'s entry back from the allocator's registry for the chain; False when it was freed."""
+        e = n.entry
+        if e is None or not e.registered:
+            return True
+        if self.claim(e):
+            held.append(e)
+            return True
+        return False
 
     def _get(self, n: Node, v: int) -> Tensor | None:
         """The content of ``n`` at ``v`` without replaying it: its live storage, or its entry's copy."""
@@ -226,8 +260,18 @@ class Replayer:
             kwargs = {k: self._arg(a, memo, target, base, k in info.written_kw) for k, a in rec.kwargs.items()}
             if rec.rng is not None:
                 with _ForkedRNG(rec.rng, _device_of(args)):
-                    return rec.func(*args, **kwargs)
-            return rec.func(*args, **kwargs)
+                    return self._call(rec.func, args, kwargs)
+            return self._call(rec.func, args, kwargs)
+
+    def _call(self, func: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            # Outside the dispatch mode (a steady-state step) the allocator caps each allocation and
+            # frees registered entries; when those are not enough, the runtime evicts and the op reruns.
+            if self.retry is None:
+                raise
+            return self.retry(func, *args, **kwargs)
 
     def _arg(self, a: Any, memo: dict[tuple[int, int], Tensor], target: Node | None, base: Tensor | None,
              written: bool) -> Any:
