@@ -131,9 +131,12 @@ class Replayer:
         long chain holds only its frontier."""
         self.drain()
         held: list["Entry"] = []
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # once for the chain, not per op
         try:
             return self._materialize(node, version, held)
         finally:
+            torch._C._set_grad_enabled(grad)
             if held:
                 self.hold_done(held)
 
@@ -243,7 +246,7 @@ class Replayer:
             raise ReplayError(f"cannot recompute a {n.dtype} storage of {n.nbytes} bytes: {reason}")
         rec, pos = n.ops[0]
         out = self._run(rec, memo, None, None)
-        base = flat(_flat_outputs(out)[pos].untyped_storage(), n.dtype, n.device)
+        base = flat((out if type(out) is Tensor else _flat_outputs(out)[pos]).untyped_storage(), n.dtype, n.device)
         del out  # the producer's other outputs are not needed
         for rec, _ in n.ops[1:v]:
             self._run(rec, memo, n, base)
@@ -254,14 +257,18 @@ class Replayer:
 
     def _run(self, rec: OpRecord, memo: dict[tuple[int, int], Tensor], target: Node | None,
              base: Tensor | None) -> Any:
-        info = replay_info(rec.func)
-        with torch.no_grad():
-            args = [self._arg(a, memo, target, base, i in info.written) for i, a in enumerate(rec.args)]
-            kwargs = {k: self._arg(a, memo, target, base, k in info.written_kw) for k, a in rec.kwargs.items()}
-            if rec.rng is not None:
-                with _ForkedRNG(rec.rng, _device_of(args)):
-                    return self._call(rec.func, args, kwargs)
-            return self._call(rec.func, args, kwargs)
+        # runs under no_grad (materialize); only the arguments that are references are resolved per replay
+        fixed, refs, fixed_kw, refs_kw = rec.arg_plan()
+        args = list(fixed)
+        for i, a, written in refs:
+            args[i] = self._arg(a, memo, target, base, written)
+        kwargs = dict(fixed_kw)
+        for k, a, written in refs_kw:
+            kwargs[k] = self._arg(a, memo, target, base, written)
+        if rec.rng is not None:
+            with _ForkedRNG(rec.rng, _device_of(args)):
+                return self._call(rec.func, args, kwargs)
+        return self._call(rec.func, args, kwargs)
 
     def _call(self, func: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
         try:
