@@ -3,9 +3,10 @@
 :class:`Replayer` rebuilds a node (:mod:`.lineage`) from its live storage when that is still there, from an
 entry evicted by another policy (a swapped-out host checkpoint, a compressed copy), or by replaying its ops
 under ``no_grad`` with inputs regenerated the same way, iteratively (no Python recursion limit on long
-chains). Random ops replay with the state saved before them (:mod:`.rng`); arguments an op writes besides
-the regenerated storage (BatchNorm running statistics) get private clones, so side effects are never
-applied twice.
+chains). A chain is planned whole before it runs: inputs the allocator already freed are replayed within it
+(each once), and inputs it may still free are held for the chain and handed back after. Random ops replay
+with the state saved before them (:mod:`.rng`); arguments an op writes besides the regenerated storage
+(BatchNorm running statistics) get private clones, so side effects are never applied twice.
 """
 from __future__ import annotations
 
