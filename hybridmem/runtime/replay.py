@@ -267,18 +267,21 @@ class Replayer:
         for k, a, written in refs_kw:
             kwargs[k] = self._arg(a, memo, target, base, written)
         if rec.rng is not None:
-            with _ForkedRNG(rec.rng, _device_of(args)):
-                return self._call(rec.func, args, kwargs)
+            with _ForkedRNG(rec.rng, _device_of(args)) as rng:
+                return self._call(rec.func, args, kwargs, rng)
         return self._call(rec.func, args, kwargs)
 
-    def _call(self, func: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    def _call(self, func: Any, args: list[Any], kwargs: dict[str, Any], rng: _ForkedRNG | None = None) -> Any:
         try:
             return func(*args, **kwargs)
         except torch.OutOfMemoryError:
             # Outside the dispatch mode (a steady-state step) the allocator caps each allocation and
-            # frees registered entries; when those are not enough, the runtime evicts and the op reruns.
+            # frees registered entries; when those are not enough, the runtime evicts and the op reruns
+            # (a random op from its recorded state again).
             if self.retry is None:
                 raise
+            if rng is not None:
+                return self.retry(_rewound(rng, func), *args, **kwargs)
             return self.retry(func, *args, **kwargs)
 
     def _arg(self, a: Any, memo: dict[tuple[int, int], Tensor], target: Node | None, base: Tensor | None,
@@ -300,6 +303,15 @@ class Replayer:
         if isinstance(a, GenState):
             return a.make()
         return a
+
+
+def _rewound(rng: _ForkedRNG, func: Any) -> Callable[..., Any]:
+    """``func`` run from ``rng``'s recorded state, each time it is called."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        rng.rewind()
+        return func(*args, **kwargs)
+    run.__name__ = getattr(func, "__name__", "op")
+    return run
 
 
 def _held_by_entry(n: Node, v: int) -> bool:
