@@ -315,9 +315,9 @@ def test_steady_state_rebuilds_each_tensor_once_per_chain_without_the_mode(monke
         replays.append((step[0], id(n)))
         return run(self, n, v, memo)
 
-    def seen(self: Any, func: Any, args: Any, kwargs: Any) -> Any:
+    def seen(self: Any, func: Any, args: Any, kwargs: Any, rng: Any = None) -> Any:
         modes.append((step[0], _get_current_dispatch_mode()))
-        return call(self, func, args, kwargs)
+        return call(self, func, args, kwargs, rng)
 
     monkeypatch.setattr(replay.Replayer, "_replay", counted)
     monkeypatch.setattr(replay.Replayer, "_call", seen)
