@@ -76,20 +76,15 @@ def _zoo(name: str, steps: int = 4) -> tuple[nn.Module, list[tuple], Callable[..
 
 
 def _budget_run(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., torch.Tensor], cut: float,
-                per_step: Callable[[int, Any], None] | None = None, **extra: Any) -> tuple[list, Any, int, list[Any]]:
-    """Train under peak - cut * saved (raised to the minimum an OOM names, as a user would); ``per_step``
-    is called after each step, as in ``_train``."""
+                **extra: Any) -> tuple[list, Any, int, list[Any]]:
+    """Train under peak - cut * saved (raised to the minimum an OOM names, as a user would)."""
     peak, saved = _monitor_peak(model, batches, loss_fn)
     budget = int(peak - cut * saved)
     per: list[Any] = []
     for _ in range(6):
         per.clear()
         try:
-            def each(i: int, s: Any) -> None:
-                per.append(s)
-                if per_step is not None:
-                    per_step(i, s)
-            got, st = _train(model, batches, loss_fn, per_step=each,
+            got, st = _train(model, batches, loss_fn, per_step=lambda i, s: per.append(s),
                              session={"budget": budget, "policies": ("recompute",), **extra})
             return got, st, budget, per
         except torch.OutOfMemoryError as e:
@@ -302,33 +297,36 @@ def test_steady_state_rebuilds_each_tensor_once_per_chain_without_the_mode(monke
     and its ops run without the dispatch mode (the allocator caps each allocation)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+    from hybridmem import runtime as rtmod
     from hybridmem.runtime import replay
 
     model, batches, loss_fn = _zoo("gpt")
     ref, _ = _train(model, batches, loss_fn)
-    replays: list[tuple[int, int]] = []   # (step, id of the node) per node replayed
-    modes: list[Any] = []                 # the dispatch mode active at each replayed op of a steady step
-    step = [0]
+    replays: list[tuple[int, int, int]] = []  # (runtime, step, node) per node replayed in a steady-state step
+    modes: list[Any] = []                     # the dispatch mode active at each op replayed in one
     run, call = replay.Replayer._replay, replay.Replayer._call
 
+    def steady() -> Any:
+        rt = rtmod._current
+        return rt if rt is not None and rt._steady is not None else None
+
     def counted(self: Any, n: Any, v: int, memo: dict) -> Any:
-        replays.append((step[0], id(n)))
+        rt = steady()
+        if rt is not None:
+            replays.append((id(rt), rt.steps.steps, id(n)))
         return run(self, n, v, memo)
 
     def seen(self: Any, func: Any, args: Any, kwargs: Any, rng: Any = None) -> Any:
-        modes.append((step[0], _get_current_dispatch_mode()))
+        if steady() is not None:
+            modes.append(_get_current_dispatch_mode())
         return call(self, func, args, kwargs, rng)
 
     monkeypatch.setattr(replay.Replayer, "_replay", counted)
     monkeypatch.setattr(replay.Replayer, "_call", seen)
-
-    def per_step(i: int, s: Any) -> None:
-        step[0] = i + 1
-    got, st, budget, per = _budget_run(model, batches, loss_fn, cut=0.5, per_step=per_step)
+    got, st, budget, _ = _budget_run(model, batches, loss_fn, cut=0.5)
     assert got == ref
     assert st.steady_steps == len(batches) - 2, st.notes
     assert st.peak_bytes <= budget
-    steady = [k for k in replays if k[0] >= 2]
-    assert steady, "the steady-state steps rebuilt nothing"
-    assert len(steady) == len(set(steady)), "a node was replayed twice in one steady-state step"
-    assert all(m is None for s, m in modes if s >= 2), "a steady-state rebuild ran under the dispatch mode"
+    assert replays, "the steady-state steps rebuilt nothing"
+    assert len(replays) == len(set(replays)), "a node was replayed twice in one steady-state step"
+    assert modes and all(m is None for m in modes), "a steady-state rebuild ran under the dispatch mode"
