@@ -27,7 +27,8 @@ class RecomputePolicy:
 
     name = "recompute"
     lossless = True
-    metered = True  # its regeneration runs ordinary ops: the runtime meters and caps them one by one
+    metered = True  # its regeneration runs ordinary ops: the dispatch mode meters and caps them one by one
+    #                 (in a steady-state step the native allocator device caps them: runtime.mode.metered)
     dynamic_cost = True  # the chain a recomputation triggers changes as other entries are evicted
 
     def __init__(self, **options: Any):

@@ -1,6 +1,7 @@
 """Caches and fast paths on the runtime's hot path give the answers of the code they shortcut."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hybridmem.plugins.codecs import bits_dtype
@@ -99,3 +100,38 @@ def test_compress_decision_follows_new_bytes_of_the_same_storage():
     n = Entry(tensor=i, nbytes=i.untyped_storage().nbytes(), dtype=i.dtype, device=i.device)
     c = pol.choose(n)
     assert c.codec.name == "narrow" and c.size == 1000
+
+
+def test_a_replayed_op_the_allocator_refuses_runs_again_from_its_recorded_random_state():
+    """Outside the dispatch mode (a steady-state step) a replay reruns an op the allocator refused once the
+    runtime has made room; a random op draws from its recorded state again, not from where it stopped."""
+    from hybridmem.runtime.rng import _ForkedRNG, rng_state
+
+    torch.manual_seed(3)
+    state = rng_state(torch.device("cpu"))
+    expected = torch.rand(4)
+    after = torch.get_rng_state()
+    refused: list[int] = []
+
+    def op(n: int) -> torch.Tensor:
+        x = torch.rand(n)  # draws, then the allocator refuses
+        if not refused:
+            refused.append(n)
+            raise torch.OutOfMemoryError("refused")
+        return x
+
+    made_room: list[str] = []
+
+    def retry(func, *args, **kwargs):  # what Meter.retry_oom does after the runtime evicted
+        made_room.append(func.__name__)
+        return func(*args, **kwargs)
+
+    r = Replayer(lambda e: None, lambda e, t: None, lambda: 0, retry=retry)  # type: ignore[arg-type,return-value]
+    with _ForkedRNG(state, torch.device("cpu")) as rng:
+        got = r._call(op, [4], {}, rng)
+    assert refused == [4] and made_room == ["op"]
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.get_rng_state(), after)  # the training run's stream is put back
+    with pytest.raises(torch.OutOfMemoryError):  # no retry given (the dispatch mode retries itself)
+        refused.clear()
+        Replayer(lambda e: None, lambda e, t: None, lambda: 0)._call(op, [4], {})  # type: ignore[arg-type,return-value]

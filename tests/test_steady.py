@@ -289,3 +289,45 @@ def test_steady_state_can_be_switched_off_and_checks_its_setting() -> None:
     assert st.steady_steps == 0
     with pytest.raises(ValueError, match="steady: expected true or false"):
         hybridmem.enable(budget="1GiB", config={"plugins": {"steady": "yes"}})
+
+
+def test_steady_state_rebuilds_each_tensor_once_per_chain_without_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebuild in a steady-state step plans its whole chain at once (sources the allocator already freed
+    are replayed within it, those it has not are held for it), so no tensor is rebuilt twice by one chain,
+    and its ops run without the dispatch mode (the allocator caps each allocation)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from hybridmem import runtime as rtmod
+    from hybridmem.runtime import replay
+
+    model, batches, loss_fn = _zoo("gpt")
+    ref, _ = _train(model, batches, loss_fn)
+    replays: list[tuple[int, int, int]] = []  # (runtime, step, node) per node replayed in a steady-state step
+    modes: list[bool] = []                    # per op replayed in one: whether the runtime's mode was active
+    run, call = replay.Replayer._replay, replay.Replayer._call
+
+    def steady() -> Any:
+        rt = rtmod._current
+        return rt if rt is not None and rt._steady is not None else None
+
+    def counted(self: Any, n: Any, v: int, memo: dict) -> Any:
+        rt = steady()
+        if rt is not None:
+            replays.append((id(rt), rt.steps.steps, id(n)))
+        return run(self, n, v, memo)
+
+    def seen(self: Any, func: Any, args: Any, kwargs: Any, rng: Any = None) -> Any:
+        rt = steady()
+        if rt is not None:
+            modes.append(_get_current_dispatch_mode() is rt.mode)
+        return call(self, func, args, kwargs, rng)
+
+    monkeypatch.setattr(replay.Replayer, "_replay", counted)
+    monkeypatch.setattr(replay.Replayer, "_call", seen)
+    got, st, budget, _ = _budget_run(model, batches, loss_fn, cut=0.5)
+    assert got == ref
+    assert st.steady_steps == len(batches) - 2, st.notes
+    assert st.peak_bytes <= budget
+    assert replays, "the steady-state steps rebuilt nothing"
+    assert len(replays) == len(set(replays)), "a node was replayed twice in one steady-state step"
+    assert modes and not any(modes), "a steady-state rebuild ran under the runtime's dispatch mode"

@@ -162,7 +162,8 @@ class Runtime:
             self.recorder = Recorder(self.produced.get, torch.are_deterministic_algorithms_enabled,
                                      OpCost(cost_model_for(self.device, cfg)), self.fsdp_sync.resizable)
             self.replayer = Replayer(self.residency.fetch, self.residency.adopt_replayed, lambda: self.steps.steps,
-                                     self.store.claim)
+                                     self.store.claim, self.store.drain, self.store.register_again,
+                                     self.meter.retry_oom)
         self.steps = StepTracker(self._step_started, self._step_ended)
         self.owner = OwnerThread()
         self.fixed = FixedMarker(self.produced, self.meter, self._module_called)

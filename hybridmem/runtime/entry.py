@@ -40,6 +40,7 @@ class Entry:
     origin: str = ""                # op around which it was first saved (for error messages)
     view: Any = None                # geometry of `tensor` (a runtime View), to recognise saves of it
     registered: bool = False        # in the allocator's registry: it may free the bytes at any allocation
+    priority: float = 0.0           # its order in that registry (lower: freed first)
 
     @property
     def resident(self) -> bool:

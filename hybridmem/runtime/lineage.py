@@ -121,13 +121,27 @@ class OpRecord:
     """One recorded op call, with tensor arguments replaced by references. ``func is None`` marks a
     barrier: the storage was written by something unrecorded, or its lineage was dropped."""
 
-    __slots__ = ("func", "args", "kwargs", "rng", "cost_s", "why_not", "_refs")
+    __slots__ = ("func", "args", "kwargs", "rng", "cost_s", "why_not", "_refs", "_plan")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict, rng: Any, why_not: str):
         self.func, self.args, self.kwargs, self.rng = func, args, kwargs, rng
         self.cost_s = 0.0
         self.why_not = why_not  # "" when replayable, else the reason (non-deterministic op, ...)
         self._refs: tuple[Any, ...] | None = None
+        self._plan: tuple[tuple, tuple, dict, tuple] | None = None
+
+    def arg_plan(self) -> tuple[tuple, tuple, dict, tuple]:
+        """How a replay builds the call's arguments, resolved once: (positional arguments as recorded,
+        (position, argument, written) of those a replay resolves, keyword arguments as recorded, (name,
+        argument, written) of those it resolves). Resolved: references (and lists of them) and
+        generator states; ``written``: the op writes the argument (a replay gives it a private copy)."""
+        got = self._plan
+        if got is None:
+            info = replay_info(self.func)
+            refs = tuple((i, a, i in info.written) for i, a in enumerate(self.args) if _resolved(a))
+            refs_kw = tuple((k, a, k in info.written_kw) for k, a in self.kwargs.items() if _resolved(a))
+            got = self._plan = (self.args, refs, self.kwargs, refs_kw)
+        return got
 
     def refs(self) -> Iterator[Any]:
         """The reference arguments, in argument order. Collected once: a record's arguments never
@@ -143,6 +157,13 @@ class OpRecord:
                         out.extend(b for b in a if isinstance(b, _REFS))
             got = self._refs = tuple(out)
         return iter(got)
+
+
+def _resolved(a: Any) -> bool:
+    """Whether a replay resolves recorded argument ``a`` (see ``OpRecord.arg_plan``)."""
+    if isinstance(a, (NodeRef, FixedRef, GenState)):
+        return True
+    return type(a) in (list, tuple) and any(isinstance(b, (NodeRef, FixedRef)) for b in a)
 
 
 def _barrier(reason: str) -> tuple[OpRecord, int]:

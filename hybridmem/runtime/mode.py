@@ -111,9 +111,11 @@ class RuntimeMode(MeterMode):
         self.internal += 1
         saved = (self._stage, self._facts, self._recording, self._rng)  # the op in flight
         try:
-            # Inside the handler PyTorch popped this mode; in a steady-state step it is not entered at all
-            # (runtime.program): regenerating runs under it, so its ops are capped one by one.
-            if self.depth or not self.rt.mode_on:
+            # Inside the handler PyTorch popped this mode: regenerating runs under it, so its ops are capped
+            # one by one. In a steady-state step (runtime.program) it is not entered at all, and regenerating
+            # runs without it: the native allocator device caps each allocation (freeing registered entries)
+            # and the replay reruns an op it refused after the runtime evicts (Replayer.retry).
+            if self.depth or (not self.rt.mode_on and self.rt.native is None):
                 with self:
                     yield
             else:

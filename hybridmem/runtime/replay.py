@@ -3,9 +3,10 @@
 :class:`Replayer` rebuilds a node (:mod:`.lineage`) from its live storage when that is still there, from an
 entry evicted by another policy (a swapped-out host checkpoint, a compressed copy), or by replaying its ops
 under ``no_grad`` with inputs regenerated the same way, iteratively (no Python recursion limit on long
-chains). Random ops replay with the state saved before them (:mod:`.rng`); arguments an op writes besides
-the regenerated storage (BatchNorm running statistics) get private clones, so side effects are never
-applied twice.
+chains). A chain is planned whole before it runs: inputs the allocator already freed are replayed within it
+(each once), and inputs it may still free are held for the chain and handed back after. Random ops replay
+with the state saved before them (:mod:`.rng`); arguments an op writes besides the regenerated storage
+(BatchNorm running statistics) get private clones, so side effects are never applied twice.
 """
 from __future__ import annotations
 
@@ -38,9 +39,18 @@ class Replayer:
     """
 
     def __init__(self, fetch: Callable[["Entry"], Tensor], adopt: Callable[["Entry", Tensor], None],
-                 epoch: Callable[[], int], claim: Callable[["Entry"], bool] | None = None):
+                 epoch: Callable[[], int], claim: Callable[["Entry"], bool] | None = None,
+                 drain: Callable[[], None] | None = None, hold_done: Callable[[list["Entry"]], None] | None = None,
+                 retry: Callable[..., Any] | None = None):
         self.fetch, self.adopt, self.epoch = fetch, adopt, epoch
         self.claim: Callable[["Entry"], bool] = claim or (lambda e: e.tensor is not None)
+        # drain(): record the entries the allocator freed (before a chain is planned, so that its plan
+        # sees them gone); hold_done(entries): the chain has run, the registered sources it claimed may
+        # be freed again; retry(func, *args, **kwargs): run an op again after the allocator refused it
+        # (replays that run outside the dispatch mode: see ``unmetered``)
+        self.drain: Callable[[], None] = drain or (lambda: None)
+        self.hold_done: Callable[[list["Entry"]], None] = hold_done or (lambda es: None)
+        self.retry = retry
 
     # -- validity and cost ---------------------------------------------------------------------
     def why_not(self, node: Node, version: int) -> str:
@@ -120,7 +130,19 @@ class Replayer:
         Plans the chain first (which versions must be replayed, in dependency order), then runs it,
         dropping each intermediate result as soon as its last consumer in the chain has run, so a
         long chain holds only its frontier."""
-        order, deps = self._plan(node, version)
+        self.drain()
+        held: list["Entry"] = []
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # once for the chain, not per op
+        try:
+            return self._materialize(node, version, held)
+        finally:
+            torch._C._set_grad_enabled(grad)
+            if held:
+                self.hold_done(held)
+
+    def _materialize(self, node: Node, version: int, held: list["Entry"]) -> Tensor:
+        order, deps = self._plan(node, version, held)
         uses: dict[tuple[int, int], int] = {}
         for k in order:
             for d in deps[k][1]:
@@ -135,7 +157,7 @@ class Replayer:
                     if got is None:
                         # available when the chain was planned, evicted since: the replays before it
                         # allocated, and the cap made room by dropping it. Regenerate it the same way.
-                        got = self.materialize(dn, dv)
+                        got = self._materialize(dn, dv, held)
                     memo[d] = got
             memo[k] = self._replay(n, v, memo)
             for d in deps[k][1]:
@@ -149,8 +171,14 @@ class Replayer:
         assert got is not None
         return got
 
-    def _plan(self, node: Node, version: int) -> tuple[list[tuple[int, int]], dict[tuple[int, int], Any]]:
-        """Post-order of the (node, version) pairs to replay, and per pair ((node, version), inputs)."""
+    def _plan(self, node: Node, version: int,
+              held: list["Entry"]) -> tuple[list[tuple[int, int]], dict[tuple[int, int], Any]]:
+        """Post-order of the (node, version) pairs to replay, and per pair ((node, version), inputs).
+
+        The chain's sources that the allocator may free (registered entries) are claimed here and
+        appended to ``held``: freed while the chain allocates, each would be rebuilt by a chain of its
+        own (and what it shares with this one replayed twice). One the allocator freed already is
+        replayed within this chain."""
         deps: dict[tuple[int, int], Any] = {}
         order: list[tuple[int, int]] = []
         if self.available(node, version):
@@ -179,11 +207,21 @@ class Replayer:
                 k = (id(m), w)
                 if k in deps:
                     continue
-                if self.available(m, w):
+                if self.available(m, w) and self._hold(m, held):
                     deps[k] = ((m, w), [])  # fetched when first needed, never replayed
                 else:
                     stack.append((m, w, False))
         return order, deps
+
+    def _hold(self, n: Node, held: list["Entry"]) -> bool:
+        """Take ``n``'s entry back from the allocator's registry for the chain; False when it was freed."""
+        e = n.entry
+        if e is None or not e.registered:
+            return True
+        if self.claim(e):
+            held.append(e)
+            return True
+        return False
 
     def _get(self, n: Node, v: int) -> Tensor | None:
         """The content of ``n`` at ``v`` without replaying it: its live storage, or its entry's copy."""
@@ -209,7 +247,7 @@ class Replayer:
             raise ReplayError(f"cannot recompute a {n.dtype} storage of {n.nbytes} bytes: {reason}")
         rec, pos = n.ops[0]
         out = self._run(rec, memo, None, None)
-        base = flat(_flat_outputs(out)[pos].untyped_storage(), n.dtype, n.device)
+        base = flat((out if type(out) is Tensor else _flat_outputs(out)[pos]).untyped_storage(), n.dtype, n.device)
         del out  # the producer's other outputs are not needed
         for rec, _ in n.ops[1:v]:
             self._run(rec, memo, n, base)
@@ -220,14 +258,31 @@ class Replayer:
 
     def _run(self, rec: OpRecord, memo: dict[tuple[int, int], Tensor], target: Node | None,
              base: Tensor | None) -> Any:
-        info = replay_info(rec.func)
-        with torch.no_grad():
-            args = [self._arg(a, memo, target, base, i in info.written) for i, a in enumerate(rec.args)]
-            kwargs = {k: self._arg(a, memo, target, base, k in info.written_kw) for k, a in rec.kwargs.items()}
-            if rec.rng is not None:
-                with _ForkedRNG(rec.rng, _device_of(args)):
-                    return rec.func(*args, **kwargs)
-            return rec.func(*args, **kwargs)
+        # runs under no_grad (materialize); only the arguments that are references are resolved per replay
+        fixed, refs, fixed_kw, refs_kw = rec.arg_plan()
+        args = list(fixed)
+        for i, a, written in refs:
+            args[i] = self._arg(a, memo, target, base, written)
+        kwargs = dict(fixed_kw)
+        for k, a, written in refs_kw:
+            kwargs[k] = self._arg(a, memo, target, base, written)
+        if rec.rng is not None:
+            with _ForkedRNG(rec.rng, _device_of(args)) as rng:
+                return self._call(rec.func, args, kwargs, rng)
+        return self._call(rec.func, args, kwargs)
+
+    def _call(self, func: Any, args: list[Any], kwargs: dict[str, Any], rng: _ForkedRNG | None = None) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            # Outside the dispatch mode (a steady-state step) the allocator caps each allocation and
+            # frees registered entries; when those are not enough, the runtime evicts and the op reruns
+            # (a random op from its recorded state again).
+            if self.retry is None:
+                raise
+            if rng is not None:
+                return self.retry(_rewound(rng, func), *args, **kwargs)
+            return self.retry(func, *args, **kwargs)
 
     def _arg(self, a: Any, memo: dict[tuple[int, int], Tensor], target: Node | None, base: Tensor | None,
              written: bool) -> Any:
@@ -248,6 +303,15 @@ class Replayer:
         if isinstance(a, GenState):
             return a.make()
         return a
+
+
+def _rewound(rng: _ForkedRNG, func: Any) -> Callable[..., Any]:
+    """``func`` run from ``rng``'s recorded state, each time it is called."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        rng.rewind()
+        return func(*args, **kwargs)
+    run.__name__ = getattr(func, "__name__", "op")
+    return run
 
 
 def _held_by_entry(n: Node, v: int) -> bool:

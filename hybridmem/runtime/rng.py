@@ -45,8 +45,13 @@ class _ForkedRNG:
     def __init__(self, state: tuple[bytes, bytes | None], device: torch.device):
         self.state, self.device = state, device
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> "_ForkedRNG":
         self.saved = rng_state(self.device)
+        self.rewind()
+        return self
+
+    def rewind(self) -> None:
+        """Set the recorded state (again: an op the allocator refused may have drawn before it failed)."""
         torch.set_rng_state(state_tensor(self.state[0]))
         if self.state[1] is not None:
             torch.cuda.set_rng_state(state_tensor(self.state[1]), self.device)

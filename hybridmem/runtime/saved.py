@@ -245,6 +245,7 @@ class SavedStore:
         limit = _SOLE + (t._base is not None) + 1  # our tensor (and its base), the Python object, the registry
         if self.native.register(e.uid, t.untyped_storage(), limit, priority):
             e.registered = True
+            e.priority = priority
             self.registered[e.uid] = e
             self.registrations += 1
 
@@ -257,6 +258,15 @@ class SavedStore:
                 priority = self.registrable(e)
                 if priority is not None:
                     self.register(e, priority)
+
+    def register_again(self, entries: list[Entry]) -> None:
+        """Entries claimed for a while (the sources of a recompute chain, while it ran): the allocator may
+        free them again, in the order it had them."""
+        if self.native is None:
+            return
+        for e in entries:
+            if e.tensor is not None and not e.registered and e.uid in self.resident:
+                self.register(e, e.priority)
 
     def claim(self, e: Entry) -> bool:
         """Take ``e`` back from the allocator's registry before reading it. False when the allocator had
