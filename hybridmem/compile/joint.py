@@ -95,7 +95,12 @@ def _arg_vals(a: Any) -> Any:
 def _flops(node: fx.Node) -> float:
     if not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
-    return op_flops(node.target, _arg_vals(node.args), _arg_vals(node.kwargs), node.meta.get("val"))
+    f = op_flops(node.target, _arg_vals(node.args), _arg_vals(node.kwargs), node.meta.get("val"))
+    try:
+        return float(f)
+    except Exception:       # symbolic sizes (dynamic shapes): the count at the sizes' hints
+        hint = getattr(getattr(f, "node", None), "hint", None)
+        return float(hint) if hint is not None else 0.0
 
 
 def _pointwise(n: fx.Node) -> bool:
