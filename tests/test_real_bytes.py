@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest

@@ -31,7 +31,7 @@ from torch import fx
 from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import DeviceModel, get_cost_model
 from ..graph.units import fmt_bytes, parse_bytes
-from .joint import JointGraph, joint_graph
+from .joint import joint_graph
 from .partition import Decisions, apply_plan, decisions
 from .scratch import measure_scratch
 
