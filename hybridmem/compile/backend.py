@@ -68,7 +68,9 @@ class RegionStats:
     gap_to_lower_bound: float | None = None
     solver: str = ""
     plan_from: str = ""
-    plan_s: float = 0.0               # seconds spent turning the graph into a plan and tags
+    plan_s: float = 0.0               # seconds spent turning the graph into a plan and tags, of which:
+    scratch_s: float = 0.0            # ... measuring the library ops' scratch
+    solve_s: float = 0.0              # ... in the solver
     note: str = ""
     # one record per evicted tensor: the node that makes it, its op, bytes and policy, largest first
     decisions: list[dict[str, Any]] = field(default_factory=list)
@@ -103,6 +105,8 @@ class CompileStats:
     def __str__(self) -> str:
         lines = [f"hybridmem compiled on {self.device}: budget {fmt_bytes(self.budget_bytes)}, "
                  f"{len(self.regions)} region(s), planning {self.plan_seconds:.2f} s"
+                 + (f" (solver {sum(r.solve_s for r in self.regions):.2f} s, scratch "
+                    f"{sum(r.scratch_s for r in self.regions):.2f} s)" if self.regions else "")
                  + (f", optimizer state {fmt_bytes(self.outside_bytes)}" if self.outside_bytes else "")]
         for r in self.regions:
             lines.append(
@@ -276,8 +280,10 @@ class CompileBackend:
                          [p for i, p in enumerate(placeholders) if i in static_idx],
                          [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
                          name=f"region {len(self._regions) + 1}", fuse=self.compiler == "inductor")
+        t_scratch = time.perf_counter()
         if self.scratch:
             jg.graph.meta["workspace"] = measure_scratch(jg, dev)
+        t_scratch = time.perf_counter() - t_scratch
         g = jg.graph
         key = self._current
         budget = self._budget_bytes(dev)
@@ -294,6 +300,7 @@ class CompileBackend:
                 + (f", of which {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
                 + f"; {fmt_bytes(outside)} held outside it: the optimizer's state and the regions compiled "
                 f"before); the budget is {fmt_bytes(budget)} ({budget} B)", least)
+        solve_s = 0.0
         if share >= peak + margin:
             d = Decisions()
             st = RegionStats(name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=peak,
@@ -314,6 +321,7 @@ class CompileBackend:
                     + (f", {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
                     + f", {fmt_bytes(outside)} held outside it (the optimizer's state and the regions compiled "
                     f"before)", need) from None
+            solve_s = float(p.info.get("solve_s") or 0.0)
             d = decisions(p)
             if d.swap and not can_swap:
                 raise BudgetInfeasibleError(
@@ -337,6 +345,8 @@ class CompileBackend:
                 decisions=sorted(records, key=lambda r: -r["bytes"]))
         self._held[key] = g.fixed_bytes() + st.saved_bytes + (st.swapped_bytes if dev.type != "cuda" else 0)
         st.plan_s = time.perf_counter() - t0
+        st.scratch_s = t_scratch
+        st.solve_s = solve_s
         self._regions[key] = st
         return bool(d.swap)
 
