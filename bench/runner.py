@@ -52,7 +52,7 @@ import platform
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -675,6 +675,7 @@ def main(args: Any) -> int:
     """Entry of ``hybridmem bench``: run, write results.json + results.md + PNGs, print the tables."""
     try:
         s = Settings.from_args(args)
+        ratios = _compiled_ratios(getattr(args, "compiled", None))
     except ValueError as e:
         print(f"hybridmem bench: error: {e}", file=sys.stderr)
         return 2
@@ -693,7 +694,37 @@ def main(args: Any) -> int:
         print(line)
     print(f"\nwrote {path}, {md}" + (f" and {len(made)} plots" if made else "") +
           f" in {results['wall_s']:.0f} s (measured {results['measured_s']:.0f} s, simulated {results['simulated_s']:.0f} s)")
+    if ratios:
+        _compiled(s, ratios)
     return 0
+
+
+def _compiled_ratios(text: str | None) -> tuple[float, ...]:
+    """``--compiled RATIOS`` as numbers (empty: not asked for); a bad value is a ValueError naming it."""
+    if not text:
+        return ()
+    try:
+        ratios = tuple(float(r) for r in text.split(","))
+    except ValueError:
+        ratios = ()
+    if not ratios or not all(0 <= r <= 1 for r in ratios):
+        raise ValueError(f"--compiled {text!r}: expected comma-separated ratios in [0, 1], e.g. 0.5,0.2")
+    return ratios
+
+
+def _compiled(s: Any, ratios: tuple[float, ...]) -> None:
+    """``--compiled``: bench.compiled on the measured models; compiled.json, compiled.md, compiled.png."""
+    from bench import compiled
+
+    results = []
+    for name in s.measured_models:
+        results += compiled.compare(name, s.measured_size, ratios, rounds=max(s.steps, 3))
+    (s.output / "compiled.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    md = compiled.table(results)
+    (s.output / "compiled.md").write_text(md + "\n")
+    compiled.plot(results, str(s.output / "compiled.png"))
+    print(md)
+    print(f"wrote {s.output / 'compiled.json'}, compiled.md and compiled.png")
 
 
 def _json_default(o: Any) -> Any:
@@ -724,6 +755,10 @@ def add_options(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, help="processes for the simulated sweep (default 1)")
     ap.add_argument("--no-measured", action="store_true", help="skip the measured CPU part")
     ap.add_argument("--no-simulated", action="store_true", help="skip the simulated part")
+    ap.add_argument("--compiled", metavar="RATIOS",
+                    help="also compare under torch.compile (Inductor): unmanaged, PyTorch's activation_memory_budget "
+                         "at these comma-separated ratios and hybridmem's compile backend at the peaks they reach, "
+                         "on the measured models (bench.compiled; several minutes of compiling per model on a CPU)")
     ap.add_argument("-o", "--output", type=Path, default=Path("bench-results"),
                     help="folder for results.json, results.md and the plots (default: bench-results)")
     return ap

@@ -66,6 +66,9 @@ def test_bench_options_reach_the_runner(tmp_path, capsys):
     assert "unknown method(s) ['teleport']" in capsys.readouterr().err
     assert main(["bench", "--quick", "--points", "1", "-o", str(tmp_path)]) == 2
     assert "--points must be at least 2" in capsys.readouterr().err
+    # refused before anything runs
+    assert main(["bench", "--quick", "--compiled", "0.5,half", "-o", str(tmp_path)]) == 2
+    assert "--compiled '0.5,half': expected comma-separated ratios in [0, 1]" in capsys.readouterr().err
 
 
 def test_list_solvers_describes_every_solver(capsys):
