@@ -31,6 +31,7 @@ from torch import fx
 from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import DeviceModel, get_cost_model
 from ..graph.units import fmt_bytes, parse_bytes
+from ..runtime.core import cost_model_for, resolve_device
 from .joint import joint_graph
 from .partition import Decisions, apply_plan, decisions
 from .scratch import measure_scratch
@@ -126,10 +127,7 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
 
 
 def _cost_model(device: torch.device, name: str | None, can_swap: bool) -> DeviceModel:
-    if name is None and device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device).lower()
-        name = next((n for n in ("h200", "h100", "a100", "v100") if n in gpu), "h100")
-    model = get_cost_model(name or "cpu")
+    model = cost_model_for(device, name)
     if not can_swap and isinstance(model, DeviceModel):
         # a link this slow makes every swap cost more than any recompute: the planners recompute
         model = replace(model, h2d_bw=NO_LINK_BW, d2h_bw=NO_LINK_BW, name=f"{model.name} (no swap)")
@@ -200,7 +198,7 @@ class CompileBackend:
             raise UnknownNameError("compiler", compiler, COMPILERS)
         if time_limit is not None and not (isinstance(time_limit, (int, float)) and time_limit > 0):
             raise ValueError(f"time_limit {time_limit!r}: expected seconds > 0, or None")
-        self.device = None if device is None else _device(device)
+        self.device = None if device is None else resolve_device(device)
         if budget is None or isinstance(budget, bool):
             raise ValueError("budget: expected bytes (an int, '8GiB'; on CUDA also '60%' of device memory), "
                              f"got {budget!r}")
@@ -260,7 +258,6 @@ class CompileBackend:
         from torch._functorch.partitioners import classify_nodes
 
         from .. import solvers
-        from ..graph.simulate import simulate
 
         t0 = time.perf_counter()
         dev = self._dev or torch.device("cpu")
@@ -332,10 +329,9 @@ class CompileBackend:
             records = [{"node": jg.producer_node[t].name, "op": g.stages[g.tensors[t].producer].op,
                         "bytes": g.tensors[t].nbytes, "policy": policy}
                        for policy, ids in (("recompute", d.recompute), ("swap", d.swap)) for t in ids]
-            res = simulate(g, p, device=model, budget=share - margin)
             st = RegionStats(
                 name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=peak,
-                min_budget_bytes=least, margin_bytes=margin, budget_bytes=share, predicted_peak_bytes=int(res.peak_bytes),
+                min_budget_bytes=least, margin_bytes=margin, budget_bytes=share, predicted_peak_bytes=int(p.predicted_peak_bytes),
                 saved_bytes=g.saved_bytes() - d.bytes_of(jg, "recompute") - d.bytes_of(jg, "swap"),
                 recomputed=len(d.recompute), recomputed_bytes=d.bytes_of(jg, "recompute"),
                 swapped=len(d.swap), swapped_bytes=d.bytes_of(jg, "swap"),
@@ -379,18 +375,6 @@ def _policies(policies: Sequence[str] | str) -> tuple[str, ...]:
         if p not in POLICIES:
             raise UnknownNameError("policy", p, POLICIES)
     return items
-
-
-def _device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"invalid device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'") from e
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r} is not supported: expected 'cpu', 'cuda' or 'cuda:N'")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: CUDA is not available here; use 'cpu'")
-    return dev
 
 
 def compile_backend(budget: int | str, device: str | torch.device | None = None,

@@ -8,11 +8,14 @@ on the CPU, the caching allocator's peak on CUDA. Ops with the same signature ar
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ..graph.capture import scratch_meter
 from ..graph.ir import Graph
 from .joint import JointGraph
 
@@ -76,43 +79,32 @@ def _peak_of(call: Any, device: torch.device, meter: Any) -> tuple[int, Any]:
 def measure_scratch(jg: JointGraph, device: torch.device) -> str:
     """Set ``Stage.workspace`` of ``jg``'s FLOP-counted stages; return where the figures come from."""
     g: Graph = jg.graph
-    meter = None
-    if device.type == "cpu":
-        from ..runtime.cpumeter import load as load_native_meter, unavailable_reason
-        meter = load_native_meter()
-        if meter is None:
-            return f"not measured (the native allocator meter is not available: {unavailable_reason()})"
-    elif device.type != "cuda":
-        return f"not measured on {device.type}"
-    installed_here = meter is not None and not meter.installed
-    if installed_here:
-        meter.install()
-    if meter is not None:
-        meter.cap_exempt(True)
     seen: dict[Any, int] = {}
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    try:
+    with ExitStack() as stack:
+        meter = None
+        if device.type == "cpu":
+            meter, note = scratch_meter(stack)
+            if meter is None:
+                return note
+        elif device.type != "cuda":
+            return f"not measured on {device.type}"
         # the partition runs under the compile's fake mode: real tensors need it set aside
-        with torch.no_grad(), unset_fake_temporarily():
-            for s, node in zip(g.stages, jg.stage_node):
-                if s.flops <= 0 or not isinstance(node.target, torch._ops.OpOverload):
+        stack.enter_context(unset_fake_temporarily())
+        stack.enter_context(torch.no_grad())
+        for s, node in zip(g.stages, jg.stage_node):
+            if s.flops <= 0 or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            key = _signature(node)
+            if key not in seen:
+                try:
+                    args, kwargs = _args(node, device)
+                except _Symbolic:
+                    seen[key] = 0
                     continue
-                key = _signature(node)
-                if key not in seen:
-                    try:
-                        args, kwargs = _args(node, device)
-                    except _Symbolic:
-                        seen[key] = 0
-                        continue
-                    peak, out = _peak_of(lambda: node.target(*args, **kwargs), device, meter)
-                    outs = out if isinstance(out, (tuple, list)) else (out,)
-                    out_bytes = sum(o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor))
-                    seen[key] = max(0, int(peak) - out_bytes)
-                    del args, kwargs, out, outs
-                s.workspace = seen[key]
-    finally:
-        if meter is not None:
-            meter.cap_exempt(False)
-        if installed_here:
-            meter.uninstall()
+                peak, out = _peak_of(lambda: node.target(*args, **kwargs), device, meter)
+                outs = out if isinstance(out, (tuple, list)) else (out,)
+                out_bytes = sum(o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor))
+                seen[key] = max(0, int(peak) - out_bytes)
+                del args, kwargs, out, outs
+            s.workspace = seen[key]
     return "measured: the allocator's peak inside each library op beyond its inputs and outputs"

@@ -245,7 +245,7 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
             stack.enter_context(torch.device("meta"))  # factory calls inside forward land on meta too
             stack.enter_context(dynamo_deferred())     # decompositions run there: no compiler import
         if dev.type == "cpu":
-            rec.native, scratch = _scratch_meter(stack)
+            rec.native, scratch = scratch_meter(stack)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.saved, lambda x: x))
         stack.enter_context(CaptureMode(rec))
         try:
@@ -289,9 +289,10 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
     return graph
 
 
-def _scratch_meter(stack: ExitStack) -> tuple[Any, str]:
-    """The native allocator device for a CPU capture (each op's scratch: ``Stage.workspace``), installed
-    for the capture and exempt from any budget, and where the workspace figures come from."""
+def scratch_meter(stack: ExitStack) -> tuple[Any, str]:
+    """The native allocator device for measuring each op's scratch on the CPU (``Stage.workspace``),
+    installed until ``stack`` closes and exempt from any budget, and where the workspace figures come
+    from (capture, and :mod:`hybridmem.compile.scratch`)."""
     native = load_native_meter()
     if native is None:
         return None, f"not measured (the native allocator meter is not available: {unavailable_reason()})"

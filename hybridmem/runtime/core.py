@@ -68,11 +68,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def cost_model_for(device: torch.device, cfg: Config) -> Any:
-    """The cost model recompute costs come from: ``plugins: {cost_model: NAME}`` in the config, else
-    the CPU model, or on CUDA the model named like the GPU (H100, H200, A100, V100; else H100)."""
+def cost_model_for(device: torch.device, name: str | None = None) -> Any:
+    """The cost model recompute costs come from: ``name`` (the config's ``plugins: {cost_model: NAME}``),
+    else the CPU model, or on CUDA the model named like the GPU (H100, H200, A100, V100; else H100)."""
 
-    name = cfg.extra.get("cost_model")
     if name is None and device.type == "cuda":
         gpu = torch.cuda.get_device_name(device).lower()
         name = next((n for n in ("h200", "h100", "a100", "v100") if n in gpu), "h100")
@@ -160,7 +159,7 @@ class Runtime:
         self.replayer: Replayer | None = None
         if manages and "recompute" in self.policies:
             self.recorder = Recorder(self.produced.get, torch.are_deterministic_algorithms_enabled,
-                                     OpCost(cost_model_for(self.device, cfg)), self.fsdp_sync.resizable)
+                                     OpCost(cost_model_for(self.device, cfg.extra.get("cost_model"))), self.fsdp_sync.resizable)
             self.replayer = Replayer(self.residency.fetch, self.residency.adopt_replayed, lambda: self.steps.steps,
                                      self.store.claim, self.store.drain, self.store.register_again,
                                      self.meter.retry_oom)
