@@ -33,6 +33,7 @@ from ..graph.costs import DeviceModel, get_cost_model
 from ..graph.units import fmt_bytes, parse_bytes
 from ..runtime.core import cost_model_for, resolve_device
 from .joint import joint_graph
+from .measured import StepPeak
 from .partition import Decisions, apply_plan, decisions
 from .scratch import measure_scratch
 
@@ -85,6 +86,8 @@ class CompileStats:
     budget_bytes: int
     outside_bytes: int                # bytes counted outside the regions (the optimizer's state)
     regions: list[RegionStats] = field(default_factory=list)
+    measured_peak_bytes: int | None = None  # the device's real peak while compiled steps ran (compiles left out)
+    measured: str = ""                # what measured it, or why nothing did
 
     @property
     def plan_seconds(self) -> float:
@@ -109,6 +112,11 @@ class CompileStats:
                  + (f" (solver {sum(r.solve_s for r in self.regions):.2f} s, scratch "
                     f"{sum(r.scratch_s for r in self.regions):.2f} s)" if self.regions else "")
                  + (f", optimizer state {fmt_bytes(self.outside_bytes)}" if self.outside_bytes else "")]
+        if self.measured_peak_bytes is not None:
+            lines.append(f"  measured peak {fmt_bytes(self.measured_peak_bytes)} ({self.measured}), "
+                         f"{100 * self.measured_peak_bytes / max(self.budget_bytes, 1):.1f} % of the budget")
+        elif self.measured:
+            lines.append(f"  measured peak: {self.measured}")
         for r in self.regions:
             lines.append(
                 f"  {r.name}: {r.stages} ops, keep-all peak {fmt_bytes(r.keep_all_peak_bytes)}, share "
@@ -184,12 +192,15 @@ class CompileBackend:
     name (default: the CPU model, or the GPU's). ``compiler``: ``inductor`` (default) or ``eager``
     (AOTAutograd's eager runner: the same partition, no kernel generation). ``scratch``: measure the
     library ops' scratch by running each once on zeros (:mod:`hybridmem.compile.scratch`; default on).
+    ``measure``: read the device's real peak while compiled steps run (``stats().measured_peak_bytes``,
+    :mod:`hybridmem.compile.measured`; default on; on the CPU this installs the native allocator meter
+    until :meth:`close`).
     """
 
     def __init__(self, budget: int | str, device: str | torch.device | None = None,
                  policies: Sequence[str] | str = POLICIES, solver: str = "approx",
                  time_limit: float | None = None, optimizer: Any = None, cost_model: str | None = None,
-                 compiler: str = "inductor", scratch: bool = True) -> None:
+                 compiler: str = "inductor", scratch: bool = True, measure: bool = True) -> None:
         from .. import solvers
         self.policies = _policies(policies)
         if solver not in solvers.SOLVERS:
@@ -214,6 +225,9 @@ class CompileBackend:
         if cost_model is not None:
             get_cost_model(cost_model)          # an unknown name fails here, naming the known ones
         self.optimizer_bytes = _optimizer_bytes(optimizer)
+        self._optimizer = optimizer
+        self.measure = bool(measure)
+        self.peak = StepPeak()
         self._held: dict[tuple[str, ...], int] = {}      # region key -> bytes it keeps through its backward
         self._regions: dict[tuple[str, ...], RegionStats] = {}
         self._current: tuple[str, ...] = ()
@@ -227,6 +241,15 @@ class CompileBackend:
             (n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs) if isinstance(x, torch.Tensor))
         if self._dev is None:
             self._dev = _device_of(example_inputs)
+        if self.measure:
+            self.peak.start(self._dev, self._optimizer)
+        self.peak.compiling()
+        try:
+            return self.peak.wrap(self._compile(gm, example_inputs))
+        finally:
+            self.peak.compiled()
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         if self.compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx
             return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner})
@@ -235,11 +258,22 @@ class CompileBackend:
         return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=self.partitioner,
                             keep_inference_input_mutations=True)(gm, example_inputs)
 
+    def reset_stats(self) -> None:
+        """Restart the measured peak at the current level (the regions' plan figures stay)."""
+        self.peak.reset()
+
+    def close(self) -> None:
+        """Stop measuring the real peak (on the CPU: uninstall the allocator meter if this backend
+        installed it). The figure measured so far stays in :meth:`stats`."""
+        self.peak.stop()
+
     # ---- what the user reads -------------------------------------------------------------------
     def stats(self) -> CompileStats:
         dev = self._dev or torch.device("cpu")
         return CompileStats(device=str(dev), budget_bytes=self._budget_bytes(dev),
-                            outside_bytes=self.optimizer_bytes, regions=list(self._regions.values()))
+                            outside_bytes=self.optimizer_bytes, regions=list(self._regions.values()),
+                            measured_peak_bytes=self.peak.peak_bytes,
+                            measured=self.peak.how if self.measure else "not measured (measure=False)")
 
     # ---- planning ----------------------------------------------------------------------------
     def _budget_bytes(self, dev: torch.device) -> int:
@@ -380,5 +414,6 @@ def _policies(policies: Sequence[str] | str) -> tuple[str, ...]:
 def compile_backend(budget: int | str, device: str | torch.device | None = None,
                     policies: Sequence[str] | str = POLICIES, solver: str = "approx", **options: Any) -> CompileBackend:
     """A ``torch.compile`` backend that keeps each compiled training step under ``budget`` bytes
-    (:class:`CompileBackend`; ``options``: ``time_limit``, ``optimizer``, ``cost_model``, ``compiler``)."""
+    (:class:`CompileBackend`; ``options``: ``time_limit``, ``optimizer``, ``cost_model``, ``compiler``,
+    ``scratch``, ``measure``)."""
     return CompileBackend(budget, device=device, policies=policies, solver=solver, **options)

@@ -67,12 +67,18 @@ class CompileSession:
             compile_with_budget.__hybridmem_original__ = original  # type: ignore[attr-defined]
             self._original = original
             torch.compile = compile_with_budget
+            peak = self.backend.peak
+            if peak.device is not None and self.backend.measure:  # enabled again (after an inner session)
+                peak.start(peak.device)
+                if reset_peak:
+                    peak.reset()
 
     def uninstall(self) -> None:
         with self._lock:
             if self._original is not None:
                 torch.compile = self._original
                 self._original = None
+            self.backend.close()  # regions compiled before keep running unmeasured
 
     def release(self) -> None:
         self.uninstall()
@@ -81,4 +87,5 @@ class CompileSession:
         return self.backend.stats()
 
     def reset_stats(self) -> None:
-        """Nothing to restart: a compiled region's figures are those of its plan."""
+        """Restart the measured peak at the current level (a region's plan figures stay)."""
+        self.backend.reset_stats()

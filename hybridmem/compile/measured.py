@@ -1,0 +1,148 @@
+"""The real peak of compiled steps, beside the plan's prediction (``CompileStats.measured_peak_bytes``).
+
+On CUDA it is the caching allocator's ``max_memory_allocated``. On the CPU it is the native allocator
+meter (:mod:`hybridmem.runtime.cpumeter`), installed when the first region compiles: every allocation
+from then on counts, and the training state from before (parameters, buffers, inputs, the optimizer's
+state when the backend was given the optimizer) counts once a compiled region first reads it, for as
+long as it lives. Compiling is not a step: the allocations of a compile (the scratch measurement, the
+compiler's own tensors) are left out by starting a new peak window when each compile ends, after
+folding the window before it into the figure.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from ..runtime.cpumeter import load, unavailable_reason
+from ..runtime.meter import Meter
+
+__all__ = ["StepPeak"]
+
+
+class StepPeak:
+    """Real peak bytes of the device while compiled steps run (None where it cannot be read)."""
+
+    def __init__(self) -> None:
+        self.device: torch.device | None = None
+        self.how = "not measured (no region compiled yet)"
+        self._meter: Meter | None = None
+        self._installed_here = False
+        self._floor = 0            # the largest peak of the windows closed so far
+        self._optimizer: Any = None
+        self._active = False
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self, device: torch.device, optimizer: Any = None) -> None:
+        """Measure on ``device`` (the first region's): idempotent; after :meth:`stop`, measure again."""
+        if self._active:
+            return
+        self._active = True
+        if self.device is None:
+            self.device, self._optimizer = device, optimizer
+        device = self.device
+        if device.type == "cuda":
+            self.how = "CUDA caching allocator"
+            self.compiled()
+            return
+        if device.type != "cpu":
+            self.how = f"not measured (no allocator statistics on {device.type})"
+            return
+        native = load()
+        if native is None:
+            self.how = f"not measured (the native CPU allocator meter is not available: {unavailable_reason()})"
+            return
+        if not native.installed:
+            native.install()
+            self._installed_here = True
+        if self._meter is None:
+            self._meter = Meter("cpu")
+        self._meter.attach_native(native)  # counts again the state it counted before a stop
+        native.reset_peak()
+        if self._optimizer is not None:
+            self._count_state(t for st in self._optimizer.state.values() for t in st.values() if torch.is_tensor(t))
+        self.how = "CPU allocator"
+
+    def stop(self) -> None:
+        """Stop measuring (on the CPU, uninstall the meter if this installed it): the figure so far stays."""
+        if not self._active:
+            return
+        self._floor = self.peak_bytes or 0
+        self._active = False
+        m = self._meter
+        if m is not None and m.native is not None:
+            native = m.native
+            m.detach_native()
+            if self._installed_here:
+                native.uninstall()
+        self._installed_here = False
+
+    # ---- compiles and steps ------------------------------------------------------------------------
+    def compiling(self) -> None:
+        """A compile begins: what was measured up to now is a step's (or nothing)."""
+        if self._active:
+            self._floor = max(self._floor, self._window())
+
+    def compiled(self) -> None:
+        """A compile ended: start a new window at the current level."""
+        if not self._active:
+            return
+        if self._meter is not None:
+            self._meter.native.reset_peak()
+        elif self.device is not None and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """``compiled`` counting, at its first call, the state it reads that predates the meter."""
+        if self._meter is None or not self._active:
+            return compiled
+        first = [True]
+
+        @functools.wraps(compiled)
+        def run(*args: Any) -> Any:
+            if first[0]:
+                first[0] = False
+                flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+                self._count_state(t for t in flat if isinstance(t, torch.Tensor))
+            return compiled(*args)
+
+        # AOTAutograd's boxed calling convention (one list argument) must survive the wrapper
+        if getattr(compiled, "_boxed_call", False):
+            run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def reset(self) -> None:
+        """A new measurement window from now (``hybridmem.reset_stats()``)."""
+        self._floor = 0
+        self.compiled()
+
+    # ---- readings -------------------------------------------------------------------------------
+    @property
+    def peak_bytes(self) -> int | None:
+        if not self._active:
+            return self._floor or None
+        if self.device is None or (self.device.type != "cuda" and self._meter is None):
+            return None
+        return max(self._floor, self._window())
+
+    def _window(self) -> int:
+        if not self._active:
+            return 0
+        if self._meter is not None and self._meter.native is not None:
+            return self._meter.native.peak_bytes
+        if self.device is not None and self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return 0
+
+    def _count_state(self, tensors: Any) -> None:
+        m = self._meter
+        if m is None or m.native is None:
+            return
+        for t in tensors:
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue  # wrapper subclasses without one storage: their parts are read separately
+            if st.device.type == "cpu":
+                m.count_external(st)
