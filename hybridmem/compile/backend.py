@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
@@ -34,6 +35,7 @@ from ..graph.units import fmt_bytes, parse_bytes
 from ..runtime.core import cost_model_for, resolve_device
 from .joint import joint_graph
 from .measured import StepPeak
+from .runs import InFlight
 from .partition import Decisions, apply_plan, decisions
 from .scratch import measure_scratch
 
@@ -68,6 +70,8 @@ class RegionStats:
     swapped_bytes: int = 0
     predicted_overhead: float = 0.0   # predicted step time / compute time - 1
     gap_to_lower_bound: float | None = None
+    runs_planned: int = 1             # runs in flight the plan holds (calls_per_step)
+    runs_in_flight: int = 0           # the most runs seen in flight: forwards whose backward had not begun
     solver: str = ""
     plan_from: str = ""
     plan_s: float = 0.0               # seconds spent turning the graph into a plan and tags, of which:
@@ -123,6 +127,9 @@ class CompileStats:
                 f"{fmt_bytes(r.budget_bytes)}, predicted peak {fmt_bytes(r.predicted_peak_bytes)}; saved "
                 f"{fmt_bytes(r.saved_bytes)}, recomputed {r.recomputed} ({fmt_bytes(r.recomputed_bytes)}), "
                 f"swapped {r.swapped} ({fmt_bytes(r.swapped_bytes)}); predicted +{100 * r.predicted_overhead:.1f} %"
+                + (f"; planned for {r.runs_planned} runs in flight" if r.runs_planned > 1 else "")
+                + (f"; {r.runs_in_flight} runs were in flight (calls_per_step={r.runs_in_flight} plans for them)"
+                   if r.runs_in_flight > r.runs_planned else "")
                 + (f"; {r.note}" if r.note else ""))
         return "\n".join(lines)
 
@@ -192,6 +199,10 @@ class CompileBackend:
     name (default: the CPU model, or the GPU's). ``compiler``: ``inductor`` (default) or ``eager``
     (AOTAutograd's eager runner: the same partition, no kernel generation). ``scratch``: measure the
     library ops' scratch by running each once on zeros (:mod:`hybridmem.compile.scratch`; default on).
+    ``calls_per_step``: how many times a compiled region runs its forward before the first of those
+    runs' backwards begins: a block compiled once and called in a loop (regional compilation) holds that
+    many runs' saved tensors; the plan leaves room for them (default 1; the stats and a warning say
+    when more were in flight).
     ``measure``: read the device's real peak while compiled steps run (``stats().measured_peak_bytes``,
     :mod:`hybridmem.compile.measured`; default on; on the CPU this installs the native allocator meter
     until :meth:`close`).
@@ -200,7 +211,8 @@ class CompileBackend:
     def __init__(self, budget: int | str, device: str | torch.device | None = None,
                  policies: Sequence[str] | str = POLICIES, solver: str = "approx",
                  time_limit: float | None = None, optimizer: Any = None, cost_model: str | None = None,
-                 compiler: str = "inductor", scratch: bool = True, measure: bool = True) -> None:
+                 compiler: str = "inductor", scratch: bool = True, calls_per_step: int = 1,
+                 measure: bool = True) -> None:
         from .. import solvers
         self.policies = _policies(policies)
         if solver not in solvers.SOLVERS:
@@ -227,6 +239,11 @@ class CompileBackend:
         self.optimizer_bytes = _optimizer_bytes(optimizer)
         self._optimizer = optimizer
         self.measure = bool(measure)
+        if isinstance(calls_per_step, bool) or not isinstance(calls_per_step, int) or calls_per_step < 1:
+            raise ValueError(f"calls_per_step {calls_per_step!r}: expected an int >= 1 (the runs of a compiled "
+                             "region in flight at once, e.g. the number of blocks that share one compiled graph)")
+        self.calls_per_step = calls_per_step
+        self._runs: dict[tuple[str, ...], InFlight] = {}
         self.peak = StepPeak()
         self._held: dict[tuple[str, ...], int] = {}      # region key -> bytes it keeps through its backward
         self._regions: dict[tuple[str, ...], RegionStats] = {}
@@ -245,9 +262,24 @@ class CompileBackend:
             self.peak.start(self._dev, self._optimizer)
         self.peak.compiling()
         try:
-            return self.peak.wrap(self._compile(gm, example_inputs))
+            compiled = self._compile(gm, example_inputs)
         finally:
             self.peak.compiled()
+        key = self._current
+        runs = self._runs.get(key)
+        if runs is None:  # a recompile of a region (new shapes, an input that needs no grad) shares its count
+            runs = self._runs[key] = InFlight(self.calls_per_step, lambda n: self._more_runs(key, n))
+        return self.peak.wrap(runs.wrap(compiled))
+
+    def _more_runs(self, key: tuple[str, ...], n: int) -> None:
+        st = self._regions.get(key)
+        name = st.name if st is not None else "a region"
+        held = f" of {fmt_bytes(st.saved_bytes)}" if st is not None else ""
+        warnings.warn(f"hybridmem compile: {name} had {n} runs in flight (forwards whose backward had not "
+                      f"begun: a block compiled once and called in a loop); its plan holds {self.calls_per_step}, "
+                      f"so the step holds about {n - self.calls_per_step} more runs' saved tensors{held} each "
+                      f"and may exceed the budget: compile_backend(calls_per_step={n}) plans for them",
+                      RuntimeWarning, stacklevel=2)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         if self.compiler == "inductor":
@@ -271,11 +303,64 @@ class CompileBackend:
     def stats(self) -> CompileStats:
         dev = self._dev or torch.device("cpu")
         return CompileStats(device=str(dev), budget_bytes=self._budget_bytes(dev),
-                            outside_bytes=self.optimizer_bytes, regions=list(self._regions.values()),
+                            outside_bytes=self.optimizer_bytes, regions=self._region_stats(),
                             measured_peak_bytes=self.peak.peak_bytes,
                             measured=self.peak.how if self.measure else "not measured (measure=False)")
 
+    def _region_stats(self) -> list[RegionStats]:
+        for key, st in self._regions.items():
+            runs = self._runs.get(key)
+            st.runs_in_flight = runs.most if runs is not None else 0
+        return list(self._regions.values())
+
     # ---- planning ----------------------------------------------------------------------------
+    def _plan_runs(self, g: Any, share: int, others: int, grads: int, model: Any) -> tuple[Any, int]:
+        """A plan, and its peak with ``others`` more runs in flight beside it, that fits ``share``: each other
+        run holds what the plan keeps for the backward beyond the ``grads`` bytes already set aside for it.
+
+        The planners see one run. To make them weigh what the other runs hold, they plan a copy of the
+        graph whose saved tensors are ``others + 1`` times their size (keeping one costs that much); each
+        plan is then judged on the real graph with the other runs added, and a bisection over the copy's
+        budget finds the highest one whose plan fits (6 plans at most). On failure the error names the
+        least total any of those plans needs."""
+        import copy
+
+        from .. import solvers
+        from ..graph.simulate import simulate
+
+        def plan(graph: Any, b: int) -> Any:
+            return solvers.plan(graph, b, device=model, solver=self.solver, time_limit=self.time_limit)
+
+        if not others:
+            p = plan(g, share)
+            return p, int(p.predicted_peak_bytes)
+        heavy = copy.deepcopy(g)
+        for t in heavy.tensors:
+            if t.saved and t.evictable:
+                t.nbytes *= others + 1
+        best: tuple[Any, int] | None = None
+        least: int | None = None
+        lo, hi = solvers.memory_floor(heavy, model), heavy.peak_bytes()
+        for _ in range(6):
+            if lo > hi:
+                break
+            b = (lo + hi) // 2
+            try:
+                p = plan(heavy, b)
+            except BudgetInfeasibleError:
+                lo = b + 1
+                continue
+            peak = simulate(g, p, model, budget=None, check_hash=False).peak_bytes
+            need = int(peak) + others * max(_kept_bytes(g, p) - grads, 0)
+            least = need if least is None else min(least, need)
+            if need <= share:
+                best, lo = (p, need), b + 1
+            else:
+                hi = b - 1
+        if best is None:
+            raise BudgetInfeasibleError("no plan of one run fits beside the other runs in flight", least)
+        return best
+
     def _budget_bytes(self, dev: torch.device) -> int:
         if self._budget_b is None:
             if dev.type != "cuda":
@@ -323,16 +408,24 @@ class CompileBackend:
         peak = g.peak_bytes()
         margin = int(INDUCTOR_MARGIN * peak) if self.compiler == "inductor" else 0
         name = f"region {list(self._regions).index(key) + 1 if key in self._regions else len(self._regions) + 1}"
+        # each other run in flight (calls_per_step - 1) holds its inputs and parameters, and either what the
+        # plan keeps for its backward (before it) or the gradients that backward made (after it)
+        others = self.calls_per_step - 1
+        fixed = g.fixed_bytes()
+        grads = sum(t.nbytes for t in g.tensors if t.producer < 0 and t.kind == "param")
+        outside += others * (fixed + grads)
+        share -= others * (fixed + grads)
         least = solvers.memory_floor(g, model) + margin + outside
         if budget < least:
             raise BudgetInfeasibleError(
                 f"hybridmem compile: {name} needs a budget of at least {fmt_bytes(least)} ({least} B) with every "
                 f"evictable activation recomputed or swapped ({fmt_bytes(least - outside)} in the region"
                 + (f", of which {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
-                + f"; {fmt_bytes(outside)} held outside it: the optimizer's state and the regions compiled "
-                f"before); the budget is {fmt_bytes(budget)} ({budget} B)", least)
+                + f"; {fmt_bytes(outside)} held outside it: the optimizer's state, the regions compiled "
+                f"before" + (", the other runs' inputs, parameters and gradients" if others else "")
+                + f"); the budget is {fmt_bytes(budget)} ({budget} B)", least)
         solve_s = 0.0
-        if share >= peak + margin:
+        if share >= peak + margin + others * max(g.saved_bytes() - grads, 0):
             d = Decisions()
             st = RegionStats(name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=peak,
                              min_budget_bytes=least, margin_bytes=margin, budget_bytes=share,
@@ -340,18 +433,25 @@ class CompileBackend:
                              note="the share holds the keep-all peak: PyTorch's own partition")
         else:
             try:
-                p = solvers.plan(g, share - margin, device=model, solver=self.solver, time_limit=self.time_limit)
-            except BudgetInfeasibleError:
+                p, predicted = self._plan_runs(g, share - margin, others, grads, model)
+            except BudgetInfeasibleError as e:
                 # the least budget this solver finds a plan for (bisection), so the error names it
-                least_plan = solvers.plan(g, "min", device=model, solver=self.solver, time_limit=self.time_limit)
-                need = int(least_plan.budget_bytes) + margin + outside
+                if others:
+                    least_need = int(e.minimum_bytes if e.minimum_bytes is not None else g.peak_bytes())
+                    least_plan = None
+                else:
+                    least_plan = solvers.plan(g, "min", device=model, solver=self.solver, time_limit=self.time_limit)
+                    least_need = int(least_plan.budget_bytes)
+                need = least_need + margin + outside
                 raise BudgetInfeasibleError(
                     f"hybridmem compile: {name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
                     f"the least budget it has a plan for is {fmt_bytes(need)} ({need} B): "
-                    f"{fmt_bytes(least_plan.budget_bytes)} in the region"
+                    f"{fmt_bytes(least_need)} in the region"
+                    + (f" with the other {others} runs' kept tensors" if others else "")
                     + (f", {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
-                    + f", {fmt_bytes(outside)} held outside it (the optimizer's state and the regions compiled "
-                    f"before)", need) from None
+                    + f", {fmt_bytes(outside)} held outside it (the optimizer's state, the regions compiled "
+                    f"before" + (f", the other runs' inputs, parameters and gradients)" if others else ")"),
+                    need) from None
             solve_s = float(p.info.get("solve_s") or 0.0)
             d = decisions(p)
             if d.swap and not can_swap:
@@ -365,7 +465,7 @@ class CompileBackend:
                        for policy, ids in (("recompute", d.recompute), ("swap", d.swap)) for t in ids]
             st = RegionStats(
                 name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=peak,
-                min_budget_bytes=least, margin_bytes=margin, budget_bytes=share, predicted_peak_bytes=int(p.predicted_peak_bytes),
+                min_budget_bytes=least, margin_bytes=margin, budget_bytes=share, predicted_peak_bytes=predicted,
                 saved_bytes=g.saved_bytes() - d.bytes_of(jg, "recompute") - d.bytes_of(jg, "swap"),
                 recomputed=len(d.recompute), recomputed_bytes=d.bytes_of(jg, "recompute"),
                 swapped=len(d.swap), swapped_bytes=d.bytes_of(jg, "swap"),
@@ -373,12 +473,21 @@ class CompileBackend:
                 gap_to_lower_bound=p.info.get("gap_to_lower_bound"), solver=p.solver,
                 plan_from=str(p.info.get("plan_from") or ""),
                 decisions=sorted(records, key=lambda r: -r["bytes"]))
-        self._held[key] = g.fixed_bytes() + st.saved_bytes + (st.swapped_bytes if dev.type != "cuda" else 0)
+        self._held[key] = (g.fixed_bytes() + st.saved_bytes + (st.swapped_bytes if dev.type != "cuda" else 0)
+                           + others * (fixed + max(st.saved_bytes, grads)))
+        st.runs_planned = self.calls_per_step
         st.plan_s = time.perf_counter() - t0
         st.scratch_s = t_scratch
         st.solve_s = solve_s
         self._regions[key] = st
         return bool(d.swap)
+
+
+def _kept_bytes(g: Any, p: Any) -> int:
+    """Bytes of saved activations plan ``p`` keeps for the backward (neither recomputed nor swapped)."""
+    d = decisions(p)
+    evicted = set(d.recompute) | set(d.swap)
+    return sum(t.nbytes for t in g.tensors if t.saved and t.evictable and t.id not in evicted)
 
 
 def _make_partitioner(backend: CompileBackend) -> Any:

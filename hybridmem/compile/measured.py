@@ -21,6 +21,37 @@ from ..runtime.meter import Meter
 __all__ = ["StepPeak"]
 
 
+class _Shared:
+    """One meter of the state from before the allocator meter, for every backend in the process (so that
+    each storage is counted once), attached while any backend measures."""
+
+    meter: Meter | None = None
+    users = 0
+    installed_here = False   # the allocator meter was installed for the backends: uninstall after the last
+
+
+def _acquire(native: Any) -> Meter:
+    if _Shared.users == 0:
+        if not native.installed:
+            native.install()
+            _Shared.installed_here = True
+        if _Shared.meter is None:
+            _Shared.meter = Meter("cpu")
+        _Shared.meter.attach_native(native)  # counts again the state it counted before a release
+    _Shared.users += 1
+    return _Shared.meter
+
+
+def _release() -> None:
+    _Shared.users -= 1
+    if _Shared.users == 0 and _Shared.meter is not None:
+        native = _Shared.meter.native
+        _Shared.meter.detach_native()
+        if _Shared.installed_here and native is not None:
+            native.uninstall()
+        _Shared.installed_here = False
+
+
 class StepPeak:
     """Real peak bytes of the device while compiled steps run (None where it cannot be read)."""
 
@@ -28,7 +59,6 @@ class StepPeak:
         self.device: torch.device | None = None
         self.how = "not measured (no region compiled yet)"
         self._meter: Meter | None = None
-        self._installed_here = False
         self._floor = 0            # the largest peak of the windows closed so far
         self._optimizer: Any = None
         self._active = False
@@ -53,12 +83,7 @@ class StepPeak:
         if native is None:
             self.how = f"not measured (the native CPU allocator meter is not available: {unavailable_reason()})"
             return
-        if not native.installed:
-            native.install()
-            self._installed_here = True
-        if self._meter is None:
-            self._meter = Meter("cpu")
-        self._meter.attach_native(native)  # counts again the state it counted before a stop
+        self._meter = _acquire(native)
         native.reset_peak()
         if self._optimizer is not None:
             self._count_state(t for st in self._optimizer.state.values() for t in st.values() if torch.is_tensor(t))
@@ -70,13 +95,9 @@ class StepPeak:
             return
         self._floor = self.peak_bytes or 0
         self._active = False
-        m = self._meter
-        if m is not None and m.native is not None:
-            native = m.native
-            m.detach_native()
-            if self._installed_here:
-                native.uninstall()
-        self._installed_here = False
+        if self._meter is not None:
+            self._meter = None
+            _release()
 
     # ---- compiles and steps ------------------------------------------------------------------------
     def compiling(self) -> None:
@@ -88,23 +109,21 @@ class StepPeak:
         """A compile ended: start a new window at the current level."""
         if not self._active:
             return
-        if self._meter is not None:
+        if self._meter is not None and self._meter.native is not None:
             self._meter.native.reset_peak()
         elif self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
-        """``compiled`` counting, at its first call, the state it reads that predates the meter."""
+        """``compiled`` counting the state it reads that predates the meter."""
         if self._meter is None or not self._active:
             return compiled
-        first = [True]
 
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
-            if first[0]:
-                first[0] = False
-                flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
-                self._count_state(t for t in flat if isinstance(t, torch.Tensor))
+            # every call: one compiled block may run over the parameters of many (regional compilation)
+            flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+            self._count_state(t for t in flat if isinstance(t, torch.Tensor))
             return compiled(*args)
 
         # AOTAutograd's boxed calling convention (one list argument) must survive the wrapper
