@@ -9,8 +9,9 @@ For each compiled region AOTAutograd traces the joint forward-backward graph; th
 into a hybridmem Graph (:mod:`hybridmem.compile.joint`), plans it under the region's share of the
 budget with the hybridmem solvers, and hands the plan to PyTorch's partitioner as checkpoint policies
 (:mod:`hybridmem.compile.partition`). Inductor (or, with ``compiler="eager"``, AOTAutograd's eager
-runner) then compiles the partitioned forward and backward as usual: nothing of hybridmem runs while
-the step runs.
+runner) then compiles the partitioned forward and backward as usual: nothing of hybridmem runs per op;
+per call of a compiled region, a counter of its runs in flight and (on the CPU, measuring) a look at
+the tensors it reads.
 
 What the budget covers: the bytes the device holds while a compiled step runs: the regions'
 parameters, buffers and inputs, the gradients they produce, their saved and temporary activations,
