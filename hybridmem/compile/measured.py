@@ -11,6 +11,7 @@ folding the window before it into the figure.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -62,6 +63,7 @@ class StepPeak:
         self._floor = 0            # the largest peak of the windows closed so far
         self._optimizer: Any = None
         self._active = False
+        self._seen: dict[int, weakref.ref] = {}  # id -> tensor the compiled regions read, checked already
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self, device: torch.device, optimizer: Any = None) -> None:
@@ -119,11 +121,23 @@ class StepPeak:
         if self._meter is None or not self._active:
             return compiled
 
+        seen = self._seen
+
         @functools.wraps(compiled)
         def run(*args: Any) -> Any:
-            # every call: one compiled block may run over the parameters of many (regional compilation)
+            # every call (one compiled block may run over the parameters of many: regional compilation),
+            # but a tensor object once: parameters come back call after call
             flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
-            self._count_state(t for t in flat if isinstance(t, torch.Tensor))
+            new = []
+            for t in flat:
+                if isinstance(t, torch.Tensor):
+                    r = seen.get(id(t))
+                    if r is None or r() is not t:
+                        new.append(t)
+            if new:
+                self._count_state(new)
+                for t in new:
+                    seen[id(t)] = weakref.ref(t, lambda _, k=id(t): seen.pop(k, None))
             return compiled(*args)
 
         # AOTAutograd's boxed calling convention (one list argument) must survive the wrapper
