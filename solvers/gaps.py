@@ -45,12 +45,42 @@ class _Stage(NamedTuple):
     seen: frozenset[int]           # candidates whose readable / in-flight bit the tracing read there
 
 
+class _D2H(NamedTuple):
+    """The swap-out queue, timed."""
+    outs: list[tuple[int, int]]              # (issue stage, candidate), sorted: FIFO order
+    free: list[float]                        # per entry: when its copy ends (the link is free)
+    late: list[bool]                         # per entry: it ends after the last op
+    ranges: list[tuple[int, int] | None]     # per candidate: the stages [a, b) its device copy is held
+    host_ready: list[float]                  # per candidate: when its host copy is ready (inf: none)
+
+
+class _H2D(NamedTuple):
+    """The swap-in queue, timed."""
+    swaps: list[tuple[int, int, int]]        # (issue stage, candidate, gap index), sorted: FIFO order
+    free: list[float]                        # per entry: when the link is free after it
+    stall: list[float]                       # per entry: the seconds it stalls (0.0 if none)
+    late: list[bool]                         # per entry: no host copy to swap in from (invalid)
+    total: float                             # the stalls summed in queue order
+
+
+def _span(new: list[tuple], old: list[tuple], touched: set[int] | frozenset[int]) -> tuple[int, int]:
+    """[i, j): the entries of queue ``new`` that may time differently from ``old``'s: past them both
+    queues hold the same entries (none of a candidate in ``touched``), shifted by the length difference."""
+    m = min(len(new), len(old))
+    i = 0
+    while i < m and new[i] == old[i] and new[i][1] not in touched:
+        i += 1
+    j = 0
+    while j < m - i and new[-1 - j] == old[-1 - j] and new[-1 - j][1] not in touched:
+        j += 1
+    return i, len(new) - j
+
+
 class _Inc(NamedTuple):
     """What a realisation was derived from, kept so that the next one redoes only what a change touches
     (:meth:`GapModel.realize` with ``changed``)."""
-    outs: list[tuple[int, int]]              # (issue stage, candidate), sorted: the D2H queue
-    ranges: list[tuple[int, int] | None]     # per candidate: the stages [a, b) its swap-out's device copy holds
-    swaps: list[tuple[int, int, int]]        # (issue stage, candidate, gap index), sorted: the H2D queue
+    d2h: _D2H                                # the swap-out queue
+    h2d: _H2D                                # the swap-in queue
     gap_at: list[int]                        # per gap: the stage it is recomputed at, -1 if it is not
     at_gaps: dict[int, list[int]]            # stage -> its recompute gaps in gap order; keys in first-gap order
     stages: dict[int, _Stage]                # stage -> its replays
@@ -170,7 +200,8 @@ class GapModel:
     # ---- realise the current choices ----------------------------------------------------------------
     check_incremental = False      # tests: every derived realisation is checked against a full one
 
-    def realize(self, base: Realized | None = None, changed: Iterable[int] = ()) -> Realized:
+    def realize(self, base: Realized | None = None, changed: Iterable[int] = (),
+                reject_at: float | None = None) -> Realized | None:
         """What the current choices realise.
 
         With ``base`` (a realisation of this model) the caller promises that the choices differ from the
@@ -178,12 +209,19 @@ class GapModel:
         what those touch is redone: their rows, the rows of the swap-outs queued behind theirs that now
         end at another stage, the stages whose replays can see a changed row, the bytes of the changed
         rows. The result is the same as a full realisation's (same floating-point operations in the same
-        order); a move tried on one candidate then costs a fraction of a full realisation."""
+        order); a move tried on one candidate then costs a fraction of a full realisation.
+
+        ``reject_at`` (with ``base``): None instead of a realisation that is late, has broken gaps or costs
+        at least this much, found before its bytes are counted (most moves tried fail so)."""
         if base is None:
             return self._realize_full()
-        r = self._realize_from(base, set(changed))
+        r = self._realize_from(base, set(changed), reject_at)
         if self.check_incremental:
-            _assert_same(r, self._realize_full())
+            full = self._realize_full()
+            if r is None:
+                assert full.late or full.broken or full.cost >= reject_at, "rejected a realisation that passes"
+            else:
+                _assert_same(r, full)
         return r
 
     def _realize_full(self) -> Realized:
@@ -206,10 +244,11 @@ class GapModel:
                 at_gaps.setdefault(at, []).append(gi)
         swaps.sort()
         outs = sorted((o, k) for k, o in enumerate(out) if o is not None)
-        ranges, host_ready, late_out = self._d2h(outs)
-        stall, late_in = self._h2d(swaps, host_ready)
+        d2h, _ = self._d2h(outs)
+        h2d, stall, late_in = self._h2d(swaps, d2h.host_ready)
+        late_out = any(d2h.late)
         cpres = np.zeros((K, T), dtype=bool)    # device bytes of copies in flight
-        for k, rg in enumerate(ranges):
+        for k, rg in enumerate(d2h.ranges):
             if rg is not None:
                 cpres[k, rg[0]:rg[1]] = True
         for q, k, gi in swaps:
@@ -232,9 +271,9 @@ class GapModel:
         recs, cost, broken = self._totals(at_gaps, stages, stall)
         late = late_out or late_in or bool(self.stage_link is not None and self.link_conflicts())
         return Realized(mem, replay_over, recs, cost, late, broken,
-                        _Inc(outs, ranges, swaps, gap_at, at_gaps, stages), arrays=(r0, cpres, readable, pres))
+                        _Inc(d2h, h2d, gap_at, at_gaps, stages), arrays=(r0, cpres, readable, pres))
 
-    def _realize_from(self, base: Realized, changed: set[int]) -> Realized:
+    def _realize_from(self, base: Realized, changed: set[int], reject_at: float | None = None) -> Realized | None:
         b = base._inc
         gaps, out, gaps_of = self.gaps, self.out, self.gaps_of
         r0b, cpb, rdb, prb = base._full()
@@ -272,17 +311,22 @@ class GapModel:
                 else:
                     lists.pop(t, None)
             at_gaps = dict(sorted(lists.items(), key=lambda kv: kv[1][0]))    # first-gap order, as a full pass
-        # the copy queues, whole (cheap): a changed copy shifts the ones queued behind it
-        swaps = [s for s in b.swaps if s[1] not in changed]
+        # the copy queues: a changed copy shifts the ones queued behind it, until the link is free when
+        # it was before
+        swaps = [s for s in b.h2d.swaps if s[1] not in changed]
         for k in changed:
             swaps += [(gaps[gi].q, k, gi) for gi in gaps_of[k] if gaps[gi].kind == SWAP]
         swaps.sort()
-        outs = [x for x in b.outs if x[1] not in changed] + [(out[k], k) for k in changed if out[k] is not None]
+        outs = [x for x in b.d2h.outs if x[1] not in changed] + [(out[k], k) for k in changed if out[k] is not None]
         outs.sort()
-        ranges, host_ready, late_out = self._d2h(outs)
-        stall, late_in = self._h2d(swaps, host_ready)
+        d2h, moved = self._d2h(outs, b.d2h, changed)
+        h2d, stall, late_in = self._h2d(swaps, d2h.host_ready, b.h2d, moved.union(changed))
+        late_out = any(d2h.late)
+        if reject_at is not None and (late_out or late_in):
+            return None
+        ranges = d2h.ranges
         dirty = set(changed)
-        dirty.update(k for _, k in outs if ranges[k] != b.ranges[k])     # (a dropped swap-out's is changed)
+        dirty.update(k for k in moved if ranges[k] != b.d2h.ranges[k])
         # the dirty rows before replays, and the stages where what a replay sees changed
         rows: dict[int, tuple[np.ndarray, ...]] = {}
         cols = np.zeros(self.T, dtype=bool)
@@ -321,6 +365,10 @@ class GapModel:
                 remarked |= st.recs ^ old.recs if old is not None else st.recs
                 stages[t] = st
                 replay_over[t] = st.over if st.recs else 0
+        recs, cost, broken = self._totals(at_gaps, stages, stall)
+        late = late_out or late_in or bool(self.stage_link is not None and self.link_conflicts())
+        if reject_at is not None and (late or broken or cost >= reject_at):
+            return None
         # final rows and the bytes they change
         mem = base.mem.copy()
         marks_at = redo.union(gone)
@@ -342,47 +390,103 @@ class GapModel:
             d = np.flatnonzero(pr != prb[k])
             if d.size:
                 mem[d] += np.where(pr[d], self.b[k], -self.b[k])
-        recs, cost, broken = self._totals(at_gaps, stages, stall)
-        late = late_out or late_in or bool(self.stage_link is not None and self.link_conflicts())
         return Realized(mem, replay_over, recs, cost, late, broken,
-                        _Inc(outs, ranges, swaps, gap_at, at_gaps, stages), parent=base, rows=rows)
+                        _Inc(d2h, h2d, gap_at, at_gaps, stages), parent=base, rows=rows)
 
-    def _d2h(self, outs: list[tuple[int, int]]) -> tuple[list[tuple[int, int] | None], list[float], bool]:
+    def _d2h(self, outs: list[tuple[int, int]], old: _D2H | None = None,
+             changed: Iterable[int] = ()) -> tuple[_D2H, set[int]]:
         """The swap-outs, FIFO in issue order: the device stages [a, b) each copy is held (until it ends),
-        when each host copy is ready, whether one ends after the last op."""
-        T, cl, d2h = self.T, self.cum_l, self.d2h_l
-        ranges: list[tuple[int, int] | None] = [None] * self.K
-        host_ready = [math.inf] * self.K
-        late = False
-        free = 0.0
-        for o, k in outs:
+        when each host copy is ready, whether one ends after the last op. With ``old`` (the queue before
+        the candidates ``changed`` changed) only the entries from the first that differs are timed again,
+        until the link is free at the same time as before ahead of the same entries. Also returns the
+        candidates whose host copy is now ready at another time."""
+        T, cl, d2h, n = self.T, self.cum_l, self.d2h_l, len(outs)
+        if old is None:
+            i0, i1, off = 0, n, 0
+            ranges: list[tuple[int, int] | None] = [None] * self.K
+            host_ready = [math.inf] * self.K
+            free_l: list[float] = []
+            late_l: list[bool] = []
+        else:
+            i0, i1 = _span(outs, old.outs, ())
+            if i0 == n == len(old.outs):
+                return old, set()
+            off = len(old.outs) - n
+            ranges, host_ready = list(old.ranges), list(old.host_ready)
+            free_l, late_l = old.free[:i0], old.late[:i0]
+        moved: set[int] = set()
+        if old is not None:
+            for k in changed:
+                if self.out[k] is None and old.ranges[k] is not None:    # dropped
+                    ranges[k], host_ready[k] = None, math.inf
+                    moved.add(k)
+        free = free_l[-1] if free_l else 0.0
+        for i in range(i0, n):
+            if i >= i1:            # the same entries as before from here: the same times if the link is
+                p = i + off
+                if free == (old.free[p - 1] if p else 0.0):
+                    free_l += old.free[p:]
+                    late_l += old.late[p:]
+                    break
+            o, k = outs[i]
             start = cl[o + 1] if cl[o + 1] > free else free
-            free = host_ready[k] = start + d2h[k]
+            free = start + d2h[k]
             f = self.stage_of(free, o + 1)
+            late_l.append(f >= T)
             if f >= T:
-                late = True
                 f = T - 1
+            free_l.append(free)
+            if old is not None and free != old.host_ready[k]:
+                moved.add(k)
+            host_ready[k] = free
             ranges[k] = (o + 1, f + 1)
-        return ranges, host_ready, late
+        return _D2H(outs, free_l, late_l, ranges, host_ready), moved
 
-    def _h2d(self, swaps: list[tuple[int, int, int]], host_ready: list[float]) -> tuple[float, bool]:
-        """The swap-ins, FIFO in issue order, each after its host copy: the seconds they stall, and whether
-        one has no host copy (invalid, reported as a violation)."""
-        cl, h2d, out, gaps = self.cum_l, self.h2d_l, self.out, self.gaps
-        cost = 0.0
-        late = False
-        free = 0.0
-        for q, k, gi in swaps:
+    def _h2d(self, swaps: list[tuple[int, int, int]], host_ready: list[float], old: _H2D | None = None,
+             touched: set[int] | frozenset[int] = frozenset()) -> tuple[_H2D, float, bool]:
+        """The swap-ins, FIFO in issue order, each after its host copy: the seconds they stall (in total,
+        summed in queue order), and whether one has no host copy (invalid, reported as a violation). With
+        ``old`` (the queue before the candidates ``touched`` changed or had their host copy ready at
+        another time) only the entries from the first one that differs are timed again, as in :meth:`_d2h`."""
+        cl, h2d, out, gaps, n = self.cum_l, self.h2d_l, self.out, self.gaps, len(swaps)
+        if old is None:
+            i0, i1, off = 0, n, 0
+            free_l: list[float] = []
+            stall_l: list[float] = []
+            late_l: list[bool] = []
+        else:
+            i0, i1 = _span(swaps, old.swaps, touched)
+            if i0 == n == len(old.swaps):
+                return old, old.total, any(old.late)
+            off = len(old.swaps) - n
+            free_l, stall_l, late_l = old.free[:i0], old.stall[:i0], old.late[:i0]
+        free = free_l[-1] if free_l else 0.0
+        for i in range(i0, n):
+            if i >= i1:
+                p = i + off
+                if free == (old.free[p - 1] if p else 0.0):
+                    free_l += old.free[p:]
+                    stall_l += old.stall[p:]
+                    late_l += old.late[p:]
+                    break
+            q, k, gi = swaps[i]
             o = out[k]
-            hi = gaps[gi].hi
-            if o is None or o > gaps[gi].lo:
-                late = True
+            g = gaps[gi]
+            if o is None or o > g.lo:
+                free_l.append(free)
+                stall_l.append(0.0)
+                late_l.append(True)
                 continue
             start = max(cl[q], free, host_ready[k])
             free = start + h2d[k]
-            if free > cl[hi]:
-                cost += free - cl[hi]
-        return cost, late
+            free_l.append(free)
+            stall_l.append(free - cl[g.hi] if free > cl[g.hi] else 0.0)
+            late_l.append(False)
+        cost = 0.0
+        for s in stall_l:          # in queue order, as the copies are timed: the same sum whatever was redone
+            if s:
+                cost += s
+        return _H2D(swaps, free_l, stall_l, late_l, cost), cost, any(late_l)
 
     def _cpres_row(self, k: int, rg: tuple[int, int] | None) -> np.ndarray:
         """Candidate k's device stages held by its copies in flight (swap-out range ``rg``, its swap-ins)."""

@@ -217,8 +217,10 @@ class GapPlanner(GapModel):
                 best = None
                 for kind, q in trials:
                     self._set(g, kind, q)
-                    r2 = self.realize(base, (k,))
-                    if self.feasible(r2) and r2.cost < r.cost - 1e-12 and (best is None or r2.cost < best[0]):
+                    # taken only if it fits and costs less than r and the best trial yet
+                    bound = r.cost - 1e-12 if best is None else min(r.cost - 1e-12, best[0])
+                    r2 = self.realize(base, (k,), reject_at=bound)
+                    if r2 is not None and self.feasible(r2) and r2.cost < bound:
                         best = (r2.cost, kind, q, r2)
                     g.kind, g.q, self.out[k] = saved
                 if best is not None:

@@ -104,7 +104,7 @@ def test_the_passes_make_the_same_moves_as_with_full_realisations(monkeypatch: p
                 m.setattr(GapModel, "check_incremental", True)
             else:
                 full = GapModel._realize_full
-                m.setattr(GapModel, "realize", lambda self, base=None, changed=(): full(self))
+                m.setattr(GapModel, "realize", lambda self, base=None, changed=(), reject_at=None: full(self))
             deadline = time.perf_counter() + 120
             out = []
             gp = relax.GapPlanner(p)
