@@ -501,7 +501,9 @@ def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.
         c0 = r.cost
         if repaired or not keep_improved_only:
             out.append((f"{name}", gp.schedule(r), r.cost))
-        r = gp.improve(r, t1 + share / 2)
+        # the improvement first, for all of the share if it needs it (it converges, and what it finds
+        # is most of what a start gains); the exchanges get what it leaves
+        r = gp.improve(r, t1 + share)
         how = "+improve"
         if time.perf_counter() < t1 + share:
             c1 = r.cost
