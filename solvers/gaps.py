@@ -329,22 +329,24 @@ class GapModel:
         dirty.update(k for k in moved if ranges[k] != b.d2h.ranges[k])
         # the dirty rows before replays, and the stages where what a replay sees changed
         rows: dict[int, tuple[np.ndarray, ...]] = {}
-        cols = np.zeros(self.T, dtype=bool)
+        diff: dict[int, np.ndarray] = {}       # per dirty row: the columns where a replay would see it differ
         for k in dirty:
             r0k = new_r0.get(k)
             if r0k is None:
                 r0k = r0b[k]
-            else:
-                cols |= r0k != r0b[k]
             cp = self._cpres_row(k, ranges[k])
-            cols |= (cp & ~r0k) != (cpb[k] & ~r0b[k])
+            d = (cp & ~r0k) != (cpb[k] & ~r0b[k])
+            if k in new_r0:
+                d |= r0k != r0b[k]
             rows[k] = (r0k, cp)
-        redo = {t for t in at_gaps if t in moved_at or cols[t]}
+            diff[k] = d
+        # a stage is traced again only if its gaps changed or its tracing read a bit that changed (it is
+        # a function of those bits alone)
+        redo = set()
+        for t in at_gaps:
+            if t in moved_at or any(d[t] and k in b.stages[t].seen for k, d in diff.items()):
+                redo.add(t)
         gone = [t for t in moved_at if t not in at_gaps]
-        if redo:
-            # a stage is traced again only if its tracing read a bit that changed (it is a function of
-            # those bits alone) or its gaps changed
-            redo = {t for t in redo if t in moved_at or not b.stages[t].seen.isdisjoint(rows)}
         stages = b.stages
         replay_over = base.replay_over
         remarked: set[int] = set()         # candidates whose replay marks changed
