@@ -22,6 +22,9 @@
 - ``test_polish_from_dtr_until_stable``: the gap-by-gap improvement alone, no time limit, ResNet-101/152 at
   35 %: the gap reached with the swap-in at the earliest or latest hidden stage only, then with the stages
   between them too, and the CPU seconds.
+- ``test_trial_realisation_full_against_derived``: what one move tried by the improvement costs, ResNet-101/152
+  at 35 % from the DTR start: every gap's trials realised in full and derived from the realisation before
+  them (``GapModel.realize(base, changed)``), CPU microseconds per trial each way; asserted: the same costs.
 - ``test_baselines_table`` (slow): every solver at six budgets from the least feasible to the keep-all peak
   on ``v100-16gb`` and ``h100-80gb`` for a few zoo models; the table is printed and the hybrid plan must be
   no slower than any baseline that fits the same budget.
@@ -177,6 +180,49 @@ def test_polish_from_dtr_until_stable(benchmark, name: str) -> None:
           f"{os.getloadavg()[0]:.2f}")
     benchmark.extra_info.update(got)
     assert got["between"] <= got["two"] + 1e-12
+
+
+@pytest.mark.parametrize("name", ["resnet101", "resnet152"])
+def test_trial_realisation_full_against_derived(benchmark, name: str) -> None:
+    """CPU seconds per move tried by the improvement, realised in full and derived from the realisation
+    before it: every non-kept gap of the DTR start on ResNet-101/152 (paper) at 35 %, its trials (keep,
+    swap-in at each issue stage, recompute) each way. Asserted: the same cost for every trial."""
+    from hybridmem.graph.costs import get_cost_model
+    from hybridmem.solvers import relax
+    from hybridmem.solvers._common import build_problem
+    from hybridmem.solvers.baselines import dtr_plan
+    from hybridmem.solvers.gaps import KEEP, REC, SWAP
+
+    g, _ = captured(name)
+    model = get_cost_model("h100-80gb")
+    budget = int(0.35 * g.peak_bytes())
+    fine = build_problem(g, budget, model)
+    gp = relax.GapPlanner(fine)
+    gp.load_actions(dtr_plan(fine, budget).actions)
+    base = gp.realize()
+    moves = []
+    for x in gp.gaps:
+        if x.kind != KEEP:
+            moves += [(x, KEEP, -1), (x, REC, -1)] + [(x, SWAP, q) for q in gp.swap_issue_stages(x)]
+    got: dict[str, Any] = {}
+
+    def run() -> None:
+        for way in ("full", "derived"):
+            costs = []
+            c0 = time.process_time()
+            for x, kind, q in moves:
+                saved = (x.kind, x.q, gp.out[x.k])
+                gp._set(x, kind, q)
+                costs.append((gp.realize() if way == "full" else gp.realize(base, (x.k,))).cost)
+                x.kind, x.q, gp.out[x.k] = saved
+            got[way] = (time.process_time() - c0) / len(moves)
+            got[way + "_costs"] = costs
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    print(f"\n{name:10s} 35 %  {len(moves)} trials  full {got['full'] * 1e6:6.0f} us  derived "
+          f"{got['derived'] * 1e6:6.0f} us CPU per trial  load {os.getloadavg()[0]:.2f}")
+    benchmark.extra_info.update(trials=len(moves), full_s=got["full"], derived_s=got["derived"])
+    assert got["full_costs"] == got["derived_costs"]
 
 
 def test_solve_time_against_graph_size(benchmark) -> None:

@@ -167,12 +167,13 @@ class GapPlanner(GapModel):
         B = self.p.budget
         best = None
         total_over = int(over.sum())
-        snap = self._snapshot()
         for mv in moves:
             seq = mv if isinstance(mv[0], tuple) else (mv,)
+            ks = {self._touches(m) for m in seq}
+            snap = self._snap_of(ks)
             for m in seq:
                 self._do(m)
-            r2 = self.realize()
+            r2 = self.realize(r, ks)
             over2 = r2.over(B)
             freed = int(over[t] - over2[t])
             if freed > 0 and not r2.late:
@@ -181,7 +182,7 @@ class GapPlanner(GapModel):
                 score = (max(dcost, 0.0) + 1e-9) / freed + (1e3 if growth else 0.0) + 1e6 * len(r2.broken)
                 if best is None or score < best[0]:
                     best = (score, seq, r2)
-            self._restore(snap)
+            self._restore_of(snap)
         return best
 
     def improve(self, r: Realized, deadline: float) -> Realized:
@@ -193,6 +194,7 @@ class GapPlanner(GapModel):
         return r
 
     def _improve(self, r: Realized, deadline: float, points: int) -> Realized:
+        base = self.realize()      # what each trial is derived from (r as given may be any equal one)
         changed = True
         while changed and time.perf_counter() < deadline:
             changed = False
@@ -201,7 +203,8 @@ class GapPlanner(GapModel):
             for g in costly:
                 if time.perf_counter() >= deadline:
                     break
-                snap = self._snapshot()
+                k = g.k
+                saved = (g.kind, g.q, self.out[k])      # all a trial (_set on g) changes
                 trials: list[tuple[str, int]] = [(KEEP, -1)]
                 if self.allow_swap and self.can_swap(g):
                     trials += [(SWAP, q) for q in self.swap_issue_stages(g, points) if q != g.q]
@@ -214,13 +217,15 @@ class GapPlanner(GapModel):
                 best = None
                 for kind, q in trials:
                     self._set(g, kind, q)
-                    r2 = self.realize()
-                    if self.feasible(r2) and r2.cost < r.cost - 1e-12 and (best is None or r2.cost < best[0]):
+                    # taken only if it fits and costs less than r and the best trial yet
+                    bound = r.cost - 1e-12 if best is None else min(r.cost - 1e-12, best[0])
+                    r2 = self.realize(base, (k,), reject_at=bound)
+                    if r2 is not None and self.feasible(r2) and r2.cost < bound:
                         best = (r2.cost, kind, q, r2)
-                    self._restore(snap)
+                    g.kind, g.q, self.out[k] = saved
                 if best is not None:
                     self._set(g, best[1], best[2])
-                    r = best[3]
+                    r = base = best[3]
                     changed = True
         return r
 
@@ -274,12 +279,12 @@ class GapPlanner(GapModel):
             # delay other copies), so with no overflow inside the gap it cannot lower the total
             if not over_in(gap) or not self.can_swap(gap):
                 continue
-            snap = self._snapshot()
+            snap = self._snap_of((gap.k,))
             self._set(gap, SWAP, self.latest_hidden_q(gap))
             self.out[gap.k] = gap.lo
-            r2 = self.realize()
+            r2 = self.realize(r, (gap.k,))
             if r2.cost > r.cost + 1e-9 or r2.late or r2.broken or r2.over(B).sum() >= r.over(B).sum():
-                self._restore(snap)
+                self._restore_of(snap)
                 continue
             r = r2
             swapped += 1
@@ -291,11 +296,11 @@ class GapPlanner(GapModel):
             gap = self.gaps[gi]
             if not over_in(gap) or not self.can_rec(gap.k, gap.hi):
                 continue
-            snap = self._snapshot()
+            snap = self._snap_of((gap.k,))
             self._set(gap, REC)
-            r2 = self.realize()
+            r2 = self.realize(r, (gap.k,))
             if r2.broken or r2.over(B).sum() >= r.over(B).sum():
-                self._restore(snap)
+                self._restore_of(snap)
                 continue
             r = r2
             recomputed += 1
@@ -496,7 +501,9 @@ def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.
         c0 = r.cost
         if repaired or not keep_improved_only:
             out.append((f"{name}", gp.schedule(r), r.cost))
-        r = gp.improve(r, t1 + share / 2)
+        # the improvement first, for all of the share if it needs it (it converges, and what it finds
+        # is most of what a start gains); the exchanges get what it leaves
+        r = gp.improve(r, t1 + share)
         how = "+improve"
         if time.perf_counter() < t1 + share:
             c1 = r.cost
