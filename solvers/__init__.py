@@ -28,9 +28,12 @@ Solvers (``SOLVERS``):
   graph with the simulator's FIFO link timing, beats the model), and ``lower_bound_s`` (valid for
   every swap/recompute plan of the full graph: :func:`solvers.bound.lower_bound`, ``lower_bound_kind``
   says whether the compute time or the swap/recompute bound gives it) with ``gap_to_lower_bound``.
-- ``milp``: the STR MILP (:mod:`solvers.milp`), warm-started from the rounded STR LP schedule
-  (``plan.info["warm_start"]`` says whether that start satisfies the MILP's rows; CBC drops one that
-  does not); ``time_limit`` seconds (default 60); on timeout without a solution, or a solution the
+- ``milp``: the STR MILP (:mod:`solvers.milp`), warm-started from the rounded STR LP schedule or, where
+  that breaks the MILP's rows, the first of the best plan, the other plans that fit and the best that
+  does not, each made to satisfy them (``plan.info["warm_start"]`` says whether the start satisfies
+  the MILP's rows; CBC drops one that does not; one that does is checked before CBC runs and is the
+  MILP's solution, ``status`` ``feasible (the warm start)``, when CBC ends with none of its own);
+  ``time_limit`` seconds (default 60); on timeout without a solution, or a solution the
   simulator rejects, the approx plan is returned with ``plan.info["fallback"]`` saying why.
 - ``greedy``: the source-tracing repair alone, from keep-everything (no LP).
 - baselines (:mod:`solvers.baselines`, each registered there with its name and description, which

@@ -328,6 +328,21 @@ def source_available(p: Problem, j: int, t: int) -> bool | None:
     return bool(tj.producer < s0 <= p.live_until[j])
 
 
+def early_recompute_stage(p: Problem, k: int, u: int) -> int | None:
+    """Where a read ``u`` of candidate ``k`` cannot be recomputed for (a source of its producer is gone
+    by then: on a coarse problem, often a source last read in the stage before), the latest earlier stage
+    where it can be, the tensor then kept until ``u`` (Chen's checkpointing regenerates a segment so,
+    in order, before the backward pass reaches it); None where a recompute at ``u`` is possible, or at
+    no stage."""
+    c = p.candidates[k]
+    if not c.can_recompute or all(source_available(p, j, u) is not False for j in c.src):
+        return None
+    for t in range(u - 1, c.start, -1):
+        if all(source_available(p, j, t) is not False for j in c.src):
+            return t
+    return None
+
+
 # ---- a solver-neutral schedule ---------------------------------------------------------------------
 @dataclass
 class TensorSchedule:

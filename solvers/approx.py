@@ -219,7 +219,7 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
         seed_plan = pool.best[1]
         out = _solve_problem(p, solver, left, verbose, options, None if seed_plan is None else seed_plan.actions,
                              lp_job if attempt == 0 else None,
-                             _unfit_start(fine, seeds) if solver == "milp" and seed_plan is None else None)
+                             _more_starts(fine, seeds, seed_plan) if solver == "milp" else None)
         if out is None:
             notes.append(f"{solver} found no plan on the {'coarse ' if coarse else ''}problem at {inner} B")
             break
@@ -392,11 +392,24 @@ def _unfit_start(fine: Problem, seeds: list[tuple[float, str, Any]]) -> list | N
     return None
 
 
+def _more_starts(fine: Problem, seeds: list[tuple[float, str, Any]], best: Plan | None) -> list[list]:
+    """Further plans a MILP may start from, after the rounded LP schedule and the best plan: the other
+    starts that fit, fastest first (a recompute-only one such as Chen's needs no link rows at all), then
+    the best one that does not fit (:func:`_unfit_start`)."""
+    out = [arg for t, _, arg in sorted(seeds, key=lambda s: s[0])
+           if t < float("inf") and isinstance(arg, list) and (best is None or arg is not best.actions)]
+    unfit = _unfit_start(fine, seeds)
+    if unfit is not None and all(unfit is not a for a in out):
+        out.append(unfit)
+    return out
+
+
 def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: bool,
                    options: dict[str, Any], seed_actions: list | None = None,
-                   lp_job: lp_relaxation.Background | None = None, unfit_actions: list | None = None) -> Plan | None:
-    """The STR planner on ``p``; for the MILP, ``seed_actions`` (the best start's plan) is its warm start
-    where the LP rounding finds none. ``lp_job``: the LP of ``p``, started in the background."""
+                   lp_job: lp_relaxation.Background | None = None, more_starts: list | None = None) -> Plan | None:
+    """The STR planner on ``p``; for the MILP, ``seed_actions`` (the best start's plan) and then
+    ``more_starts`` (other plans' actions) are its warm starts where the LP rounding gives none that
+    satisfies its rows. ``lp_job``: the LP of ``p``, started in the background."""
     if solver == "greedy":
         sched, info = relax.round_schedule(p, None, time_budget=time_limit or 10.0)
         return None if sched is None else make_plan(p, schedule_to_actions(p, sched), "greedy", info)
@@ -404,31 +417,40 @@ def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: b
     approx = None if sched is None else make_plan(p, schedule_to_actions(p, sched), "approx", info)
     if solver == "approx":
         return approx
-    return _solve_milp(p, approx, sched, time_limit, verbose, options, seed_actions, unfit_actions)
+    return _solve_milp(p, approx, sched, time_limit, verbose, options, seed_actions, more_starts)
+
+
+START_SHARE = 0.4          # of the MILP's time limit, at most, for making starts that satisfy its rows
 
 
 def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float | None, verbose: bool,
                 options: dict[str, Any], seed_actions: list | None = None,
-                unfit_actions: list | None = None) -> Plan | None:
+                more_starts: list | None = None) -> Plan | None:
     limit = DEFAULT_MILP_TIME_LIMIT if time_limit is None else time_limit
     t0 = time.perf_counter()
     compact = options.get("compact", relax.is_large(p))
-    # starts to try, best first: the rounded LP schedule, the best plan so far, the best start that does
-    # not fit (the stage link start repairs its memory): CBC searches from a start that satisfies its rows
-    tries = [a for a in (schedule_to_actions(p, start) if start is not None else None, seed_actions, unfit_actions)
-             if a is not None]
+    # starts to try, best first: the rounded LP schedule, the best plan so far, the other plans (those
+    # that fit, then the best that does not): the model is built and each start checked against its rows
+    # before CBC runs, and the first that satisfies them all is the one CBC gets (and the solution
+    # returned if CBC ends with none of its own)
+    tries = [a for a in (schedule_to_actions(p, start) if start is not None else None, seed_actions,
+                         *(more_starts or ())) if a is not None]
     if tries and milp.default_link(p, compact) == "stage":
-        # the rounding queues copies FIFO, which the stage link rows refuse: a start CBC keeps
-        end = t0 + min(2 * STAGE_START_S, 0.2 * limit)
-        for i, actions in enumerate(tries):
-            left = (end - time.perf_counter()) / (len(tries) - i)
-            legal = relax.stage_link_start(p, actions, compact, time_budget=left) if left > 0.05 else None
-            if legal is not None:
-                start = legal
-                break
+        # the rounding queues copies FIFO, which the stage link rows refuse: starts CBC keeps
+        end = t0 + min(3 * STAGE_START_S, START_SHARE * limit)
+
+        def starts():
+            for i, actions in enumerate(tries):
+                # the first two get a few tenths of a second at least, even once the others have taken theirs
+                left = max((end - time.perf_counter()) / (len(tries) - i), min(0.5, 0.05 * limit) if i < 2 else 0.0)
+                yield relax.stage_link_start(p, actions, compact, time_budget=left) if left > 0.05 else None
+            yield start                       # none satisfies the rows: the rounded schedule as it is
+        candidates: Any = starts()
     elif tries and start is None and p.T == p.graph.num_stages:
-        start = schedule_of_actions(p, tries[0])     # an uncoarsened problem: the plan is a schedule of it
-    res = milp.solve_problem(p, time_limit=limit - (time.perf_counter() - t0), start=start,
+        candidates = [schedule_of_actions(p, tries[0])]   # an uncoarsened problem: the plan is a schedule of it
+    else:
+        candidates = [start]
+    res = milp.solve_problem(p, time_limit=limit - (time.perf_counter() - t0), starts=candidates,
                              isolate=options.get("isolate", True), solver=options.get("solver_backend", "cbc"),
                              verbose=verbose, compact=compact)
     info = milp.result_info(p, res, milp_s=round(time.perf_counter() - t0, 4), compact=relax.is_large(p))

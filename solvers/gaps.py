@@ -21,7 +21,7 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
-from ._common import Problem, Schedule, TensorSchedule, source_available
+from ._common import Problem, Schedule, TensorSchedule, early_recompute_stage, source_available
 
 KEEP, REC, SWAP = "keep", "rec", "swap"
 SWAP_ISSUE_POINTS = 4      # swap-in issue stages the improvement tries between the earliest and latest hidden
@@ -166,6 +166,7 @@ class GapModel:
         self.op_extra = p.op_extra()
         self.replay_extra = np.array([p.replay_extra(k) for k in range(self.K)], dtype=np.int64)
         self._can_rec: dict[tuple[int, int], bool] = {}
+        self._early: dict[tuple[int, int], int] = {}
         self._pinned: Gap | None = None
         self.src_cands = [[p.index[j] for j in c.src if j in p.index and p.index[j] != k] for k, c in enumerate(C)]
         self.rec_s = np.array([c.recompute_s for c in C])
@@ -191,6 +192,17 @@ class GapModel:
                                                                   for j in c.src)
             self._can_rec[key] = v
         return v
+
+    def early_rec(self, g: Gap) -> int | None:
+        """The stage inside gap ``g`` where its tensor can be recomputed and kept until ``g.hi`` when it
+        cannot be recomputed at ``g.hi`` itself (:func:`solvers._common.early_recompute_stage`), or None."""
+        if not self.allow_recompute:
+            return None
+        v = self._early.get((g.k, g.hi))
+        if v is None:
+            e = early_recompute_stage(self.p, g.k, g.hi)
+            v = self._early[g.k, g.hi] = -1 if e is None else e
+        return v if v > g.lo else None
 
     def stage_of(self, when: float, after: int) -> int:
         """The stage during which time ``when`` falls on the unstretched clock (at least ``after``)."""

@@ -43,16 +43,17 @@ swap-out that does not end inside the step is not offered, and the copy keeps it
 it ends (with link="exact": the step's end, all streams idle, less the compute time; a swap-out must
 be read back). The objective is in microseconds and memory rows in MiB, so coefficients stay near 1.
 
-Time limit (:func:`solve_problem`): wall time for building, solving and reading the solution. CBC gets
-what is left after the build, less a reserve for its overrun; a child still running a second past the
-deadline is stopped and reported as ``status="time limit"`` (the caller falls back to its warm start).
+Time limit (:func:`solve_problem`): wall time for building, solving and reading the solution. The model
+is built and the warm start checked against its rows before the solver starts; CBC gets what is left,
+less a reserve for its overrun; a child still running a second past the deadline is stopped. A start
+that satisfies every row is then the solution (``status="feasible (the warm start)"``), else the result
+is ``status="time limit"`` (the caller falls back to its own plan).
 
 One concern, the MILP, from its model (:func:`build_model`, one function per row family) to its solve,
 warm start and solution; hence its length.
 """
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
@@ -64,8 +65,8 @@ from mip import xsum
 
 from hybridmem.errors import BudgetInfeasibleError, HybridMemError
 
-from ._common import (Problem, Schedule, TensorSchedule, make_plan, quiet_fd, schedule_to_actions, simulate,
-                      source_available)
+from ._common import (Problem, Schedule, TensorSchedule, early_recompute_stage, make_plan, quiet_fd,
+                      schedule_to_actions, simulate, source_available)
 from .exact_time import add_clock, replay_bytes
 
 COPY_CHARGE = 1e-9         # seconds charged per transfer: breaks ties against useless copies
@@ -97,6 +98,7 @@ class StrModel:
     build_s: float = 0.0
     link: str = "stage"
     start_note: str = ""
+    rows: Any = None          # the rows as arrays (:func:`_row_matrix`), read once for checking starts
 
     def present(self, t: int, k: int) -> Any:
         """1 if candidate k is readable at op t (kept, landed or recomputed); a constant at its producer."""
@@ -235,11 +237,17 @@ def replay_readers(p: Problem) -> dict[int, list[int]]:
 
 
 def read_closure(p: Problem) -> list[set[int]]:
-    """Stages where a recompute of each candidate can matter: its reads, and (recursively) the stages
-    where a candidate whose producer reads it may be recomputed."""
+    """Stages where a recompute of each candidate can matter: its reads (or, for a read it cannot be
+    recomputed for, :func:`early_recompute_stage`), and (recursively) the stages where a candidate whose
+    producer reads it may be recomputed."""
     C = p.candidates
     readers = replay_readers(p)
     out = [set(u for u in c.uses if u > c.start) for c in C]
+    for k, c in enumerate(C):
+        for u in list(out[k]):
+            e = early_recompute_stage(p, k, u)
+            if e is not None:
+                out[k].add(e)
     order = sorted(range(len(C)), key=lambda k: -C[k].start)     # later producers first: one pass, except
     changed = True                                                # for bundles made in the same coarse stage
     while changed:
@@ -732,6 +740,7 @@ class SolveResult:
 
 
 TIME_LIMIT_STATUS = "time limit"   # the deadline stopped the solve before the solver returned
+NO_BOUND = 1e29            # objective bounds this large (in microseconds) are the solver's "none"
 
 
 def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | None = None,
@@ -743,22 +752,22 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
     """
 
     m = sm.m
+    values = None
+    if start is not None and not relax:
+        values = start_from_schedule(sm, start)
+        check_start(sm, start, values)
     if deadline is not None:
         left = deadline - time.monotonic()
         time_limit = left if time_limit is None else min(float(time_limit), left)
-        if time_limit < MIN_SOLVE_S:     # nothing left to search with: the caller falls back
-            return SolveResult(TIME_LIMIT_STATUS, None, None, None, 0.0, None, m.num_cols, m.num_rows,
-                               sm.build_s)
+        if time_limit < MIN_SOLVE_S:     # nothing left to search with: the start if it is a solution
+            return start_result(sm, start, values)
         if not relax:
             # CBC overruns max_seconds (root LP, preprocessing, cuts are not interrupted): stopping it
             # early enough that it returns by itself keeps its incumbent and bound, which a stop by
             # the parent at the deadline loses
             time_limit = max(time_limit - max(OVERRUN_RESERVE_S, OVERRUN_SHARE * time_limit), 0.5 * time_limit)
-    values = None
-    if start is not None and not relax:
-        values = start_from_schedule(sm, start)
+    if values is not None:
         m.start = values
-        check_start(sm, start, values)
     if threads is not None:
         m.threads = threads
     t0 = time.perf_counter()
@@ -773,7 +782,8 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
     has = status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE)
     obj = float(m.objective_value) * TIME_UNIT if has and m.objective_value is not None else None
     bound = m.objective_bound if not relax else (obj / TIME_UNIT if obj is not None else None)
-    bound = float(bound) * TIME_UNIT if bound is not None and math.isfinite(bound) else None
+    # CBC reports a bound of +-DBL_MAX (or 1e30s) where it has none: no bound
+    bound = float(bound) * TIME_UNIT if bound is not None and abs(float(bound)) < NO_BOUND else None
     sched = extract_schedule(sm) if has and not relax else None
     if sched is not None and obj is not None:
         copies = sum(1 for v in (*sm.P.values(), *sm.Y.values()) if (v.x or 0.0) > 0.5)
@@ -793,6 +803,37 @@ def solve(sm: StrModel, *, time_limit: float | None = None, start: Schedule | No
 
 START_SATISFIES = "the warm start satisfies the MILP"
 START_STATUS = "feasible (the warm start)"   # the solver stopped with nothing of its own: the start it was given
+
+
+def start_result(sm: StrModel, start: Schedule | None, values: list[tuple[Any, float]] | None = None,
+                 solve_s: float = 0.0) -> SolveResult:
+    """The result of a solve that did not run or was stopped with nothing: the start, with its objective,
+    where it satisfies every row of the model (``status`` :data:`START_STATUS`), else ``time limit``."""
+    if start is not None and sm.start_note == START_SATISFIES:
+        values = values if values is not None else start_from_schedule(sm, start)
+        return SolveResult(START_STATUS, start_objective(sm, values), None, None, solve_s, start,
+                           sm.num_vars, sm.num_constraints, sm.build_s, start_note=sm.start_note)
+    return SolveResult(TIME_LIMIT_STATUS, None, None, None, solve_s, None, sm.num_vars, sm.num_constraints,
+                       sm.build_s, start_note=sm.start_note)
+
+
+def pick_start(sm: StrModel, starts: Any) -> Schedule | None:
+    """The first of ``starts`` (schedules, or None for a start that could not be made; an iterable that may
+    make them as it goes) that satisfies every row of ``sm`` (:func:`check_start`), else the first given.
+    ``sm.start_note`` then says what the start returned does. Models whose rows cannot be checked from a
+    start's binaries (``fifo``, ``exact``) take the first start as it is."""
+    first, first_note = None, ""
+    for s_ in starts:
+        if s_ is None:
+            continue
+        sm.start_note = ""
+        note = check_start(sm, s_)
+        if sm.link != "stage" or note == START_SATISFIES:
+            return s_
+        if first is None:
+            first, first_note = s_, note
+    sm.start_note = first_note
+    return first
 
 
 def start_objective(sm: StrModel, values: list[tuple[Any, float]]) -> float:
@@ -816,14 +857,13 @@ def check_start(sm: StrModel, start: Schedule, values: list[tuple[Any, float]] |
     """
     if sm.start_note or sm.link != "stage":
         return sm.start_note
-    values = {id(v): x for v, x in (values if values is not None else start_from_schedule(sm, start))}
+    x = np.zeros(sm.m.num_cols)
+    for v, val in (values if values is not None else start_from_schedule(sm, start)):
+        x[v.idx] = val
     broken: dict[str, int] = {}
-    for c in sm.m.constrs:
-        e = c.expr
-        lhs = e.const + sum(coef * values.get(id(v), 0.0) for v, coef in e.expr.items())
-        if (e.sense == "<" and lhs > 1e-6) or (e.sense == ">" and lhs < -1e-6) or (e.sense == "=" and abs(lhs) > 1e-6):
-            family = "_".join(w for w in c.name.split("_") if not w.isdigit())
-            broken[family] = broken.get(family, 0) + 1
+    for i in np.flatnonzero(_row_violations(sm, x)):
+        family = "_".join(w for w in sm.m.constrs[int(i)].name.split("_") if not w.isdigit())
+        broken[family] = broken.get(family, 0) + 1
     if not broken:
         sm.start_note = START_SATISFIES
     else:
@@ -831,6 +871,65 @@ def check_start(sm: StrModel, start: Schedule, values: list[tuple[Any, float]] |
         sm.start_note = (f"the warm start breaks {sum(broken.values())} rows of the MILP ({rows}), so the "
                          "solver searches without it")
     return sm.start_note
+
+
+ROW_TOL = 1e-6             # a start breaks a row by more than this (in the row's units: MiB, us, or 1)
+
+
+def _row_violations(sm: StrModel, x: np.ndarray) -> np.ndarray:
+    """Per row of ``sm``, whether the column values ``x`` break it (by more than ``ROW_TOL``)."""
+    indptr, cols, coefs, rhs, sense = _row_matrix(sm)
+    act = np.zeros(len(rhs))
+    nz = np.flatnonzero(np.diff(indptr))
+    if nz.size:
+        act[nz] = np.add.reduceat(coefs * x[cols], indptr[nz])
+    lhs = act - rhs
+    return np.where(sense == 0, lhs > ROW_TOL, np.where(sense == 1, lhs < -ROW_TOL, np.abs(lhs) > ROW_TOL))
+
+
+def _row_matrix(sm: StrModel) -> tuple[np.ndarray, ...]:
+    """The model's rows as CSR arrays (``indptr, cols, coefs``), right-hand sides and senses (0: <=, 1: >=,
+    2: =), read once per model (cached on ``sm``; read again if rows were added). From CBC's own matrix
+    where the model is CBC's (reading each row as a python-mip expression takes seconds on coarse ResNets),
+    else row by row."""
+    m = sm.m
+    if sm.rows is not None and len(sm.rows[3]) == m.num_rows:
+        return sm.rows
+    n = m.num_rows
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    cols: list[np.ndarray] = []
+    coefs: list[np.ndarray] = []
+    rhs = np.zeros(n)
+    sense = np.zeros(n, dtype=np.int8)
+    senses = {"L": 0, "G": 1, "E": 2, "<": 0, ">": 1, "=": 2}
+    solver = m.solver
+    cbc = getattr(solver, "_model", None) is not None and m.solver_name.upper() == "CBC"
+    if cbc:
+        from mip.cbc import cbclib, ffi
+        model = solver._model
+        for i in range(n):
+            nnz = cbclib.Cbc_getRowNz(model, i)
+            if nnz == 0:
+                sense[i] = senses[cbclib.Cbc_getRowSense(model, i).decode().upper()]
+                rhs[i] = cbclib.Cbc_getRowRHS(model, i)
+                indptr[i + 1] = indptr[i]
+                continue
+            cols.append(np.frombuffer(ffi.buffer(cbclib.Cbc_getRowIndices(model, i), 4 * nnz), dtype=np.int32))
+            coefs.append(np.frombuffer(ffi.buffer(cbclib.Cbc_getRowCoeffs(model, i), 8 * nnz), dtype=np.float64))
+            rhs[i] = cbclib.Cbc_getRowRHS(model, i)
+            sense[i] = senses[cbclib.Cbc_getRowSense(model, i).decode().upper()]
+            indptr[i + 1] = indptr[i] + nnz
+    else:
+        for i, c in enumerate(m.constrs):
+            e = c.expr
+            cols.append(np.array([v.idx for v in e.expr], dtype=np.int64))
+            coefs.append(np.array(list(e.expr.values()), dtype=np.float64))
+            rhs[i] = -e.const
+            sense[i] = senses[e.sense]
+            indptr[i + 1] = indptr[i] + len(e.expr)
+    sm.rows = (indptr, np.concatenate(cols).astype(np.int64) if cols else np.zeros(0, dtype=np.int64),
+               np.concatenate(coefs) if coefs else np.zeros(0), rhs, sense)
+    return sm.rows
 
 
 TOLERANCE_CUTS = 50        # plans a few bytes over the budget an exact model may cut off, at most
@@ -892,48 +991,54 @@ NO_LIMIT_WAIT_S = 3600.0   # without a time limit, how long a silent child may r
 
 
 def solve_problem(p: Problem, *, time_limit: float | None = None, start: Schedule | None = None,
-                  isolate: bool = True, **build_options: Any) -> SolveResult:
+                  starts: Any = (), isolate: bool = True, **build_options: Any) -> SolveResult:
     """Build and solve the MILP of ``p`` within ``time_limit`` wall seconds, build time included.
 
-    The solve runs in a forked child process (``isolate``, default). CBC (as bundled with python-mip 2.0)
-    can abort inside branch-and-bound ("double free or corruption" in ``babExecuteSearchAndPostprocess``)
-    and its crash handler then deadlocks instead of exiting; and its ``max_seconds`` does not bound the
-    root LP, preprocessing or cut generation, so a solve can overrun its limit many times over. The
-    child builds the model, reports its size, and gives the solver what is left of the limit; the
-    parent stops the child ``KILL_GRACE_S`` after the deadline. A child stopped so reports
-    ``status="time limit"`` with no schedule (CBC's incumbent and progress callbacks crash this CBC
-    build, so a solution found before the stop cannot be streamed out; the caller falls back to its
-    warm start); a child that died reports ``status="crashed"``. Where ``fork`` is unavailable the
-    solve runs in-process and the limit is only CBC's own.
+    The model is built here, and the warm start checked against its rows here, before any solver
+    runs: ``start``, else the first of ``starts`` (schedules, or an iterable that makes them as it goes,
+    within the time limit) that satisfies every row (:func:`pick_start`). A start that does is a solution
+    of the model, returned (``status`` :data:`START_STATUS`) whenever the solver ends with nothing of its
+    own, also when it is stopped at the deadline or crashes.
+
+    The solve runs in a forked child process (``isolate``, default) that inherits the built model. CBC
+    (as bundled with python-mip 2.0) can abort inside branch-and-bound ("double free or corruption" in
+    ``babExecuteSearchAndPostprocess``) and its crash handler then deadlocks instead of exiting; and its
+    ``max_seconds`` does not bound the root LP, preprocessing or cut generation, so a solve can overrun
+    its limit many times over. The child gives the solver what is left of the limit; the parent stops it
+    ``KILL_GRACE_S`` after the deadline. A child stopped so reports ``status="time limit"`` with no
+    schedule unless the start is a solution (CBC's incumbent and progress callbacks crash this CBC
+    build, so a solution found before the stop cannot be streamed out); a child that died reports
+    ``status="crashed"``. Where ``fork`` is unavailable the solve runs in-process and the limit is only
+    CBC's own.
     """
     check_backend(build_options.get("solver", "cbc"))
     t0 = time.monotonic()
     deadline = None if time_limit is None else t0 + max(float(time_limit), 0.0)
+    sm = build_model(p, **build_options)
+    if not build_options.get("relax"):
+        start = pick_start(sm, [start] if start is not None else starts)
     if not isolate or "fork" not in mp.get_all_start_methods():
-        sm = build_model(p, **build_options)
         res = solve(sm, time_limit=time_limit, start=start, deadline=deadline)
+        res.elapsed_s = time.monotonic() - t0
+        return res
+    if deadline is not None and deadline - time.monotonic() < MIN_SOLVE_S:
+        res = start_result(sm, start)          # no time left to search: the start if it is a solution
         res.elapsed_s = time.monotonic() - t0
         return res
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_solve_child, args=(send, p, deadline, start, build_options), daemon=True)
+    t1 = time.monotonic()
+    proc = ctx.Process(target=_solve_child, args=(send, sm, deadline, start), daemon=True)
     proc.start()
     send.close()
     stop_at = (deadline + KILL_GRACE_S if deadline is not None
                else t0 + NO_LIMIT_WAIT_S + 0.05 * len(p.candidates) * p.T / 100)
     res: SolveResult | None = None
-    size: tuple[int, int, float, str] = (0, 0, 0.0, "")
     died = False
     try:
-        while res is None:
-            wait = stop_at - time.monotonic()
-            if wait <= 0 or not recv.poll(wait):
-                break                         # past the deadline (or hung): stop it below
-            msg = recv.recv()
-            if msg[0] == "built":
-                size = msg[1]
-            else:
-                res = msg[1]
+        wait = stop_at - time.monotonic()
+        if wait > 0 and recv.poll(wait):
+            res = recv.recv()
     except (EOFError, OSError):
         died = True                           # the child exited without a result: it crashed
     finally:
@@ -943,27 +1048,21 @@ def solve_problem(p: Problem, *, time_limit: float | None = None, start: Schedul
             proc.kill()
         proc.join(timeout=1.0)
         recv.close()
-    elapsed = time.monotonic() - t0
     if res is None:
-        status = "crashed" if died or deadline is None else TIME_LIMIT_STATUS
-        sched = None
-        if status == TIME_LIMIT_STATUS and start is not None and size[3] == START_SATISFIES:
-            status, sched = START_STATUS, start     # stopped at the deadline: the start it had is a solution
-        res = SolveResult(status, None, None, None, max(elapsed - size[2], 0.0), sched, size[0], size[1], size[2],
-                          start_note=size[3])
-    res.elapsed_s = elapsed
+        res = start_result(sm, start, solve_s=time.monotonic() - t1)
+        if res.schedule is None:
+            res.status = "crashed" if died or deadline is None else TIME_LIMIT_STATUS
+    elif res.schedule is None and res.status.startswith("error") and sm.start_note == START_SATISFIES:
+        res = start_result(sm, start, solve_s=res.solve_s)
+    res.elapsed_s = time.monotonic() - t0
     return res
 
 
-def _solve_child(conn: Any, p: Problem, deadline: float | None, start: Schedule | None,
-                 build_options: dict[str, Any]) -> None:
+def _solve_child(conn: Any, sm: StrModel, deadline: float | None, start: Schedule | None) -> None:
     try:
-        sm = build_model(p, **build_options)
-        note = check_start(sm, start) if start is not None and not build_options.get("relax") else ""
-        conn.send(("built", (sm.num_vars, sm.num_constraints, sm.build_s, note)))
-        res = solve(sm, start=start, deadline=deadline)
-        conn.send(("result", res))
+        conn.send(solve(sm, start=start, deadline=deadline))
     except BaseException as e:      # report, never hang the parent
-        conn.send(("result", SolveResult(f"error: {type(e).__name__}: {e}", None, None, None, 0.0, None, 0, 0, 0.0)))
+        conn.send(SolveResult(f"error: {type(e).__name__}: {e}", None, None, None, 0.0, None, sm.num_vars,
+                              sm.num_constraints, sm.build_s, start_note=sm.start_note))
     finally:
         conn.close()

@@ -102,13 +102,53 @@ class GapPlanner(GapModel):
         if self.can_rec(k, g.hi):
             extra = sum(self.rec_s[j] for j in self.src_cands[k] if not r.readable[j, g.hi])
             moves.append((self.rec_s[k] + extra, ("set", g, REC, -1)))
+        elif self.early_rec(g) is not None and self.early_rec(g) > t:
+            e = self.early_rec(g)            # recomputed where its sources still are, kept until read
+            extra = sum(self.rec_s[j] for j in self.src_cands[k] if not r.readable[j, e])
+            moves.append((self.rec_s[k] + extra, ("set", g, REC, e)))
         if self.allow_swap and self.can_swap(g):
-            q_late = self.latest_hidden_q(g)
             link = self.link_weight * (self.h2d_s[k] + (self.d2h_s[k] if self.out[k] is None else 0.0))
+            if self.stage_link is not None:
+                # only copies the stage link model holds: any other makes the schedule late
+                for st, seq in self.legal_swaps(g, after=t):
+                    moves.append((st + link, seq))
+                return moves
+            q_late = self.latest_hidden_q(g)
             for q in sorted({t + 1, max(q_late, t + 1)}):
                 if q <= g.hi:
                     moves.append((self.p.in_stall(q, g.hi, self.h2d_s[k]) + link, ("set", g, SWAP, q)))
         return moves
+
+    def legal_swaps(self, g: Gap, after: int, most: int = 2) -> list[tuple[float, Any]]:
+        """With ``stage_link``: ways to swap gap ``g`` in, issued after stage ``after``, that add no copy
+        the stage link model cannot hold, as ``(stall seconds, move)``: an offered swap-in issue stage
+        (least stall first, then the latest) behind the tensor's swap-out, or behind a swap-out moved to
+        another offered issue stage where the one it has (or would get) shares the link. At most ``most``."""
+        k = g.k
+        offer_out, offer_in = self.stage_link[k]
+        qs = sorted(((st, -q) for q, u, st in offer_in if u == g.hi and max(g.lo, after) < q <= g.hi))
+        if not qs:
+            return []
+        if self.out[k] is not None and self.out[k] <= g.lo:
+            outs = [self.out[k]]           # its checkpoint is there already (other gaps may read it)
+        else:
+            outs = sorted((o for o in offer_out if o <= g.lo), reverse=True)
+        snap = self._snapshot()
+        before = len(self.link_conflicts())
+        found: list[tuple[float, Any]] = []
+        for o in outs:
+            for st, mq in qs:
+                seq = (("set", g, SWAP, -mq), ("out", k, o))
+                for m in seq:
+                    self._do(m)
+                ok = len(self.link_conflicts()) <= before
+                self._restore(snap)
+                if ok:
+                    found.append((st, seq))
+                    break                      # the least stall behind this swap-out
+            if len(found) >= most:
+                break
+        return found
 
     def repair(self, deadline: float, tries: int = 4) -> Realized:
         """Fix memory violations in time order: at the first stage over budget, the change with the least
@@ -122,7 +162,7 @@ class GapPlanner(GapModel):
                 if steps > 20 * (len(self.gaps) + self.K):
                     break
                 for g in r.broken:          # its sources went away: swap it in if possible, else keep it
-                    self._set(g, SWAP, self.latest_hidden_q(g)) if self.can_swap(g) else self._set(g, KEEP)
+                    self._swap_or_keep(g)
                 r = self.realize()
                 if r.broken:
                     for g in r.broken:
@@ -162,6 +202,19 @@ class GapPlanner(GapModel):
                 break
         return r
 
+    def _swap_or_keep(self, g: Gap) -> None:
+        """Swap ``g`` in (hidden where possible; with ``stage_link`` only as that model allows), else keep it."""
+        if self.stage_link is None:
+            self._set(g, SWAP, self.latest_hidden_q(g)) if self.can_swap(g) else self._set(g, KEEP)
+            return
+        if self.allow_swap and self.can_swap(g):
+            legal = self.legal_swaps(g, after=g.lo, most=1)
+            if legal:
+                for m in legal[0][1]:
+                    self._do(m)
+                return
+        self._set(g, KEEP)
+
     def _best_move(self, moves: list, t: int, r: Realized, over: np.ndarray):
         """Try each move (or tuple of moves); the least added time per byte freed at t, without new overflow."""
         B = self.p.budget
@@ -176,7 +229,9 @@ class GapPlanner(GapModel):
             r2 = self.realize(r, ks)
             over2 = r2.over(B)
             freed = int(over[t] - over2[t])
-            if freed > 0 and not r2.late:
+            # with stage_link (a start for the MILP): a move that leaves a recompute without its sources
+            # is undone by the swap-or-keep above, which puts the bytes back: the repair would go round
+            if freed > 0 and not r2.late and not (self.stage_link is not None and len(r2.broken) > len(r.broken)):
                 dcost = r2.cost - r.cost
                 growth = max(int(over2.sum()) - total_over + freed, 0)
                 score = (max(dcost, 0.0) + 1e-9) / freed + (1e3 if growth else 0.0) + 1e6 * len(r2.broken)
@@ -330,6 +385,8 @@ class GapPlanner(GapModel):
                     g.kind, g.q = SWAP, max(ins)
                 elif recs and self.can_rec(k, g.hi):
                     g.kind, g.q = REC, (min(recs) if min(recs) < g.hi else -1)
+                elif recs and self.early_rec(g) is not None:
+                    g.kind, g.q = REC, self.early_rec(g)     # recomputed before the read, as the plan does
             if self.out[k] is not None and not any(self.gaps[i].kind == SWAP for i in self.gaps_of[k]):
                 self.out[k] = None
 
@@ -438,29 +495,30 @@ def stage_link_start(p: Problem, actions: list[Action], compact: bool, time_budg
     """A plan's ``actions`` (on the graph: a schedule of ``p`` written out, or another planner's plan)
     made a start that satisfies a ``link="stage"`` MILP's rows (CBC drops a start that does not): the
     copies that model cannot hold are moved or dropped (:meth:`GapPlanner.legalize`), the memory is
-    repaired without such copies and the result improved. None if no such schedule fits."""
+    repaired with copies that model holds only and the result improved. Three tries, until one fits:
+    the repair may add such copies; it keeps the copies left and adds none (a greedy repair that adds
+    copies can end where nothing it may still change frees the stage over budget); recomputes only
+    (no link rows at all). None if no such schedule fits."""
     t0 = time.perf_counter()
     offer = stage_link_copies(p, compact)
     group_of = {s: t for t, g in enumerate(p.groups) for s in g}
     # stages mapped back to the problem's (a coarse stage stands for a run of graph stages)
     actions = [Action(a.kind, a.tensor, group_of[a.stage]) for a in actions if a.tensor in p.index]
-    # where no such schedule with copies fits, one with recomputes only (no link rows to break)
-    for i, allow_swap in enumerate((True, False)):
-        gp = GapPlanner(p, stage_link=offer, allow_swap=allow_swap)
+    tries = ((True, True), (False, True), (False, False))      # (the repair adds copies, copies kept)
+    for i, (add_copies, keep_copies) in enumerate(tries):
+        gp = GapPlanner(p, stage_link=offer, allow_swap=add_copies)
         gp.load_actions(actions)
         gp.legalize()
-        if not allow_swap:
+        if not keep_copies:
             gp.out = [None] * gp.K
             for g in gp.gaps:
                 if g.kind == SWAP:
                     gp._set(g, REC if gp.can_rec(g.k, g.hi) else KEEP)
-        end = t0 + time_budget * (i + 1) / 2
-        r = gp.repair(time.perf_counter() + (end - time.perf_counter()) / 2)
+        end = t0 + time_budget * (i + 1) / len(tries)
+        r = gp.repair(time.perf_counter() + max(end - time.perf_counter(), 0.0) / 2)
         if gp.feasible(r):
-            return gp.schedule(gp.improve(r, end))
+            return gp.schedule(gp.improve(r, max(end, time.perf_counter() + 0.05)))
     return None
-
-
 
 
 def refine(p: Problem, starts: list[tuple[str, Any]], *, time_budget: float = 5.0,

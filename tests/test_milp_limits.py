@@ -198,3 +198,51 @@ def test_the_milp_gets_its_whole_time_limit_whatever_the_starts_took(monkeypatch
     except Exception:
         pass                     # no MILP plan here (the spy returns none): only its time limit matters
     assert seen == [2.0]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the solve runs in a forked child")
+def test_the_start_is_checked_before_the_solver_runs_and_survives_its_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model is built and the start checked in the calling process, before the solver's child
+    starts: a child that dies (CBC's abort inside branch-and-bound) still leaves the start, a solution of
+    the model, as the result. Of several starts the first that satisfies every row is the one used."""
+    from hybridmem.solvers._common import Schedule, TensorSchedule
+
+    g = random_graph(16, seed=3)
+    p = build_problem(g, int(0.7 * g.peak_bytes()), "h100-80gb")
+    ok = milp.solve(milp.build_model(p, link="stage"), time_limit=5)
+    assert ok.schedule is not None and ok.objective is not None
+    keep = Schedule({c.tensor: TensorSchedule(c.tensor, c.start, np.ones(c.end - c.start + 1, dtype=bool))
+                     for c in p.candidates})      # breaks the memory rows at this budget
+
+    def crash(sm, **kw):
+        os.abort()
+
+    monkeypatch.setattr(milp, "solve", crash)
+    made: list[str] = []
+
+    def starts():
+        for name, s in (("none", None), ("keep", keep), ("ok", ok.schedule), ("never", keep)):
+            made.append(name)
+            yield s
+
+    res = milp.solve_problem(p, time_limit=5, starts=starts(), link="stage")
+    assert made == ["none", "keep", "ok"]            # made lazily, up to the first that satisfies the rows
+    assert res.status == milp.START_STATUS and res.schedule is ok.schedule
+    assert res.start_note == milp.START_SATISFIES
+    assert res.objective == pytest.approx(ok.objective, rel=1e-6, abs=1e-9)
+    # only starts that break rows: the first one goes to the solver, and nothing is returned
+    res = milp.solve_problem(p, time_limit=5, starts=[keep], link="stage")
+    assert res.status == "crashed" and res.schedule is None and "breaks" in res.start_note
+
+
+def test_a_solver_without_a_bound_reports_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CBC reports +-DBL_MAX as the bound where it has none: no bound (and no gap), not 1.8e302 s."""
+    import mip
+
+    g = random_graph(16, seed=3)
+    p = build_problem(g, int(0.7 * g.peak_bytes()), "h100-80gb")
+    sm = milp.build_model(p, link="stage")
+    monkeypatch.setattr(mip.Model, "optimize", lambda self, **kw: mip.OptimizationStatus.NO_SOLUTION_FOUND)
+    monkeypatch.setattr(mip.Model, "objective_bound", property(lambda self: 1.7976931348623157e308))
+    res = milp.solve(sm, time_limit=5)
+    assert res.bound is None and res.gap is None
