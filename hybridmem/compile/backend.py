@@ -437,12 +437,11 @@ class CompileBackend:
                 p, predicted = self._plan_runs(g, share - margin, others, grads, model)
             except BudgetInfeasibleError as e:
                 # the least budget this solver finds a plan for (bisection), so the error names it
-                if others:
+                if others:  # the least total any of the plans tried needed, beside the other runs
                     least_need = int(e.minimum_bytes if e.minimum_bytes is not None else g.peak_bytes())
-                    least_plan = None
                 else:
-                    least_plan = solvers.plan(g, "min", device=model, solver=self.solver, time_limit=self.time_limit)
-                    least_need = int(least_plan.budget_bytes)
+                    least_need = int(solvers.plan(g, "min", device=model, solver=self.solver,
+                                                  time_limit=self.time_limit).budget_bytes)
                 need = least_need + margin + outside
                 raise BudgetInfeasibleError(
                     f"hybridmem compile: {name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
@@ -474,7 +473,7 @@ class CompileBackend:
                 gap_to_lower_bound=p.info.get("gap_to_lower_bound"), solver=p.solver,
                 plan_from=str(p.info.get("plan_from") or ""),
                 decisions=sorted(records, key=lambda r: -r["bytes"]))
-        self._held[key] = (g.fixed_bytes() + st.saved_bytes + (st.swapped_bytes if dev.type != "cuda" else 0)
+        self._held[key] = (fixed + st.saved_bytes + (st.swapped_bytes if dev.type != "cuda" else 0)
                            + others * (fixed + max(st.saved_bytes, grads)))
         st.runs_planned = self.calls_per_step
         st.plan_s = time.perf_counter() - t0
@@ -525,5 +524,5 @@ def compile_backend(budget: int | str, device: str | torch.device | None = None,
                     policies: Sequence[str] | str = POLICIES, solver: str = "approx", **options: Any) -> CompileBackend:
     """A ``torch.compile`` backend that keeps each compiled training step under ``budget`` bytes
     (:class:`CompileBackend`; ``options``: ``time_limit``, ``optimizer``, ``cost_model``, ``compiler``,
-    ``scratch``, ``measure``)."""
+    ``scratch``, ``calls_per_step``, ``measure``)."""
     return CompileBackend(budget, device=device, policies=policies, solver=solver, **options)
