@@ -3,6 +3,7 @@ at fixed budgets, with what the MILP returned at each.
 
     python -m bench.milp_sweep                                  # the 36 budgets below, time_limit=10
     python -m bench.milp_sweep --units unet:h100-80gb --time-limit 30 -o out.jsonl
+    python -m bench.milp_sweep --solver-backend highs           # HiGHS instead of CBC
 
 The budgets are those of a simulated bench sweep (``python -m bench.runner --no-measured --methods
 hybridmem-milp``: from the lowest budget a probe planner meets to the keep-all peak, the peak itself left
@@ -41,7 +42,7 @@ def has_solution(status: str | None) -> bool:
     return bool(status) and status.startswith(MILP_SOLUTION)
 
 
-def run_budget(graph: Any, device: str, budget: int, time_limit: float) -> dict[str, Any]:
+def run_budget(graph: Any, device: str, budget: int, time_limit: float, backend: str = "cbc") -> dict[str, Any]:
     """One ``plan(..., solver="milp")`` call and what it says; the plan is simulated at ``budget``."""
     from hybridmem.errors import BudgetInfeasibleError
     from hybridmem.graph.simulate import simulate
@@ -50,7 +51,7 @@ def run_budget(graph: Any, device: str, budget: int, time_limit: float) -> dict[
     t0 = time.perf_counter()
     row: dict[str, Any] = {"budget_bytes": budget, "of_peak": round(budget / graph.peak_bytes(), 4)}
     try:
-        p = plan(graph, budget, device=device, solver="milp", time_limit=time_limit)
+        p = plan(graph, budget, device=device, solver="milp", time_limit=time_limit, solver_backend=backend)
     except BudgetInfeasibleError as e:
         row.update(status=None, plan=None, note=str(e)[:300])
     else:
@@ -62,6 +63,7 @@ def run_budget(graph: Any, device: str, budget: int, time_limit: float) -> dict[
                    valid=not res.violations and res.peak_bytes <= budget)
     row["has_milp_solution"] = has_solution(row.get("status"))
     row["warm_start_returned"] = row.get("status") == "feasible (the warm start)"
+    row["backend"] = backend
     row["s"] = round(time.perf_counter() - t0, 1)
     row["load"] = round(os.getloadavg()[0], 1)
     return row
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.milp_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--time-limit", type=float, default=10.0, help="the MILP's time limit per budget (s)")
     ap.add_argument("--units", help="comma-separated model:device pairs (default: all seven)")
+    ap.add_argument("--solver-backend", default="cbc", choices=("cbc", "highs"),
+                    help="the MILP solver: CBC (python-mip's own) or HiGHS (pip install 'hybridmem[highs]')")
     ap.add_argument("-o", "--output", help="also write each budget's JSON line to this file")
     args = ap.parse_args(argv)
     from hybridmem.graph.costs import apply_costs, get_cost_model
@@ -121,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"note: {model}'s keep-all peak is {g.peak_bytes()} B, the sweep's was {peak} B",
                       file=sys.stderr)
             for b in budgets:
-                row = {"model": model, "device": device, **run_budget(g, device, b, args.time_limit)}
+                row = {"model": model, "device": device, **run_budget(g, device, b, args.time_limit,
+                                                                      args.solver_backend)}
                 rows.append(row)
                 line = json.dumps(row)
                 print(line, flush=True)

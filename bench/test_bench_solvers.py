@@ -71,7 +71,7 @@ def test_plan_end_to_end(benchmark, name: str, frac: float) -> None:
     meta, then plan with the default solver; the plan's own simulation and bound (no second replay)."""
     from hybridmem.graph.capture import capture
 
-    from bench.zoo import build
+    from hybridmem.zoo import build
 
     got: dict[str, Any] = {}
 
