@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -246,3 +247,45 @@ def test_a_solver_without_a_bound_reports_none(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(mip.Model, "objective_bound", property(lambda self: 1.7976931348623157e308))
     res = milp.solve(sm, time_limit=5)
     assert res.bound is None and res.gap is None
+
+
+def test_without_a_start_it_keeps_cbc_searches_for_a_solution_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No start that satisfies the rows: CBC runs with its feasibility emphasis (its default search can
+    spend the whole limit without an incumbent); with such a start it searches as usual, from it."""
+    import mip
+
+    from hybridmem.solvers._common import Schedule, TensorSchedule
+
+    g = random_graph(16, seed=3)
+    p = build_problem(g, int(0.7 * g.peak_bytes()), "h100-80gb")
+    ok = milp.solve(milp.build_model(p, link="stage"), time_limit=5)
+    assert ok.schedule is not None
+    keep = Schedule({c.tensor: TensorSchedule(c.tensor, c.start, np.ones(c.end - c.start + 1, dtype=bool))
+                     for c in p.candidates})      # breaks the memory rows at this budget
+    seen: list[Any] = []
+    real = mip.Model.optimize
+
+    def spy(self, **kw):
+        seen.append(self.emphasis)
+        return real(self, **kw)
+
+    monkeypatch.setattr(mip.Model, "optimize", spy)
+    for start in (None, keep, ok.schedule):
+        res = milp.solve(milp.build_model(p, link="stage"), time_limit=5, start=start)
+        assert res.schedule is not None
+    assert seen == [mip.SearchEmphasis.FEASIBILITY, mip.SearchEmphasis.FEASIBILITY, mip.SearchEmphasis.DEFAULT]
+
+
+@pytest.mark.slow
+def test_unet_on_v100_at_its_lowest_sweep_budget_gets_a_milp_solution() -> None:
+    """The sweep's budget where no start satisfies the coarse link rows (UNet, paper size, v100 at
+    37.1 % of the peak): CBC finds a solution within the sweep's 10 s, and the plan fits the budget."""
+    from bench.milp_sweep import BUDGETS, has_solution, run_budget
+    from bench.runner import capture_graph
+    from hybridmem.graph.costs import apply_costs, get_cost_model
+
+    g = apply_costs(capture_graph("unet", "paper"), get_cost_model("v100-16gb"))
+    row = run_budget(g, "v100-16gb", BUDGETS["unet", "v100-16gb"][1][0], time_limit=10)
+    assert "breaks" in (row["warm_start"] or ""), row     # the case this is about: no start CBC keeps
+    assert has_solution(row["status"]), row
+    assert row["valid"], row
