@@ -279,13 +279,15 @@ def test_without_a_start_it_keeps_cbc_searches_for_a_solution_first(monkeypatch:
 @pytest.mark.slow
 def test_unet_on_v100_at_its_lowest_sweep_budget_gets_a_milp_solution() -> None:
     """The sweep's budget where no start satisfies the coarse link rows (UNet, paper size, v100 at
-    37.1 % of the peak): CBC finds a solution within the sweep's 10 s, and the plan fits the budget."""
+    37.1 % of the peak): CBC finds a solution of its own, and the plan fits the budget. The sweep's 10 s
+    suffice on a quiet machine; 40 s here because the limit is wall time and CI's cores are shared (at a
+    load of 5 the solver's process got 7.6 CPU s of the 40; CBC's default search found none in them)."""
     from bench.milp_sweep import BUDGETS, has_solution, run_budget
     from bench.runner import capture_graph
     from hybridmem.graph.costs import apply_costs, get_cost_model
 
     g = apply_costs(capture_graph("unet", "paper"), get_cost_model("v100-16gb"))
-    row = run_budget(g, "v100-16gb", BUDGETS["unet", "v100-16gb"][1][0], time_limit=10)
+    row = run_budget(g, "v100-16gb", BUDGETS["unet", "v100-16gb"][1][0], time_limit=40)
     assert "breaks" in (row["warm_start"] or ""), row     # the case this is about: no start CBC keeps
     assert has_solution(row["status"]), row
     assert row["valid"], row
