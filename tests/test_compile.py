@@ -146,6 +146,48 @@ def test_inductor_trains_a_network_the_zoo_does_not_build_within_the_budget() ->
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+def _least_budget(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, **options: Any) -> BudgetInfeasibleError:
+    """The error a budget of 1 byte raises: it names the least budget with every evictable activation
+    off the device (``minimum_bytes``); the partition fails before Inductor generates any kernel."""
+    torch._dynamo.reset()
+    b = compile_backend(1, **options)
+    with pytest.raises(Exception) as info:
+        loss_fn(torch.compile(copy.deepcopy(model), backend=b)(*args, **kwargs)).backward()
+    err = info.value
+    while err is not None and not isinstance(err, BudgetInfeasibleError):
+        err = err.__cause__ or getattr(err, "inner_exception", None)
+    assert isinstance(err, BudgetInfeasibleError), info.value
+    return err
+
+
+@pytest.mark.slow   # two Inductor compiles of the GPT (small, batch 8): 3-5 minutes on 2 shared cores
+def test_inductor_trains_the_gpt_within_a_budget_the_op_by_op_count_had_no_plan_for() -> None:
+    """The GPT under Inductor at 95 % of the unmanaged compiled step's real peak. With the tangents
+    counted for the whole step, the backward's pointwise chains unfused and 8 % of the keep-all peak left
+    free, the least budget with a plan was 0.99 of that peak (CPU, 2026-12-01); it is 0.91 now. Every
+    step's real peak stays within the budget; dropout masks the backward recomputes are drawn again from
+    the forward's saved seeds (Inductor's ``inductor_random``), so they are the forward's own."""
+    e = build("gpt", "small")
+    args, kwargs = e.args_kwargs()
+    ref_peaks, ref_grads, ref_losses = _train(copy.deepcopy(e.model), args, kwargs, e.loss_fn, "inductor")
+    budget = int(0.95 * ref_peaks[-1])
+    b = compile_backend(budget)
+    peaks, grads, losses = _train(copy.deepcopy(e.model), args, kwargs, e.loss_fn, b)
+    st = b.stats()
+    (region,) = st.regions
+    print(st.report(top=40))
+    assert region.recomputed > 0, st
+    assert region.margin_bytes == int(0.02 * region.keep_all_peak_bytes), st     # no convolution
+    assert all(p <= budget for p in peaks), (peaks, budget, str(st))
+    assert all(bit_equal(x, y) for x, y in zip(losses, ref_losses))
+    # Inductor recomputes inside its fused kernels, where sums may run in another order: to rounding
+    # (another dropout mask would differ by far more: 0.08 where PyTorch's own knapsack redraws them)
+    for ga, gb in zip(grads, ref_grads):
+        for x, y in zip(ga, gb):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    print("bit-identical gradients:", _same(grads, ref_grads), "peaks", peaks, "budget", budget)
+
+
 def test_compile_mode_settings() -> None:
     from hybridmem.config import Config
     assert Config.resolve(env={"HYBRIDMEM_BUDGET": "1GiB", "HYBRIDMEM_COMPILE": "1"}).compile is True

@@ -10,6 +10,10 @@ Kinds: the partition's static inputs (parameters, buffers) are ``param``, the ot
 (step inputs, tangents) ``input``; the forward's user-visible outputs and everything the backward
 returns (gradients) outlive the step and are not evictable (``other``, ``grad``). Forward tensors the
 backward reads are ``saved``. Random ops are not recomputable (their replay would draw new numbers).
+Under Inductor a dropout mask is ``inductor_random`` of a seed that ``inductor_seeds`` draws: only the
+seeds are random, and a mask recomputed from the saved seed is the forward's own. The tangents (the
+gradients of the forward's outputs) are made by a stage of their own before the backward's first op:
+the autograd engine makes them once the forward has returned.
 """
 from __future__ import annotations
 
@@ -108,18 +112,22 @@ def _pointwise(n: fx.Node) -> bool:
             and torch.Tag.pointwise in n.target.tags and not _is_random(n))
 
 
-def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
-    """Forward pointwise chains a fusing compiler (Inductor) runs as one kernel: a pointwise forward node
-    whose only user is a pointwise forward node is fused into it (its value never materializes, and a
-    recompute replays the chain). The backward is left op by op: its peak, where the budget binds, is
-    what the count must not underestimate. Returns each chain's last node -> the nodes fused into it,
-    in graph order."""
+def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node],
+                  backward: bool = False) -> dict[fx.Node, list[fx.Node]]:
+    """Pointwise chains a fusing compiler (Inductor) runs as one kernel: a pointwise node whose only user
+    is a pointwise node of the same pass is fused into it (its value never materializes, and a recompute
+    replays the chain). The forward's chains always; the backward's with ``backward`` (a region without
+    convolutions: there Inductor fuses the backward's chains as well, while around convolutions the
+    backward's peak, where the budget binds, held more than the fused count). Returns each chain's last
+    node -> the nodes fused into it, in graph order."""
     into: dict[fx.Node, fx.Node] = {}
     for n in nodes:
-        if n not in fw or not _pointwise(n) or n in returned or len(n.users) != 1:
+        if not _pointwise(n) or n in returned or len(n.users) != 1:
+            continue
+        if n not in fw and not backward:
             continue
         (u,) = n.users
-        if _pointwise(u) and u in fw:
+        if _pointwise(u) and (u in fw) == (n in fw):
             into[n] = u
     groups: dict[fx.Node, list[fx.Node]] = {}
     for n in nodes:                       # graph order: members before the node they fuse into
@@ -131,16 +139,36 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
     return groups
 
 
+def has_convolution(nodes: Iterable[fx.Node]) -> bool:
+    """Whether a joint graph runs a convolution (forward or backward)."""
+    return any(n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _CONVOLUTIONS
+               for n in nodes)
+
+
+_CONVOLUTIONS = (torch.ops.aten.convolution, torch.ops.aten.convolution_backward, torch.ops.aten.cudnn_convolution,
+                 torch.ops.aten.mkldnn_convolution, torch.ops.aten._convolution)
+
+
+def is_tangent(n: fx.Node) -> bool:
+    """Whether placeholder ``n`` is one of the joint graph's tangents (the gradients the backward
+    receives; AOTAutograd names them ``tangents_<k>``)."""
+    return n.op == "placeholder" and str(n.target).startswith("tangents")
+
+
 def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: Iterable[fx.Node],
                 fwd_outputs: Iterable[fx.Node], cost_model: Any = None, name: str = "",
-                fuse: bool = False) -> JointGraph:
+                fuse: bool = False, fuse_backward: bool = False) -> JointGraph:
     """The hybridmem Graph of joint graph ``gm``.
 
     ``forward``: the nodes the forward computes (``classify_nodes``' required forward nodes);
     ``static_inputs``: the placeholders that are parameters or buffers; ``fwd_outputs``: the nodes the
     forward returns to the user (not evictable). ``cost_model``: a hybridmem cost model for stage costs
-    (None: costs stay 0). ``fuse``: one stage per pointwise chain (:func:`fusion_groups`), as a fusing
-    compiler runs it: its inner values take no memory, and recomputing its output replays the chain.
+    (None: costs stay 0). ``fuse``: one stage per forward pointwise chain (:func:`fusion_groups`), as a
+    fusing compiler runs it: its inner values take no memory, and recomputing its output replays the
+    chain; ``fuse_backward``: the backward's chains too.
+
+    Tangents (the gradients of the forward's outputs, which the backward receives) exist from the
+    backward's first stage on: the autograd engine makes them once the forward has returned.
     """
     fw = set(forward)
     static = set(static_inputs)
@@ -148,7 +176,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     nodes = list(gm.graph.nodes)
     out_node = next(n for n in nodes if n.op == "output")
     returned = {a for a in out_node.all_input_nodes}
-    groups = fusion_groups(nodes, fw, returned) if fuse else {}
+    groups = fusion_groups(nodes, fw, returned, backward=fuse_backward) if fuse else {}
     inner = {m for ms in groups.values() for m in ms}
     order = [n for n in nodes if n.op == "call_function" and n in fw] + \
             [n for n in nodes if n.op == "call_function" and n not in fw]
@@ -176,9 +204,21 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
         if n.op == "placeholder":
             node_tensor[n] = [tensor_of(v, n, -1, "param" if n in static else "input") for v in _vals(n.meta.get("val"))]
 
+    tangents = [n for n in nodes if is_tangent(n) and node_tensor.get(n)]
     stages: list[Stage] = []
-    for idx, n in enumerate(order):
+    for n in order:
         phase = "forward" if n in fw else "backward"
+        if phase == "backward" and tangents:
+            # the tangents exist from here on: a stage of their own, before the backward's first op
+            idx = len(stages)
+            made = [tid for t in tangents for tid in node_tensor[t]]
+            for tid in made:
+                tensors[tid].producer = idx
+            stages.append(Stage(index=idx, id="backward/tangents", op="tangents", phase="backward",
+                                inputs=[], outputs=list(dict.fromkeys(made))))
+            jg.stage_node.append(tangents[0])
+            tangents = []
+        idx = len(stages)
         members = [*groups.get(n, ()), n]
         ins: list[int] = []
         for m in members:

@@ -49,7 +49,15 @@ def decisions(plan: Plan) -> Decisions:
 
 def apply_plan(jg: JointGraph, d: Decisions) -> None:
     """Tag ``jg``'s nodes with ``d``'s decisions (see the module docstring). A node the user's own
-    checkpointing tagged (``torch.utils.checkpoint`` inside the compiled code) keeps its tag."""
+    checkpointing tagged (``torch.utils.checkpoint`` inside the compiled code) keeps its tag.
+
+    With anything recomputed, the forward's random ops (Inductor's ``inductor_seeds``: the seeds its
+    dropout masks are drawn from) are ``MUST_SAVE``: a recomputed mask is drawn again from the saved
+    seed, so it equals the forward's bit for bit, where a seed drawn again would give another mask."""
+    if d.recompute:
+        for s, n in zip(jg.graph.stages, jg.stage_node):
+            if s.rng and s.phase == "forward":
+                n.meta.setdefault(TAG, CheckpointPolicy.MUST_SAVE)
     for tid in d.recompute:
         for n in jg.forward_nodes_of(tid):
             n.meta.setdefault(TAG, CheckpointPolicy.MUST_RECOMPUTE)
