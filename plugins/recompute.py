@@ -60,6 +60,14 @@ class RecomputePolicy:
         node = entry.lineage
         return self.replayer.cost(node, len(node.ops), {})
 
+    def registration_cost(self, entry: EntryView) -> float | None:
+        """``cost(entry)`` where ``applicable(entry)``, else None: one pass over the lineage (the runtime asks
+        for every new entry near the budget, to order the allocator's registry)."""
+        node = entry.lineage
+        if self.replayer is None or node is None:
+            return None
+        return self.replayer.registration_cost(node)
+
     def savings(self, entry: EntryView) -> int:
         return entry.nbytes
 

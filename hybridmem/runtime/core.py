@@ -428,7 +428,7 @@ class Runtime:
                 self.mode_on = False
             prog.start_step()
             self._steady = SteadyPack(prog, self._pack, self._bind, self._steady_after, self._diverged,
-                                      self.store.keep, self._far, self.stats.saved)
+                                      self.store.keep, self._far, self.stats.saved, self.store.pack_bound)
             self._packfn = self._steady
             self._program_rec = None
             return
@@ -451,9 +451,10 @@ class Runtime:
             rec.saved(t, h.entry.lineage if type(h) is Saved else None)
         return h
 
-    def _bind(self, node: Any, st: torch.UntypedStorage) -> None:
+    def _bind(self, node: Any, st: torch.UntypedStorage) -> Any:
         slot = self.produced.add(st)
         slot.node, node.storage = node, slot
+        return slot
 
     def _far(self) -> bool:
         """Whether the device is far from its budget (at least half of it free)."""

@@ -102,6 +102,13 @@ def native_device(rt: "Runtime", manages: bool) -> NativeDevice | None:
 
 def _registrable(policy: Any) -> Any:
     """Which new entries the allocator may free (recompute can rebuild them), cheapest per byte first."""
+    fused = getattr(policy, "registration_cost", None)
+    if fused is not None:
+        def fast(e: Entry) -> float | None:
+            cost = fused(e)
+            return None if cost is None else cost / max(e.nbytes, 1)
+        return fast
+
     def priority(e: Entry) -> float | None:
         if not policy.applicable(e):
             return None

@@ -45,3 +45,18 @@ class Entry:
     @property
     def resident(self) -> bool:
         return self.tensor is not None
+
+
+_new = object.__new__
+
+
+def new_entry(tensor: torch.Tensor | None, nbytes: int, dtype: torch.dtype, device: torch.device, lineage: Any,
+              version: int, stage: int) -> Entry:
+    """``Entry(tensor=..., nbytes=..., ...)`` without the generated ``__init__``'s call overhead (an entry is
+    made per saved storage): the fields given here and a fresh ``uid`` are set, the others read their
+    defaults from the class until assigned (every default is immutable)."""
+    e = _new(Entry)
+    e.tensor, e.nbytes, e.dtype, e.device, e.lineage, e.version, e.stage = (tensor, nbytes, dtype, device, lineage,
+                                                                           version, stage)
+    e.uid = next(_uids)
+    return e

@@ -179,7 +179,7 @@ class Node:
     storage was written by something unrecorded, so its content is no known version.
     """
 
-    __slots__ = ("ops", "nbytes", "dtype", "device", "storage", "entry", "stale", "ok_memo", "_deps",
+    __slots__ = ("ops", "nbytes", "dtype", "device", "storage", "entry", "stale", "ok_memo", "_deps", "_checks",
                  "__weakref__")
 
     def __init__(self, record: OpRecord, position: int, nbytes: int, dtype: torch.dtype, device: torch.device,
@@ -191,6 +191,32 @@ class Node:
         self.stale = False
         self.ok_memo: tuple[int, int, str] | None = None  # (epoch, version, reason) of the last check
         self._deps: tuple[int, float, tuple[tuple["Node", int], ...]] | None = None
+        # own_ok's records and fixed references of the ops up to a version (what it reads again each time)
+        self._checks: tuple[int, tuple[OpRecord, ...], tuple[FixedRef, ...]] | None = None
+
+    def own_ok(self, v: int) -> bool:
+        """Whether the node's own ops up to ``v`` can be replayed now (``replay._own_reason`` is "", inputs
+        not included), from what can change between two checks: the records' ``why_not`` (a random op
+        given its state at its module call) and the fixed references' binding and version. What cannot
+        change while the ops stay (the version range, inputs without lineage) is read once per version;
+        the op list only grows, or is replaced when the recorder drops the lineage (which forgets this)."""
+        c = self._checks
+        if c is None or c[0] != v or c[1][0] is not self.ops[0][0]:
+            if not 1 <= v <= len(self.ops):
+                return False
+            recs = tuple(rec for rec, _ in self.ops[:v])
+            refs = [r for rec in recs for r in rec.refs()]
+            if any(r is OPAQUE for r in refs):
+                return False
+            c = self._checks = (v, recs, tuple(r for r in refs if isinstance(r, FixedRef)))
+        for rec in c[1]:
+            if rec.why_not:
+                return False
+        for r in c[2]:
+            a = r.alias
+            if a is None or (r.version >= 0 and a._version != r.version):
+                return False
+        return True
 
     def deps(self, v: int) -> tuple[float, tuple[tuple["Node", int], ...]]:
         """(seconds the ops up to ``v`` took, the other nodes they read): cached per version."""
@@ -395,6 +421,7 @@ class Recorder:
                 # the live content (if any) stays usable as version 1; nothing before it is replayable
                 n.ops = [_barrier("its lineage was dropped at the end of its step")]
                 n.stale = False
+                n._checks = None  # own_ok keeps nothing of the dropped lineage reachable
 
 
 def _unused_stats(info: _ReplayInfo, args: tuple) -> frozenset[int]:

@@ -288,13 +288,16 @@ class SteadyPack:
     entry), which costs a few attribute reads; from the first pack near the budget on, saves get entries
     the allocator may free, as in a recorded step."""
 
-    def __init__(self, program: StepProgram, store_pack: Callable[[Tensor], Any], bind: Callable[[Node, Any], None],
-                 after: Callable[[], None], diverged: Callable[[str], None], keep: Callable[[Tensor], Any],
-                 far: Callable[[], bool], counted: Callable[[int], None]):
+    def __init__(self, program: StepProgram, store_pack: Callable[[Tensor], Any],
+                 bind: Callable[[Node, Any], Any], after: Callable[[], None], diverged: Callable[[str], None],
+                 keep: Callable[[Tensor], Any], far: Callable[[], bool], counted: Callable[[int], None],
+                 pack_bound: Callable[[Tensor, Any, Any], Any] | None = None):
         self.program = program
         self.saves = program.saves
         self.store_pack = store_pack
-        self.bind = bind
+        self.bind = bind  # bind(node, storage) -> the storage's slot
+        # pack_bound(tensor, storage, slot): store_pack for a storage just bound (what store_pack would find)
+        self.pack_bound = pack_bound or (lambda t, st, slot: store_pack(t))
         self.after = after
         self.diverged = diverged
         self.keep, self.far, self.counted = keep, far, counted
@@ -336,10 +339,11 @@ class SteadyPack:
             if st.nbytes() != node.nbytes:
                 return self._leave(f"save #{k} is over a storage of {st.nbytes()} bytes where the recorded "
                                    f"step's had {node.nbytes}", t)
-            self.bind(node, st)
+            h = self.pack_bound(t, st, self.bind(node, st))
         elif cur is not st:
             return self._leave(f"save #{k} is over another storage than the recorded step's", t)
-        h = self.store_pack(t)
+        else:
+            h = self.store_pack(t)
         self.after()
         return h
 

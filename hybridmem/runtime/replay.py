@@ -87,6 +87,34 @@ class Replayer:
             n.ok_memo = (epoch, v, "")
         return ""
 
+    def registration_cost(self, node: Node) -> float | None:
+        """``None`` when ``node`` at its current version cannot be replayed (:meth:`why_not`), else the
+        seconds its replay costs now (:meth:`cost`): what registering its entry with the allocator asks,
+        once per new entry. One pass where the usual case holds (its own ops replayable, every input found
+        replayable this step already, every input available), :meth:`why_not` and :meth:`cost` otherwise:
+        the same answer and the same memo either way."""
+        if node.stale:
+            return None
+        v = len(node.ops)
+        epoch = self.epoch()
+        own, inputs = node.deps(v)
+        memo = node.ok_memo
+        if memo is None or memo[0] != epoch or memo[1] != v:
+            if not node.own_ok(v):
+                return None if self.why_not(node, v) else self.cost(node, v, {})
+            for m, w in inputs:
+                mm = m.ok_memo
+                if mm is None or mm[0] != epoch or mm[1] != w or mm[2]:
+                    return None if self.why_not(node, v) else self.cost(node, v, {})
+            node.ok_memo = (epoch, v, "")  # what why_not records when the walk ends at memoised inputs
+        elif memo[2]:
+            return None
+        available = self.available
+        for m, w in inputs:
+            if not available(m, w):
+                return self.cost(node, v, {})
+        return own
+
     def cost(self, node: Node, version: int, memo: dict[tuple[int, int], float]) -> float:
         """Seconds to replay ``node`` at ``version``, plus its inputs that are not available now
         (each counted once per ``memo``: one eviction decision)."""

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from .entry import Entry
+from .entry import Entry, new_entry
 
 from .distributed import is_parameter_view, is_traceable_wrapper_subclass
 from .lineage import View
@@ -129,6 +129,18 @@ class SavedStore:
             if self.count_external is not None:
                 self.count_external(st)
             return self._keep(t)
+        return self.pack_slot(t, st, slot, True)
+
+    def pack_bound(self, t: Tensor, st: torch.UntypedStorage, slot: Any) -> Any:
+        """``pack`` in a steady-state step of a tensor over storage ``st``, which the step has just bound to
+        its program node (``slot``): the storage and its slot are known, and no dispatch mode is active."""
+        if t.device != self.device:
+            return self.keep(t)
+        return self.pack_slot(t, st, slot, False)
+
+    def pack_slot(self, t: Tensor, st: torch.UntypedStorage, slot: Any, guard: bool) -> Any:
+        """``pack`` of a tensor over activation storage ``st`` on the device, whose slot is ``slot``;
+        ``guard``: a dispatch mode may be active (the tensors made here must not go through it)."""
         e = slot.entry
         if e is None:
             if is_parameter_view(t) or (type(t) is not Tensor and is_traceable_wrapper_subclass(t)):
@@ -136,8 +148,12 @@ class SavedStore:
                 # data-less stand-in of the global size. Neither is an activation: fixed from now on.
                 self.produced.slots.pop(id(st), None)
                 slot.node = slot.entry = None
-                return self._keep(t)
-            e = self._new_entry(t, st, slot)
+                return self._keep(t) if guard else self.keep(t)
+            e, same = self._new_entry(t, st, slot, guard)
+            if same:  # the saved tensor is the entry's tensor: its geometry, its version counter
+                e.refs += 1
+                e.last_access = self.clock.now
+                return Saved(self, e, None, t._version, None)
         e.refs += 1
         e.last_access = self.clock.now
         root = t._base if t._base is not None else t
@@ -208,22 +224,18 @@ class SavedStore:
                 t = t.detach()
         return Kept(t, t._version)
 
-    def _new_entry(self, t: Tensor, st: torch.UntypedStorage, slot: Any) -> Entry:
+    def _new_entry(self, t: Tensor, st: torch.UntypedStorage, slot: Any,
+                   guard: bool = True) -> tuple[Entry, bool]:
+        """A resident entry for ``t``'s storage, and whether its tensor is ``t`` itself detached (``t`` is a
+        root covering its storage: same geometry, same version counter)."""
         root = t._base if t._base is not None else t
         nbytes = st.nbytes()
-        with torch._C._DisableTorchDispatch():
-            d = root.detach()  # shares the root's version counter, holds no autograd graph
-            item = d.dtype.itemsize
-            if nbytes % item == 0:
-                n = nbytes // item
-                # Policies copy or encode the whole storage through this tensor: it must cover it.
-                covers = d.storage_offset() == 0 and d.numel() == n and d.is_contiguous()
-                base = d if covers else d.as_strided((n,), (1,), 0)
-                shared = True
-            else:
-                base, shared = flat(st, torch.uint8, t.device), False
-        e = Entry(tensor=base, nbytes=nbytes, dtype=base.dtype, device=t.device, lineage=slot.node,
-                  version=base._version, stage=slot.stage)
+        if guard:
+            with torch._C._DisableTorchDispatch():
+                base, shared, covers = _covering(root, st, nbytes, t.device)
+        else:
+            base, shared, covers = _covering(root, st, nbytes, t.device)
+        e = new_entry(base, nbytes, base.dtype, t.device, slot.node, base._version, slot.stage)
         e.root = weakref.ref(root) if shared else None
         e.view = View.of(base)
         e.origin = self.last_op
@@ -235,7 +247,7 @@ class SavedStore:
         self.on_saved(e)
         if self.native is not None:
             self.pending[e.uid] = e
-        return e
+        return e, covers and root is t
 
     # ---- the allocator's registry ------------------------------------------------------------
     def register(self, e: Entry, priority: float) -> None:
@@ -352,6 +364,20 @@ class SavedStore:
 
     def resident_bytes(self) -> int:
         return sum(e.nbytes for e in self.resident.values())
+
+
+def _covering(root: Tensor, st: torch.UntypedStorage, nbytes: int,
+              device: torch.device) -> tuple[Tensor, bool, bool]:
+    """(a tensor over the whole storage, whether it shares ``root``'s version counter, whether it is
+    ``root`` itself detached): policies copy or encode the whole storage through it."""
+    d = root.detach()  # shares the root's version counter, holds no autograd graph
+    item = d.dtype.itemsize
+    if nbytes % item == 0:
+        n = nbytes // item
+        if d.storage_offset() == 0 and d.numel() == n and d.is_contiguous():
+            return d, True, True
+        return d.as_strided((n,), (1,), 0), True, False
+    return flat(st, torch.uint8, device), False, False
 
 
 def _modified(size: tuple[int, ...], dtype: torch.dtype, origin: str, saved: int, now: int) -> RuntimeError:
