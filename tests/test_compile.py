@@ -162,15 +162,17 @@ def _least_budget(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, **o
 
 @pytest.mark.slow   # two Inductor compiles of the GPT (small, batch 8): 3-5 minutes on 2 shared cores
 def test_inductor_trains_the_gpt_within_a_budget_the_op_by_op_count_had_no_plan_for() -> None:
-    """The GPT under Inductor at 95 % of the unmanaged compiled step's real peak. With the tangents
+    """The GPT under Inductor at 85 % of the unmanaged compiled step's real peak. With the tangents
     counted for the whole step, the backward's pointwise chains unfused and 8 % of the keep-all peak left
-    free, the least budget with a plan was 0.99 of that peak (CPU, 2026-12-01); it is 0.91 now. Every
-    step's real peak stays within the budget; dropout masks the backward recomputes are drawn again from
-    the forward's saved seeds (Inductor's ``inductor_random``), so they are the forward's own."""
+    free, the least budget with a plan was 0.99 of that peak; with the backward's one-user chains fused,
+    0.91; with its pointwise values inlined into reductions and into several users as Inductor inlines
+    them, about 0.80 (CPU, 2026-12-01). Every step's real peak stays within the budget; dropout masks the
+    backward recomputes are drawn again from the forward's saved seeds (Inductor's ``inductor_random``),
+    so they are the forward's own."""
     e = build("gpt", "small")
     args, kwargs = e.args_kwargs()
     ref_peaks, ref_grads, ref_losses = _train(copy.deepcopy(e.model), args, kwargs, e.loss_fn, "inductor")
-    budget = int(0.95 * ref_peaks[-1])
+    budget = int(0.85 * ref_peaks[-1])
     b = compile_backend(budget)
     peaks, grads, losses = _train(copy.deepcopy(e.model), args, kwargs, e.loss_fn, b)
     st = b.stats()
@@ -179,9 +181,12 @@ def test_inductor_trains_the_gpt_within_a_budget_the_op_by_op_count_had_no_plan_
     assert region.recomputed > 0, st
     assert region.margin_bytes == int(0.02 * region.keep_all_peak_bytes), st     # no convolution
     assert all(p <= budget for p in peaks), (peaks, budget, str(st))
-    assert all(bit_equal(x, y) for x, y in zip(losses, ref_losses))
-    # Inductor recomputes inside its fused kernels, where sums may run in another order: to rounding
-    # (another dropout mask would differ by far more: 0.08 where PyTorch's own knapsack redraws them)
+    print("peaks", peaks, "budget", budget, "losses", [float(x) for x in losses], [float(x) for x in ref_losses])
+    # Inductor recomputes inside its fused kernels, where sums may run in another order, and the
+    # partition changes which forward kernels it fuses: losses and gradients to rounding (another
+    # dropout mask would differ by far more: 0.08 where PyTorch's own knapsack redraws them)
+    for x, y in zip(losses, ref_losses):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     for ga, gb in zip(grads, ref_grads):
         for x, y in zip(ga, gb):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)

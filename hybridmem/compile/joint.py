@@ -112,30 +112,111 @@ def _pointwise(n: fx.Node) -> bool:
             and torch.Tag.pointwise in n.target.tags and not _is_random(n))
 
 
+# Reductions Inductor lowers by reading their input's inner function: a pointwise input is computed in
+# the reduction's own loop, never stored
+_REDUCTIONS = (torch.ops.aten.sum, torch.ops.aten.amax, torch.ops.aten.amin, torch.ops.aten.mean)
+# Views Inductor indexes through: a pointwise value read through one of them is still inlined
+_VIEWS = (torch.ops.aten.view, torch.ops.aten._unsafe_view, torch.ops.aten.reshape)
+# Inductor inlines a pointwise value into each of several users unless it reads more than
+# ``realize_reads_threshold`` (4) buffers; fewer users than that here, to stay on the safe side
+MAX_INLINED_USERS = 3
+MAX_INLINED_READS = 4
+
+
+def _reduction(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _REDUCTIONS
+
+
+def _view(n: fx.Node) -> bool:
+    return (n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _VIEWS
+            and len(n.all_input_nodes) == 1)
+
+
+def _through_views(n: fx.Node, returned: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """``n``'s users with the views between them looked through: (the users, the views), or None when a
+    view between them is returned."""
+    users: list[fx.Node] = []
+    views: list[fx.Node] = []
+    todo = list(n.users)
+    while todo:
+        u = todo.pop(0)
+        if _view(u):
+            if u in returned:
+                return None
+            views.append(u)
+            todo.extend(u.users)
+        elif u not in users:
+            users.append(u)
+    return users, views
+
+
 def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node],
                   backward: bool = False) -> dict[fx.Node, list[fx.Node]]:
     """Pointwise chains a fusing compiler (Inductor) runs as one kernel: a pointwise node whose only user
     is a pointwise node of the same pass is fused into it (its value never materializes, and a recompute
     replays the chain). The forward's chains always; the backward's with ``backward`` (a region without
     convolutions: there Inductor fuses the backward's chains as well, while around convolutions the
-    backward's peak, where the budget binds, held more than the fused count). Returns each chain's last
-    node -> the nodes fused into it, in graph order."""
-    into: dict[fx.Node, fx.Node] = {}
+    backward's peak, where the budget binds, held more than the fused count).
+
+    In the backward (with ``backward``) a pointwise node is also inlined, as Inductor inlines it, into a
+    reduction that reads it (``sum``, ``amax``, ``amin``, ``mean``), into each of up to
+    :data:`MAX_INLINED_USERS` pointwise or reduction users (each computes it again: it reads at most
+    :data:`MAX_INLINED_READS` stored tensors), and through the views (``view``, ``reshape``) between
+    them. A user that is anything else (a matrix product, a library kernel, a view of another kind) makes
+    Inductor store the value, and so does being returned. The forward keeps the one-user rule: what its
+    inner values become is the partitioner's to decide (it may save one), and a saved value must be a
+    stage of the graph.
+
+    Returns each kernel's last node -> the nodes fused into it, in graph order; a node inlined into
+    several kernels is in each of their lists."""
+    into: dict[fx.Node, list[fx.Node]] = {}
+    reads: dict[fx.Node, set[fx.Node]] = {}     # an inlined node -> the stored values its kernel code reads
     for n in nodes:
-        if not _pointwise(n) or n in returned or len(n.users) != 1:
+        # a value made from no tensor (full, scalar_tensor, iota) or from such values only is a constant
+        # or an index expression in the kernel: nothing read
+        if n.op == "call_function" and all(a in reads and not reads[a] for a in n.all_input_nodes):
+            reads.setdefault(n, set())
+        if not _pointwise(n) or n in returned:
             continue
-        if n not in fw and not backward:
+        ins: set[fx.Node] = set()
+        for a in n.all_input_nodes:
+            ins |= reads.get(a, {a})
+        if n in fw:
+            if len(n.users) == 1:
+                (u,) = n.users
+                if _pointwise(u) and u in fw:
+                    into[n] = [u]
+                    reads[n] = ins
             continue
-        (u,) = n.users
-        if _pointwise(u) and (u in fw) == (n in fw):
-            into[n] = u
+        if not backward:
+            continue
+        seen = _through_views(n, returned)
+        if seen is None:
+            continue
+        users, views = seen
+        if not users or any(u in fw or not (_pointwise(u) or _reduction(u)) for u in users):
+            continue
+        if len(users) > 1 and (len(users) > MAX_INLINED_USERS or len(ins) > MAX_INLINED_READS):
+            continue
+        into[n] = users
+        reads[n] = ins
+        for v in views:
+            into[v] = [w for w in _through_views(v, returned)[0]]   # type: ignore[index]
+            reads[v] = ins
+
+    def roots(n: fx.Node) -> list[fx.Node]:
+        out: list[fx.Node] = []
+        for u in into[n]:
+            for r in (roots(u) if u in into else [u]):
+                if r not in out:
+                    out.append(r)
+        return out
+
     groups: dict[fx.Node, list[fx.Node]] = {}
     for n in nodes:                       # graph order: members before the node they fuse into
         if n in into:
-            last = into[n]
-            while last in into:
-                last = into[last]
-            groups.setdefault(last, []).append(n)
+            for r in roots(n):
+                groups.setdefault(r, []).append(n)
     return groups
 
 
