@@ -181,7 +181,6 @@ def test_inductor_trains_the_gpt_within_a_budget_the_op_by_op_count_had_no_plan_
     assert region.recomputed > 0, st
     assert region.margin_bytes == int(0.02 * region.keep_all_peak_bytes), st     # no convolution
     assert all(p <= budget for p in peaks), (peaks, budget, str(st))
-    print("peaks", peaks, "budget", budget, "losses", [float(x) for x in losses], [float(x) for x in ref_losses])
     # Inductor recomputes inside its fused kernels, where sums may run in another order, and the
     # partition changes which forward kernels it fuses: losses and gradients to rounding (another
     # dropout mask would differ by far more: 0.08 where PyTorch's own knapsack redraws them)
