@@ -179,7 +179,6 @@ def test_inductor_trains_the_gpt_within_a_budget_the_op_by_op_count_had_no_plan_
     peaks, grads, losses = _train(copy.deepcopy(e.model), args, kwargs, e.loss_fn, b)
     st = b.stats()
     (region,) = st.regions
-    print(st.report(top=40))
     assert region.recomputed > 0, st
     assert region.margin_bytes == int(0.02 * region.keep_all_peak_bytes), st     # no convolution
     assert all(p <= budget for p in peaks), (peaks, budget, str(st))
@@ -191,7 +190,6 @@ def test_inductor_trains_the_gpt_within_a_budget_the_op_by_op_count_had_no_plan_
     for ga, gb in zip(grads, ref_grads):
         for x, y in zip(ga, gb):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-    print("bit-identical gradients:", _same(grads, ref_grads), "peaks", peaks, "budget", budget)
 
 
 def test_compile_mode_settings() -> None:
