@@ -51,7 +51,7 @@ class NativeDevice:
         else:
             native.install()
             rt.meter.attach_native(native)
-            rt.store.count_external = rt.meter.count_external
+            rt.store.count_external = rt.meter.count_late
             native.set_budget(rt.budget)
         rt.meter.on_pressure = rt.residency.relieve_oom
         rt.meter.on_exhausted = rt.residency.out_of_memory

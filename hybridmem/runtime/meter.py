@@ -225,21 +225,42 @@ class Meter:
         self._current += nb
         return nb
 
-    def count_external(self, st: torch.UntypedStorage) -> None:
+    def count_external(self, st: torch.UntypedStorage) -> int:
         """With the native device: count a storage of the training state (module state, a saved input)
-        that was allocated before the device was installed, while it lives. Other storages an op merely
-        reads (a model that is only copied) are not counted, as ``enable(budget=None)`` does not."""
+        that was allocated before the device was installed, while it lives; returns the bytes newly
+        counted. Other storages an op merely reads (a model that is only copied) are not counted, as
+        ``enable(budget=None)`` does not. Under a budget, room is made first (``on_pressure``): the bytes
+        are held already, so counting them must not take the count past the cap."""
         native = self.native
         k = id(st)
         if native is None or k in self._external:
-            return
+            return 0
         nb = st.nbytes()
         if not nb or not (ptr := _data_ptr(st)) or native.serial_of(ptr) >= 0:
-            return  # allocated through the device: counted already
+            return 0  # allocated through the device: counted already
+        budget = native.budget
+        if budget is not None and self.current_bytes + nb > budget and self.on_pressure is not None \
+                and not self._relieving:
+            self._relieving = True  # eviction runs ops: do not recurse into the listener
+            try:
+                self.on_pressure(nb)  # where nothing frees enough, the next allocation raises the OOM
+            finally:
+                self._relieving = False
         if k not in self._live:
             self._add(st)  # the weak reference whose callback un-counts it
         self._external[k] = nb
         native.add_external(nb)
+        return nb
+
+    def count_late(self, st: torch.UntypedStorage) -> int:
+        """``count_external`` for a storage first met mid-step (saved by an op): returns by how much the
+        count's peak so far may have read low against the budget (it held these bytes all along), else 0."""
+        native = self.native
+        if native is None:
+            return 0
+        peak, budget = native.peak_bytes, native.budget
+        nb = self.count_external(st)
+        return max(0, peak + nb - budget) if nb and budget is not None else 0
 
     def _freed(self, ref: StorageRef) -> None:
         # Weak-reference callback: the storage is being deallocated. Check identity: the id may

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..graph.units import fmt_bytes
 from .entry import Entry, new_entry
 
 from .distributed import is_parameter_view, is_traceable_wrapper_subclass
@@ -113,8 +114,9 @@ class SavedStore:
         self.registered: dict[int, Entry] = {}
         self.registrations = 0  # entries ever registered (the steady state asks whether a step came near)
         self.pending: dict[int, Entry] = {}  # entries made since the last register_pending()
-        # the native device counts a saved storage from before it was installed (the first batch)
-        self.count_external: Callable[[torch.UntypedStorage], None] | None = None
+        # the native device counts a saved storage from before it was installed (the first batch), and
+        # returns by how much its count may have read low until then (Meter.count_late)
+        self.count_external: Callable[[torch.UntypedStorage], int] | None = None
 
     # ---- hooks -------------------------------------------------------------------------------
     def pack(self, t: Tensor) -> Any:
@@ -126,8 +128,8 @@ class SavedStore:
             return self._keep(t)
         slot = self.produced.get(st)
         if slot is None:
-            if self.count_external is not None:
-                self.count_external(st)
+            if self.count_external is not None and (late := self.count_external(st)):
+                self._counted_late(late)
             return self._keep(t)
         return self.pack_slot(t, st, slot, True)
 
@@ -215,6 +217,16 @@ class SavedStore:
         if t.grad_fn is not None:
             t = t.detach()
         return Kept(t, t._version)
+
+    def _counted_late(self, over: int) -> None:
+        # A storage from before the device was installed that no step input or module state reached (a
+        # loss target held by the loss function) is counted from its first save on: the count's peak
+        # before it may have been ``over`` bytes short of the real bytes against the budget.
+        # (autograd saves an op's inputs before the op runs: the op named is the one before the saver)
+        after = f" after {self.last_op}" if self.last_op else ""
+        self.stats.note(f"state allocated before hybridmem was enabled was first counted mid-step, saved by "
+                        f"an op{after}: the step's count until then may have read up to {fmt_bytes(over)} low "
+                        f"against the budget; create such tensors after enable(), or pass them to the model")
 
     def _keep(self, t: Tensor) -> Kept:
         if t.grad_fn is not None:
