@@ -8,6 +8,7 @@ is kept with it so that the entry point need not replay it again.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -18,7 +19,7 @@ from hybridmem.graph.simulate import min_feasible_budget, simulate
 from hybridmem.graph.units import fmt_bytes
 
 from . import lp as lp_relaxation
-from . import milp, relax
+from . import coarsen, milp, relax
 from ._common import Problem, build_problem, make_plan, memory_floor, planning_problem, schedule_to_actions
 from .baselines import NO_BUDGET, chen_plan, dtr_plan, numpy_victims, vdnn_plan
 from .bound import lower_bound
@@ -423,6 +424,15 @@ def _solve_problem(p: Problem, solver: str, time_limit: float | None, verbose: b
 START_SHARE = 0.4          # of the MILP's time limit, at most, for making starts that satisfy its rows
 
 
+def _finer(p: Problem, options: dict[str, Any]) -> Problem:
+    """``p``'s graph coarsened to twice ``p``'s stages (the graph itself past half of its stages)."""
+    g, min_bytes = p.graph, options.get("min_bytes")
+    if 2 * p.T >= g.num_stages:
+        return build_problem(g, p.budget, p.model, min_bytes=min_bytes)
+    return build_problem(g, p.budget, p.model, groups=coarsen.coarsen_groups(g, 2 * p.T), bundle=True,
+                         min_bytes=min_bytes)
+
+
 def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float | None, verbose: bool,
                 options: dict[str, Any], seed_actions: list | None = None,
                 more_starts: list | None = None) -> Plan | None:
@@ -435,17 +445,43 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
     # returned if CBC ends with none of its own)
     tries = [a for a in (schedule_to_actions(p, start) if start is not None else None, seed_actions,
                          *(more_starts or ())) if a is not None]
+    refined = ""
     if tries and milp.default_link(p, compact) == "stage":
         # the rounding queues copies FIFO, which the stage link rows refuse: starts CBC keeps
         end = t0 + min(3 * STAGE_START_S, START_SHARE * limit)
 
-        def starts():
+        def starts(q: Problem, stop: float):
             for i, actions in enumerate(tries):
                 # the first two get a few tenths of a second at least, even once the others have taken theirs
-                left = max((end - time.perf_counter()) / (len(tries) - i), min(0.5, 0.05 * limit) if i < 2 else 0.0)
-                yield relax.stage_link_start(p, actions, compact, time_budget=left) if left > 0.05 else None
-            yield start                       # none satisfies the rows: the rounded schedule as it is
-        candidates: Any = starts()
+                left = max((stop - time.perf_counter()) / (len(tries) - i), min(0.5, 0.05 * limit) if i < 2 else 0.0)
+                yield relax.stage_link_start(q, actions, compact, time_budget=left) if left > 0.05 else None
+        made = starts(p, end)
+        first = next((s_ for s_ in made if s_ is not None), None)
+        coarse = p
+        while first is None and p.T < p.graph.num_stages:
+            # No start satisfies the coarse model's rows: its stages hold whole runs of the graph's and its
+            # candidates are bundles, so at low budgets it can refuse every plan the graph admits. A
+            # finer coarsening is less conservative; the MILP is posed there once a start fits it.
+            left = t0 + START_SHARE * limit - time.perf_counter()
+            if left < 0.2:
+                break
+            p = _finer(p, options)
+            compact = options.get("compact", relax.is_large(p))
+            made = starts(p, time.perf_counter() + left)
+            first = next((s_ for s_ in made if s_ is not None), None)
+        if p is not coarse:
+            if first is None:
+                # none fits any: the MILP searches on the coarse problem, the smallest model
+                refined = (f"no start satisfies the MILP's rows on {coarse.T} to {p.T} stages: it searches on "
+                           f"{coarse.T} without one")
+                p, made = coarse, iter(())
+                compact = options.get("compact", relax.is_large(p))
+            else:
+                refined = (f"no start satisfies the MILP's rows on {coarse.T} stages: the MILP is posed on "
+                           f"{p.T} stages, where one does")
+                start = None                  # the rounded schedule is one of the coarse problem's
+        candidates: Any = itertools.chain([] if first is None else [first], made,
+                                          [] if start is None else [start])
     elif tries and start is None and p.T == p.graph.num_stages:
         candidates = [schedule_of_actions(p, tries[0])]   # an uncoarsened problem: the plan is a schedule of it
     else:
@@ -454,6 +490,9 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
                              isolate=options.get("isolate", True), solver=options.get("solver_backend", "cbc"),
                              verbose=verbose, compact=compact)
     info = milp.result_info(p, res, milp_s=round(time.perf_counter() - t0, 4), compact=relax.is_large(p))
+    if refined:
+        info["milp_stages"] = p.T
+        info["milp_refined"] = refined
     if res.bound is not None:
         info["mip_gap"] = (res.objective - res.bound) / (p.compute_s + res.objective) if res.objective is not None else None
     if approx is not None:

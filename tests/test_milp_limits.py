@@ -291,3 +291,22 @@ def test_unet_on_v100_at_its_lowest_sweep_budget_gets_a_milp_solution() -> None:
     assert "breaks" in (row["warm_start"] or ""), row     # the case this is about: no start CBC keeps
     assert has_solution(row["status"]), row
     assert row["valid"], row
+
+
+def test_where_no_start_satisfies_the_coarse_rows_the_milp_is_posed_on_finer_stages() -> None:
+    """A coarse problem's stages hold runs of the graph's and its candidates are bundles, so at low budgets
+    its link rows refuse every start made from the graph's plans; the MILP is then posed on twice the stages
+    (again, up to the graph itself) where a start satisfies them, and returns a solution. The Transformer
+    (zoo `small`, 291 stages) coarsened to 50 stages at 45 % of its peak: no start fits 50, one fits 100."""
+    from bench.runner import capture_graph
+    from hybridmem.graph.costs import apply_costs, get_cost_model
+
+    g = apply_costs(capture_graph("transformer", "small"), get_cost_model(DEVICE))
+    budget = int(0.45 * g.peak_bytes())
+    p = plan(g, budget, device=DEVICE, solver="milp", time_limit=10, target=50)
+    assert p.info["milp_stages"] == 100, dict(p.info)
+    assert p.info["milp_refined"].startswith("no start satisfies the MILP's rows on 50 stages"), dict(p.info)
+    assert p.info["warm_start"] == milp.START_SATISFIES
+    assert p.info["status"].startswith(("optimal", "feasible")), dict(p.info)
+    res = simulate(g, p, device=DEVICE, budget=budget, strict=False)
+    assert not res.violations and res.peak_bytes <= budget

@@ -95,6 +95,8 @@ class PlanInfo(MutableMapping):
     milp_constraints: int | None = None
     milp_s: float | None = None
     compact: bool | None = None                 # the compact (coarse) model was solved
+    milp_stages: int | None = None              # stages the MILP was posed on, where not the planning problem's
+    milp_refined: str | None = None             # why: no start satisfied the planning problem's rows
     warm_start: str | None = None               # whether the warm start satisfies the model's rows
     objective_s: float | None = None
     bound_s: float | None = None
