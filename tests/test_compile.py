@@ -146,6 +146,52 @@ def test_inductor_trains_a_network_the_zoo_does_not_build_within_the_budget() ->
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+class _TokenMLP(nn.Module):
+    """A token-MLP language model whose forward returns the logits and the loss (a log-softmax over the
+    vocabulary inside the compiled graph, which PyTorch's partition recomputes from the logits)."""
+
+    def __init__(self, vocab: int = 1024, dim: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(),
+                                                  nn.Linear(4 * dim, dim)) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = x + b(x)
+        logits = self.head(x)
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_inductor_counts_the_partition_pytorch_makes() -> None:
+    """The count follows the partition that runs: what PyTorch's partition recomputes in the backward on
+    its own (the log-softmax, from the logits) is not held from the forward, the tangents die at their
+    last read, and a plan is judged by the partition its tags get. Keep-all: the count was 30 % above the
+    unmanaged step's real peak and no plan fitted 90 % of it (CPU, 2026-12-02); now the count is that peak
+    within 1 %, and at 88 % of it the step trains within the budget, as predicted within 5 %."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _TokenMLP()
+        args = (torch.randint(0, 1024, (8, 32)), torch.randint(0, 1024, (8, 32)))
+    loss_fn: Callable[[Any], torch.Tensor] = lambda out: out[1]
+    ref_peaks, ref_grads, _ = _train(copy.deepcopy(model), args, {}, loss_fn, "inductor")
+    roomy = compile_backend(2 * ref_peaks[-1])
+    _train(copy.deepcopy(model), args, {}, loss_fn, roomy, steps=1)
+    assert abs(roomy.stats().regions[0].keep_all_peak_bytes / ref_peaks[-1] - 1) < 0.01, (ref_peaks, roomy.stats())
+    budget = int(0.88 * ref_peaks[-1])
+    b = compile_backend(budget)
+    peaks, grads, _ = _train(copy.deepcopy(model), args, {}, loss_fn, b)
+    (region,) = b.stats().regions
+    assert region.recomputed > 0, b.stats()
+    assert all(p <= budget for p in peaks), (peaks, budget, str(b.stats()))
+    assert abs(region.predicted_peak_bytes / peaks[-1] - 1) < 0.05, (peaks, str(b.stats()))
+    for ga, gb in zip(grads, ref_grads):
+        for x, y in zip(ga, gb):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
 def _least_budget(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, budget: int = 1,
                   **options: Any) -> BudgetInfeasibleError:
     """The error a budget no plan fits raises (1 byte by default): it names the least budget with every

@@ -34,10 +34,12 @@ from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import DeviceModel, get_cost_model
 from ..graph.units import fmt_bytes, parse_bytes
 from ..runtime.core import cost_model_for, resolve_device
+from .defaults import saved_by_default
 from .joint import has_convolution, joint_graph
 from .measured import StepPeak
 from .runs import InFlight
 from .partition import Decisions, apply_plan, decisions
+from .realized import realized_peak
 from .scratch import measure_scratch
 
 __all__ = ["CompileBackend", "CompileStats", "RegionStats", "compile_backend", "POLICIES", "COMPILERS"]
@@ -55,6 +57,9 @@ INDUCTOR_MARGIN = 0.08
 # unmanaged peak the real peak was 1.27 MiB (4.0 % of the keep-all peak) below the predicted one (CPU,
 # 2026-12-01). A smaller share is left free there.
 INDUCTOR_MARGIN_NO_CONV = 0.02
+# plans judged by the partition they get (realized_peak), beyond the first, bisecting for the highest
+# budget that fits: each costs a plan and a partition of a copy of the joint graph (GPT small: 1.1 s)
+REALIZED_PROBES = 4
 
 
 @dataclass
@@ -82,6 +87,7 @@ class RegionStats:
     plan_from: str = ""
     plan_s: float = 0.0               # seconds spent turning the graph into a plan and tags, of which:
     scratch_s: float = 0.0            # ... measuring the library ops' scratch
+    probe_s: float = 0.0              # ... partitioning once with no plan (what PyTorch saves on its own)
     solve_s: float = 0.0              # ... in the solver
     note: str = ""
     # one record per evicted tensor: the node that makes it, its op, bytes and policy, largest first
@@ -120,7 +126,8 @@ class CompileStats:
         lines = [f"hybridmem compiled on {self.device}: budget {fmt_bytes(self.budget_bytes)}, "
                  f"{len(self.regions)} region(s), planning {self.plan_seconds:.2f} s"
                  + (f" (solver {sum(r.solve_s for r in self.regions):.2f} s, scratch "
-                    f"{sum(r.scratch_s for r in self.regions):.2f} s)" if self.regions else "")
+                    f"{sum(r.scratch_s for r in self.regions):.2f} s, default partition "
+                    f"{sum(r.probe_s for r in self.regions):.2f} s)" if self.regions else "")
                  + (f", optimizer state {fmt_bytes(self.outside_bytes)}" if self.outside_bytes else "")]
         if self.measured_peak_bytes is not None:
             lines.append(f"  measured peak {fmt_bytes(self.measured_peak_bytes)} ({self.measured}), "
@@ -178,7 +185,7 @@ class _Partitioner:
         from torch._functorch import config as fconfig
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        offload = self.backend._prepare(gm, kwargs)
+        offload = self.backend._prepare(gm, joint_inputs, kwargs)
         patch = fconfig.patch(enable_activation_offloading=True, activation_offload_separate_stream=True,
                               activation_offload_sink_wait=True, activation_reload_prefetch=True) \
             if offload else contextlib.nullcontext()
@@ -320,6 +327,43 @@ class CompileBackend:
         return list(self._regions.values())
 
     # ---- planning ----------------------------------------------------------------------------
+    def _plan_realized(self, g: Any, share: int, model: Any, judge: Any) -> tuple[Any, int]:
+        """A plan whose peak as PyTorch's partition runs it (``judge``: :func:`~hybridmem.compile.realized.
+        realized_peak`) fits ``share``. The partition recomputes some of what a plan keeps, so the plan at
+        ``share`` peaks lower than it counts: planning for a higher budget then fits as well, and
+        recomputes less. The plan at ``share`` (or, where the count has none, at the least budget it has
+        one for) is judged, then a bisection above it (:data:`REALIZED_PROBES` plans) keeps the highest
+        budget whose plan fits. On failure the error names the least peak of the plans judged."""
+        from .. import solvers
+
+        def judged(b: int | str) -> tuple[Any, int] | None:
+            try:
+                p = solvers.plan(g, b, device=model, solver=self.solver, time_limit=self.time_limit)
+            except BudgetInfeasibleError:
+                return None
+            real = judge(p)
+            return p, int(p.predicted_peak_bytes) if real is None else real
+
+        first = judged(share)
+        if first is None or first[1] > share:
+            first = judged("min")          # the count has no plan at the share: its least plan may fit
+            if first is None:
+                raise BudgetInfeasibleError("no plan", None)
+        if first[1] > share:
+            raise BudgetInfeasibleError("no plan fits as the partition runs it", first[1])
+        best = first
+        lo, hi = int(first[0].budget_bytes) + 1, g.peak_bytes()
+        for _ in range(REALIZED_PROBES):
+            if lo > hi:
+                break
+            b = (lo + hi) // 2
+            got = judged(b)
+            if got is not None and got[1] <= share:
+                best, lo = got, b + 1
+            else:
+                hi = b - 1
+        return best
+
     def _plan_runs(self, g: Any, share: int, others: int, grads: int, model: Any) -> tuple[Any, int]:
         """A plan, and its peak with ``others`` more runs in flight beside it, that fits ``share``: each other
         run holds what the plan keeps for the backward beyond the ``grads`` bytes already set aside for it.
@@ -376,7 +420,7 @@ class CompileBackend:
             return parse_bytes(self.budget, what="budget", total=total)
         return self._budget_b
 
-    def _prepare(self, gm: fx.GraphModule, kwargs: dict[str, Any]) -> bool:
+    def _prepare(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> bool:
         """Plan the joint graph ``gm`` and tag it; return whether any tensor is offloaded."""
         from torch._functorch import config as fconfig
         from torch._functorch.compile_utils import fx_graph_cse
@@ -399,11 +443,15 @@ class CompileBackend:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         out = next(n for n in gm.graph.nodes if n.op == "output")
         conv = has_convolution(gm.graph.nodes)
+        fuse = self.compiler == "inductor"
+        t_probe = time.perf_counter()
+        saved = saved_by_default(gm, joint_inputs, kwargs) if fuse else None
+        t_probe = time.perf_counter() - t_probe
         jg = joint_graph(gm, [n for n in gm.graph.nodes if info.is_required_fw(n)],
                          [p for i, p in enumerate(placeholders) if i in static_idx],
                          [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
-                         name=f"region {len(self._regions) + 1}", fuse=self.compiler == "inductor",
-                         fuse_backward=self.compiler == "inductor" and not conv)
+                         name=f"region {len(self._regions) + 1}", fuse=fuse,
+                         fuse_backward=fuse and not conv, saved=saved)
         t_scratch = time.perf_counter()
         if self.scratch:
             jg.graph.meta["workspace"] = measure_scratch(jg, dev)
@@ -440,11 +488,20 @@ class CompileBackend:
                              predicted_peak_bytes=peak, saved_bytes=g.saved_bytes(),
                              note="the share holds the keep-all peak: PyTorch's own partition")
         else:
+            judge = None
+            if saved is not None and not others:
+                def judge(p: Any) -> int | None:
+                    return realized_peak(gm, joint_inputs, kwargs, jg, p, decisions(p), model)
             try:
-                p, predicted = self._plan_runs(g, share - margin, others, grads, model)
+                if judge is not None:
+                    p, predicted = self._plan_realized(g, share - margin, model, judge)
+                else:
+                    p, predicted = self._plan_runs(g, share - margin, others, grads, model)
             except BudgetInfeasibleError as e:
                 # the least budget this solver finds a plan for (bisection), so the error names it
-                if others:  # the least total any of the plans tried needed, beside the other runs
+                if judge is not None and e.minimum_bytes is not None:
+                    least_need = int(e.minimum_bytes)    # the least peak of a plan as partitioned
+                elif others:  # the least total any of the plans tried needed, beside the other runs
                     least_need = int(e.minimum_bytes if e.minimum_bytes is not None else g.peak_bytes())
                 else:
                     least_need = int(solvers.plan(g, "min", device=model, solver=self.solver,
@@ -485,6 +542,7 @@ class CompileBackend:
         st.runs_planned = self.calls_per_step
         st.plan_s = time.perf_counter() - t0
         st.scratch_s = t_scratch
+        st.probe_s = t_probe
         st.solve_s = solve_s
         self._regions[key] = st
         return bool(d.swap)

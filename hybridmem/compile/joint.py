@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..graph.flops import op_flops
 from ..graph.ir import Graph, Stage, TensorInfo
 
-__all__ = ["JointGraph", "joint_graph", "node_nbytes"]
+__all__ = ["JointGraph", "fusible", "joint_graph", "node_nbytes"]
 
 
 @dataclass
@@ -40,6 +40,8 @@ class JointGraph:
     stage_node: list[fx.Node] = field(default_factory=list)           # stage index -> its node
     tensor_nodes: dict[int, list[fx.Node]] = field(default_factory=dict)  # tensor id -> nodes naming it
     fused: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)  # stage node -> pointwise nodes fused into it
+    # forward nodes the backward recomputes under PyTorch's own partition (see hybridmem.compile.defaults)
+    recomputed: set[fx.Node] = field(default_factory=set)
 
     def forward_nodes_of(self, tensor_id: int) -> list[fx.Node]:
         """The nodes a decision on ``tensor_id`` tags: its producer, the pointwise nodes fused into it
@@ -121,6 +123,17 @@ _VIEWS = (torch.ops.aten.view, torch.ops.aten._unsafe_view, torch.ops.aten.resha
 # ``realize_reads_threshold`` (4) buffers; fewer users than that here, to stay on the safe side
 MAX_INLINED_USERS = 3
 MAX_INLINED_READS = 4
+
+
+# Ops Inductor computes inside the kernel that reads them: pointwise ops and the layout ops it indexes through
+_LAYOUT = (torch.ops.aten.clone, torch.ops.aten.permute, torch.ops.aten.expand, torch.ops.aten.transpose,
+           torch.ops.aten.t, torch.ops.aten.squeeze, torch.ops.aten.unsqueeze, torch.ops.aten.slice,
+           torch.ops.aten.select, *_VIEWS)
+
+
+def fusible(n: fx.Node) -> bool:
+    """Whether a recompute of ``n`` in the backward runs inside its reader's kernel (never stored)."""
+    return _pointwise(n) or (n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _LAYOUT)
 
 
 def _reduction(n: fx.Node) -> bool:
@@ -220,6 +233,30 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
     return groups
 
 
+def recomputed_reads(nodes: list[fx.Node], fw: set[fx.Node], saved: set[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """Forward nodes the backward reads that ``saved`` (what PyTorch's partition saves) leaves out -> the
+    saved values and inputs they are recomputed from in the backward (through the other such nodes)."""
+    sources: dict[fx.Node, list[fx.Node]] = {}
+
+    def of(n: fx.Node) -> list[fx.Node]:
+        got = sources.get(n)
+        if got is None:
+            got = sources[n] = []
+            for a in n.all_input_nodes:
+                for x in ([a] if a in saved or a.op != "call_function" or a not in fw else of(a)):
+                    if x not in got:
+                        got.append(x)
+        return got
+
+    for n in nodes:
+        if n in fw or n.op != "call_function":
+            continue
+        for a in n.all_input_nodes:
+            if a in fw and a not in saved and a.op == "call_function":
+                of(a)
+    return sources
+
+
 def has_convolution(nodes: Iterable[fx.Node]) -> bool:
     """Whether a joint graph runs a convolution (forward or backward)."""
     return any(n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _CONVOLUTIONS
@@ -238,7 +275,7 @@ def is_tangent(n: fx.Node) -> bool:
 
 def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: Iterable[fx.Node],
                 fwd_outputs: Iterable[fx.Node], cost_model: Any = None, name: str = "",
-                fuse: bool = False, fuse_backward: bool = False) -> JointGraph:
+                fuse: bool = False, fuse_backward: bool = False, saved: set[fx.Node] | None = None) -> JointGraph:
     """The hybridmem Graph of joint graph ``gm``.
 
     ``forward``: the nodes the forward computes (``classify_nodes``' required forward nodes);
@@ -246,10 +283,14 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     forward returns to the user (not evictable). ``cost_model``: a hybridmem cost model for stage costs
     (None: costs stay 0). ``fuse``: one stage per forward pointwise chain (:func:`fusion_groups`), as a
     fusing compiler runs it: its inner values take no memory, and recomputing its output replays the
-    chain; ``fuse_backward``: the backward's chains too.
+    chain; ``fuse_backward``: the backward's chains too. ``saved``: the forward values PyTorch's own
+    partition saves (:func:`hybridmem.compile.defaults.saved_by_default`; with ``fuse``): a forward value
+    it leaves out is recomputed in the backward, inside the kernel that reads it, so the backward's stages
+    read what it is recomputed from (:func:`recomputed_reads`), and a saved value is never fused away.
 
     Tangents (the gradients of the forward's outputs, which the backward receives) exist from the
-    backward's first stage on: the autograd engine makes them once the forward has returned.
+    backward's first stage on (the autograd engine makes them once the forward has returned) until their
+    last read (the compiled backward owns them).
     """
     fw = set(forward)
     static = set(static_inputs)
@@ -257,7 +298,9 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     nodes = list(gm.graph.nodes)
     out_node = next(n for n in nodes if n.op == "output")
     returned = {a for a in out_node.all_input_nodes}
-    groups = fusion_groups(nodes, fw, returned, backward=fuse_backward) if fuse else {}
+    stored = returned | saved if fuse and saved is not None else returned
+    groups = fusion_groups(nodes, fw, stored, backward=fuse_backward) if fuse else {}
+    redirect = recomputed_reads(nodes, fw, saved) if fuse and saved is not None else {}
     inner = {m for ms in groups.values() for m in ms}
     order = [n for n in nodes if n.op == "call_function" and n in fw] + \
             [n for n in nodes if n.op == "call_function" and n not in fw]
@@ -266,7 +309,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     tensors: list[TensorInfo] = []
     by_storage: dict[Any, int] = {}
     node_tensor: dict[fx.Node, list[int]] = {}
-    jg = JointGraph(graph=None, fused=groups)  # type: ignore[arg-type]
+    jg = JointGraph(graph=None, fused=groups, recomputed=set(redirect))  # type: ignore[arg-type]
 
     def tensor_of(val: torch.Tensor, node: fx.Node, producer: int, kind: str, op: fx.Node | None = None) -> int:
         key = _storage_key(val)
@@ -286,6 +329,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
             node_tensor[n] = [tensor_of(v, n, -1, "param" if n in static else "input") for v in _vals(n.meta.get("val"))]
 
     tangents = [n for n in nodes if is_tangent(n) and node_tensor.get(n)]
+    tangent_ids = {tid for t in tangents for tid in node_tensor[t]}
     stages: list[Stage] = []
     for n in order:
         phase = "forward" if n in fw else "backward"
@@ -304,9 +348,10 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
         ins: list[int] = []
         for m in members:
             for a in m.all_input_nodes:
-                for tid in node_tensor.get(a, ()):      # a fused member has no tensor: skipped
-                    if tid not in ins:
-                        ins.append(tid)
+                for r in (redirect.get(a, (a,)) if phase == "backward" else (a,)):
+                    for tid in node_tensor.get(r, ()):      # a fused member has no tensor: skipped
+                        if tid not in ins:
+                            ins.append(tid)
         outs: list[int] = []
         vals = _vals(n.meta.get("val"))
         getitems = [u for u in n.users if u.target is operator.getitem]
@@ -349,6 +394,10 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
             t.freed_after = max([t.producer, *t.consumers])
             t.saved = stages[t.producer].phase == "forward" and any(
                 stages[c].phase == "backward" for c in t.consumers)
+        elif t.id in tangent_ids and t.kind == "input":
+            # the compiled backward owns its tangents (it clears its argument list): each is freed after
+            # its last read, as the backward's saved tensors are
+            t.freed_after = max([t.producer, *t.consumers])
     g = Graph(stages=stages, tensors=tensors, meta={"source": "aot-joint", "model": name, "writes_recorded": True})
     if cost_model is not None:
         times = cost_model.op_times(g)

@@ -1,0 +1,36 @@
+"""What PyTorch's partitioner does with a joint graph left untagged: the forward values it saves.
+
+``min_cut_rematerialization_partition`` saves a min-cut of the forward values the backward needs and
+recomputes the rest in the backward, where Inductor fuses those recomputes (pointwise ops and views:
+reductions and compute-intensive ops are banned from recompute by default) into the backward's kernels,
+so they are never stored. A count that keeps every forward value the backward reads holds them from
+the forward to the backward: on a GPT's loss, the log-softmax the backward recomputes from the logits
+(4 MiB of a 27 MiB step). The backend partitions a copy of the joint graph once, untagged, to learn
+which forward values the backward really reads (:func:`saved_by_default`); the hybridmem Graph then reads
+those in place of the values recomputed from them (:func:`hybridmem.compile.joint.joint_graph`), and a plan
+pins the recomputes with ``MUST_RECOMPUTE`` so that its tags do not change them.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import fx
+
+__all__ = ["saved_by_default"]
+
+
+def saved_by_default(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> set[fx.Node] | None:
+    """The nodes of ``gm``'s forward whose values PyTorch's own partition of ``gm`` (with no plan) saves for
+    the backward; None if that partition fails (the count then keeps every value the backward reads).
+    ``joint_inputs``, ``kwargs``: what AOTAutograd passes to the partition function."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    try:
+        # the user's own checkpoint tags (torch.utils.checkpoint in the compiled code) stay: the real
+        # partition honours them too
+        _, bw = min_cut_rematerialization_partition(copy.deepcopy(gm), joint_inputs, **kwargs)
+    except Exception:   # a partition that fails here fails again, with its own error, when it is run for real
+        return None
+    names = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
+    return {n for n in gm.graph.nodes if n.name in names}
