@@ -1,14 +1,14 @@
 """Does the MILP return a solution at every budget of a sweep? ``plan(g, b, solver="milp", time_limit=...)``
 at fixed budgets, with what the MILP returned at each.
 
-    python -m bench.milp_sweep                                  # the 57 budgets below, time_limit=10
+    python -m bench.milp_sweep                                  # the 73 budgets below, time_limit=10
     python -m bench.milp_sweep --units unet:h100-80gb --time-limit 30 -o out.jsonl
     python -m bench.milp_sweep --solver-backend highs           # HiGHS instead of CBC
 
 The budgets are those of a simulated bench sweep (``python -m bench.runner --no-measured --methods
 hybridmem-milp``: from the lowest budget a probe planner meets to the keep-all peak, the peak itself left
-out) for UNet, MobileNet, ResNet-50, ResNet-152 and the Transformer (paper size) on h100-80gb and
-v100-16gb and ResNet-101 on h100-80gb; MobileNet and the Transformer on v100 stop at the device's 16 GiB. Each budget's line (JSON) says the MILP's
+out) for the seven paper models (VGG16, ResNet-50/101/152, MobileNet, UNet, the Transformer; paper size) on
+h100-80gb and v100-16gb, 73 budgets; MobileNet, VGG16 and the Transformer on v100 stop at the device's 16 GiB. Each budget's line (JSON) says the MILP's
 ``status`` (``optimal`` / ``feasible``: CBC's solution; ``feasible (the warm start)``: the start it was
 given, which satisfies every row, CBC having ended with nothing of its own; anything else: no MILP
 solution), whether the start satisfied the model, the plan returned (the MILP's, or the approx plan where
@@ -35,8 +35,11 @@ BUDGETS: dict[tuple[str, str], tuple[int, list[int]]] = {
     ("resnet50", "v100-16gb"): (5659914224, [1915966277, 2664755866, 3413545455, 4162335045, 4911124634]),
     ("resnet101", "h100-80gb"): (12441420424, [3545586981, 5324753669, 7103920358, 8883087046, 10662253735]),
 }
-# the same sweep's budgets of the Transformer and ResNet-152, as its tables give them (GiB, 2 decimals)
+# the same sweep's other budgets, as its tables give them (GiB, 2 decimals)
 _GIB = {
+    ("vgg16", "h100-80gb"): (19932863560, [10.49, 12.10, 13.72, 15.33, 16.95]),
+    ("vgg16", "v100-16gb"): (19932863560, [10.49, 11.59, 12.69, 13.80, 14.90, 16.00]),
+    ("resnet101", "v100-16gb"): (12441420424, [3.70, 5.28, 6.86, 8.43, 10.01]),
     ("transformer", "h100-80gb"): (30051342360, [13.13, 16.10, 19.07, 22.04, 25.02]),
     ("transformer", "v100-16gb"): (30051342360, [13.13, 13.70, 14.28, 14.85, 15.43, 16.00]),
     ("resnet152", "h100-80gb"): (11656590112, [3.50, 4.97, 6.44, 7.92, 9.39]),
@@ -67,6 +70,7 @@ def run_budget(graph: Any, device: str, budget: int, time_limit: float, backend:
         row.update(status=p.info.get("status"), warm_start=p.info.get("warm_start"),
                    plan_from=p.info.get("plan_from"), fallback=p.info.get("fallback"),
                    notes=p.info.get("notes"), milp_s=p.info.get("milp_s"),
+                   milp_stages=p.info.get("milp_stages"), milp_refined=p.info.get("milp_refined"),
                    overhead=round(float(p.info.get("overhead", 0.0)), 4),
                    valid=not res.violations and res.peak_bytes <= budget)
     row["has_milp_solution"] = has_solution(row.get("status"))
@@ -104,7 +108,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.milp_sweep", description=__doc__.split("\n")[0])
     ap.add_argument("--time-limit", type=float, default=10.0, help="the MILP's time limit per budget (s)")
-    ap.add_argument("--units", help="comma-separated model:device pairs (default: all eleven)")
+    ap.add_argument("--units", help="comma-separated model:device pairs (default: all fourteen)")
     ap.add_argument("--solver-backend", default="cbc", choices=("cbc", "highs"),
                     help="the MILP solver: CBC (python-mip's own) or HiGHS (pip install 'hybridmem[highs]')")
     ap.add_argument("-o", "--output", help="also write each budget's JSON line to this file")

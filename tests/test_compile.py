@@ -166,11 +166,12 @@ class _TokenMLP(nn.Module):
 
 
 def test_inductor_counts_the_partition_pytorch_makes() -> None:
-    """The count follows the partition that runs: what PyTorch's partition recomputes in the backward on
-    its own (the log-softmax, from the logits) is not held from the forward, the tangents die at their
-    last read, and a plan is judged by the partition its tags get. Keep-all: the count was 30 % above the
-    unmanaged step's real peak and no plan fitted 90 % of it (CPU, 2026-12-02); now the count is that peak
-    within 1 %, and at 88 % of it the step trains within the budget, as predicted within 5 %."""
+    """Where the op-by-op count has no plan, the partition that runs is counted: what PyTorch's partition
+    recomputes in the backward on its own (the log-softmax, from the logits) is not held from the
+    forward, and a plan is judged by the partition its tags get. The op-by-op count's keep-all peak is
+    30 % above the unmanaged step's real peak and has no plan at 90 % of it (CPU, 2026-12-02); the
+    partition's count is that peak within 1 % (the budget that holds it gets PyTorch's own partition), and
+    at 88 % of it the step trains within the budget, as predicted within 5 %."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = _TokenMLP()

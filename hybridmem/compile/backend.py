@@ -60,6 +60,8 @@ INDUCTOR_MARGIN_NO_CONV = 0.02
 # plans judged by the partition they get (realized_peak), beyond the first, bisecting for the highest
 # budget that fits: each costs a plan and a partition of a copy of the joint graph (GPT small: 1.1 s)
 REALIZED_PROBES = 4
+REALIZED_HEADROOM = 0.02    # ... only where the first plan's judged peak leaves this share of the budget free
+REALIZED_TIME_SHARE = 2.0   # ... and for at most twice the time the first plan and its judgement took
 
 
 @dataclass
@@ -328,38 +330,46 @@ class CompileBackend:
 
     # ---- planning ----------------------------------------------------------------------------
     def _plan_realized(self, g: Any, share: int, model: Any, judge: Any) -> tuple[Any, int]:
-        """A plan whose peak as PyTorch's partition runs it (``judge``: :func:`~hybridmem.compile.realized.
-        realized_peak`) fits ``share``. The partition recomputes some of what a plan keeps, so the plan at
-        ``share`` peaks lower than it counts: planning for a higher budget then fits as well, and
-        recomputes less. The plan at ``share`` (or, where the count has none, at the least budget it has
-        one for) is judged, then a bisection above it (:data:`REALIZED_PROBES` plans) keeps the highest
-        budget whose plan fits. On failure the error names the least peak of the plans judged."""
+        """A plan that fits ``share`` by its count or by its peak as PyTorch's partition runs it (``judge``:
+        :func:`~hybridmem.compile.realized.realized_peak`). The partition recomputes some of what a plan
+        keeps, so a plan for a budget above ``share`` may fit it as partitioned, and recomputes less. The
+        plan at ``share`` (or, where the count has none, at the least budget it has one for) is taken
+        where it fits; where that leaves :data:`REALIZED_HEADROOM` of ``share`` free, a bisection above it
+        (:data:`REALIZED_PROBES` plans, for :data:`REALIZED_TIME_SHARE` times the first one's time at most)
+        keeps the highest budget whose plan fits as partitioned. Returns the plan and the peak it was
+        taken by; on failure the error names the least peak found."""
         from .. import solvers
 
-        def judged(b: int | str) -> tuple[Any, int] | None:
+        def judged(b: int | str) -> tuple[Any, int, int] | None:
             try:
                 p = solvers.plan(g, b, device=model, solver=self.solver, time_limit=self.time_limit)
             except BudgetInfeasibleError:
                 return None
+            count = int(p.predicted_peak_bytes)
             real = judge(p)
-            return p, int(p.predicted_peak_bytes) if real is None else real
+            return p, count, count if real is None else real
 
+        t0 = time.perf_counter()
         first = judged(share)
-        if first is None or first[1] > share:
+        if first is None:
             first = judged("min")          # the count has no plan at the share: its least plan may fit
             if first is None:
                 raise BudgetInfeasibleError("no plan", None)
-        if first[1] > share:
-            raise BudgetInfeasibleError("no plan fits as the partition runs it", first[1])
-        best = first
-        lo, hi = int(first[0].budget_bytes) + 1, g.peak_bytes()
+            if first[2] > share:
+                raise BudgetInfeasibleError("no plan fits as the partition runs it", min(first[1], first[2]))
+        p, count, real = first
+        best = (p, min(count, real))       # at the share the count fits, whatever the partition does
+        if share - best[1] < REALIZED_HEADROOM * share:
+            return best                    # nothing to gain above it
+        lo, hi = int(p.budget_bytes) + 1, g.peak_bytes()
+        stop = time.perf_counter() + REALIZED_TIME_SHARE * (time.perf_counter() - t0)
         for _ in range(REALIZED_PROBES):
-            if lo > hi:
+            if lo > hi or time.perf_counter() > stop:
                 break
             b = (lo + hi) // 2
             got = judged(b)
-            if got is not None and got[1] <= share:
-                best, lo = got, b + 1
+            if got is not None and got[2] <= share:
+                best, lo = (got[0], got[2]), b + 1
             else:
                 hi = b - 1
         return best
@@ -447,14 +457,25 @@ class CompileBackend:
         t_probe = time.perf_counter()
         saved = saved_by_default(gm, joint_inputs, kwargs) if fuse else None
         t_probe = time.perf_counter() - t_probe
-        jg = joint_graph(gm, [n for n in gm.graph.nodes if info.is_required_fw(n)],
-                         [p for i, p in enumerate(placeholders) if i in static_idx],
-                         [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
-                         name=f"region {len(self._regions) + 1}", fuse=fuse,
-                         fuse_backward=fuse and not conv, saved=saved)
+
+        def joint(saved_: set[fx.Node] | None) -> Any:
+            return joint_graph(gm, [n for n in gm.graph.nodes if info.is_required_fw(n)],
+                               [p for i, p in enumerate(placeholders) if i in static_idx],
+                               [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
+                               name=f"region {len(self._regions) + 1}", fuse=fuse,
+                               fuse_backward=fuse and not conv, saved=saved_)
+
+        # two counts of the region: every forward value the backward reads held from the forward (the
+        # count plans are made on first), and the count of the partition PyTorch makes (what it
+        # recomputes on its own read from its sources): closer to the real peak, tried where the first
+        # has no plan (hybridmem.compile.defaults)
+        jg = joint(None)
+        jg_part = joint(saved) if saved is not None else None
         t_scratch = time.perf_counter()
         if self.scratch:
-            jg.graph.meta["workspace"] = measure_scratch(jg, dev)
+            for j in (jg, jg_part):
+                if j is not None:
+                    j.graph.meta["workspace"] = measure_scratch(j, dev)
         t_scratch = time.perf_counter() - t_scratch
         g = jg.graph
         key = self._current
@@ -481,6 +502,9 @@ class CompileBackend:
                 f"before" + (", the other runs' inputs, parameters and gradients" if others else "")
                 + f"); the budget is {fmt_bytes(budget)} ({budget} B)", least)
         solve_s = 0.0
+        if jg_part is not None and not others and share >= jg_part.graph.peak_bytes() + margin:
+            jg, g = jg_part, jg_part.graph     # PyTorch's own partition fits, as it runs
+            peak = g.peak_bytes()
         if share >= peak + margin + others * max(g.saved_bytes() - grads, 0):
             d = Decisions()
             st = RegionStats(name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=peak,
@@ -488,24 +512,27 @@ class CompileBackend:
                              predicted_peak_bytes=peak, saved_bytes=g.saved_bytes(),
                              note="the share holds the keep-all peak: PyTorch's own partition")
         else:
-            judge = None
-            if saved is not None and not others:
-                def judge(p: Any) -> int | None:
-                    return realized_peak(gm, joint_inputs, kwargs, jg, p, decisions(p), model)
             try:
-                if judge is not None:
-                    p, predicted = self._plan_realized(g, share - margin, model, judge)
-                else:
+                try:
                     p, predicted = self._plan_runs(g, share - margin, others, grads, model)
+                except BudgetInfeasibleError:
+                    if jg_part is None or others:
+                        raise
+                    part = jg_part
+
+                    def judge(p: Any) -> int | None:
+                        return realized_peak(gm, joint_inputs, kwargs, part, p, decisions(p), model)
+                    p, predicted = self._plan_realized(part.graph, share - margin, model, judge)
+                    jg, g = part, part.graph
             except BudgetInfeasibleError as e:
                 # the least budget this solver finds a plan for (bisection), so the error names it
-                if judge is not None and e.minimum_bytes is not None:
-                    least_need = int(e.minimum_bytes)    # the least peak of a plan as partitioned
-                elif others:  # the least total any of the plans tried needed, beside the other runs
+                if others:  # the least total any of the plans tried needed, beside the other runs
                     least_need = int(e.minimum_bytes if e.minimum_bytes is not None else g.peak_bytes())
                 else:
                     least_need = int(solvers.plan(g, "min", device=model, solver=self.solver,
                                                   time_limit=self.time_limit).budget_bytes)
+                    if jg_part is not None and e.minimum_bytes is not None:
+                        least_need = min(least_need, int(e.minimum_bytes))   # a plan as partitioned
                 need = least_need + margin + outside
                 raise BudgetInfeasibleError(
                     f"hybridmem compile: {name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "

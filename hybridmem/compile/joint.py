@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..graph.flops import op_flops
 from ..graph.ir import Graph, Stage, TensorInfo
 
-__all__ = ["JointGraph", "fusible", "joint_graph", "node_nbytes"]
+__all__ = ["JointGraph", "fusible", "joint_graph", "node_nbytes", "reduction"]
 
 
 @dataclass
@@ -136,8 +136,10 @@ def fusible(n: fx.Node) -> bool:
     return _pointwise(n) or (n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _LAYOUT)
 
 
-def _reduction(n: fx.Node) -> bool:
+def reduction(n: fx.Node) -> bool:
+    """Whether ``n`` is a reduction Inductor computes its pointwise input inside (``sum``, ``amax``, ...)."""
     return n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _REDUCTIONS
+
 
 
 def _view(n: fx.Node) -> bool:
@@ -207,7 +209,7 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
         if seen is None:
             continue
         users, views = seen
-        if not users or any(u in fw or not (_pointwise(u) or _reduction(u)) for u in users):
+        if not users or any(u in fw or not (_pointwise(u) or reduction(u)) for u in users):
             continue
         if len(users) > 1 and (len(users) > MAX_INLINED_USERS or len(ins) > MAX_INLINED_READS):
             continue
@@ -285,8 +287,9 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     fusing compiler runs it: its inner values take no memory, and recomputing its output replays the
     chain; ``fuse_backward``: the backward's chains too. ``saved``: the forward values PyTorch's own
     partition saves (:func:`hybridmem.compile.defaults.saved_by_default`; with ``fuse``): a forward value
-    it leaves out is recomputed in the backward, inside the kernel that reads it, so the backward's stages
-    read what it is recomputed from (:func:`recomputed_reads`), and a saved value is never fused away.
+    it leaves out is recomputed in the backward, inside the pointwise or reduction kernel that reads it, so
+    those read what it is recomputed from (:func:`recomputed_reads`; another reader, a matrix product,
+    reads it as the forward made it), and a saved value is never fused away.
 
     Tangents (the gradients of the forward's outputs, which the backward receives) exist from the
     backward's first stage on (the autograd engine makes them once the forward has returned) until their
@@ -347,8 +350,11 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
         members = [*groups.get(n, ()), n]
         ins: list[int] = []
         for m in members:
+            # a value the backward recomputes is computed inside a pointwise or reduction kernel that reads
+            # it; for another kernel (a matrix product) it is stored: counted here from the forward on
+            inline = phase == "backward" and (_pointwise(m) or reduction(m) or fusible(m))
             for a in m.all_input_nodes:
-                for r in (redirect.get(a, (a,)) if phase == "backward" else (a,)):
+                for r in (redirect.get(a, (a,)) if inline else (a,)):
                     for tid in node_tensor.get(r, ()):      # a fused member has no tensor: skipped
                         if tid not in ins:
                             ins.append(tid)

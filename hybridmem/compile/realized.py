@@ -7,8 +7,9 @@ never stored. On the GPT (zoo ``small``, batch 8) such tensors were 5.5 MiB of a
 its count said 31.2 MiB, the step peaked at 25.7 MiB (CPU, 2026-12-02). :func:`realized_peak`
 partitions a copy of the tagged joint graph and counts the plan as that partition runs it: a kept
 tensor the partition does not save is live in the forward only and, where it is made by pointwise ops and
-views only (what Inductor fuses), never stored in the backward; one made otherwise (a matrix product) is
-counted again from just before its first backward read. One a recompute of the plan replays from stays
+views only and read in the backward by pointwise or reduction kernels (what Inductor fuses), never stored
+in the backward; one made or read otherwise (a matrix product) is counted again from the backward's start
+(Inductor fuses such recomputes of several layers into the backward's first kernel). One a recompute of the plan replays from stays
 counted as kept.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..graph.ir import Graph, TensorInfo
 from ..graph.plan import Plan
 from ..graph.simulate import simulate
 from .defaults import saved_by_default
-from .joint import JointGraph, fusible
+from .joint import JointGraph, fusible, reduction
 from .partition import Decisions, apply_plan, remove_tags
 
 __all__ = ["realized_peak"]
@@ -49,7 +50,10 @@ def realized_peak(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
         if (not t.saved or not t.evictable or t.id in evicted or t.id in sources
                 or any(n in saved for n in jg.tensor_nodes.get(t.id, ()))):
             continue
-        (inlined if all(fusible(n) for n in jg.forward_nodes_of(t.id)) else remade).append(t.id)
+        fused = all(fusible(n) for n in jg.forward_nodes_of(t.id)) and all(
+            fusible(jg.stage_node[c]) or reduction(jg.stage_node[c])
+            for c in t.consumers if g.stages[c].phase == "backward")
+        (inlined if fused else remade).append(t.id)
     if inlined or remade:
         g = _as_partitioned(g, inlined, remade)
     return int(simulate(g, plan, model, budget=None, check_hash=False).peak_bytes)
@@ -57,9 +61,11 @@ def realized_peak(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
 
 def _as_partitioned(g: Graph, inlined: list[int], remade: list[int]) -> Graph:
     """A copy of ``g`` where the backward no longer reads the forward's tensors ``inlined`` (it recomputes
-    them inside the kernels that read them) and reads the tensors ``remade`` from a copy made just before
-    its first read (what a recompute in the backward holds); both are freed after their last forward read."""
+    them inside the kernels that read them) and reads the tensors ``remade`` from a copy made at its start
+    (Inductor may compute such recomputes in one kernel before the first backward op: on the transformer it
+    did); both are freed after their last forward read."""
     out = copy.deepcopy(g)
+    start = next(s.index for s in out.stages if s.phase == "backward")
     for tid in [*inlined, *remade]:
         t = out.tensors[tid]
         back = [c for c in t.consumers if out.stages[c].phase == "backward"]
@@ -71,7 +77,7 @@ def _as_partitioned(g: Graph, inlined: list[int], remade: list[int]) -> Graph:
                 out.stages[c].inputs = [x for x in out.stages[c].inputs if x != tid]
             continue
         new = TensorInfo(id=len(out.tensors), nbytes=t.nbytes, dtype=t.dtype, shape=t.shape, kind="activation",
-                         producer=back[0] - 1, consumers=back, freed_after=back[-1], name=f"{t.name}.remade")
+                         producer=start, consumers=back, freed_after=back[-1], name=f"{t.name}.remade")
         out.tensors.append(new)
         out.stages[new.producer].outputs.append(new.id)
         for c in back:
