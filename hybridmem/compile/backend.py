@@ -524,6 +524,7 @@ class CompileBackend:
                         return realized_peak(gm, joint_inputs, kwargs, part, p, decisions(p), model)
                     p, predicted = self._plan_realized(part.graph, share - margin, model, judge)
                     jg, g = part, part.graph
+                    peak = g.peak_bytes()
             except BudgetInfeasibleError as e:
                 # the least budget this solver finds a plan for (bisection), so the error names it
                 if others:  # the least total any of the plans tried needed, beside the other runs

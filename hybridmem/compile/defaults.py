@@ -6,9 +6,9 @@ reductions and compute-intensive ops are banned from recompute by default) into 
 so they are never stored. A count that keeps every forward value the backward reads holds them from
 the forward to the backward: on a GPT's loss, the log-softmax the backward recomputes from the logits
 (4 MiB of a 27 MiB step). The backend partitions a copy of the joint graph once, untagged, to learn
-which forward values the backward really reads (:func:`saved_by_default`); the hybridmem Graph then reads
-those in place of the values recomputed from them (:func:`hybridmem.compile.joint.joint_graph`), and a plan
-pins the recomputes with ``MUST_RECOMPUTE`` so that its tags do not change them.
+which forward values the backward really reads (:func:`saved_by_default`); its second count of the region
+reads those in place of the values recomputed from them (:func:`hybridmem.compile.joint.joint_graph`), and a
+plan made on it pins the recomputes with ``MUST_RECOMPUTE`` so that its tags do not change them.
 """
 from __future__ import annotations
 

@@ -141,7 +141,6 @@ def reduction(n: fx.Node) -> bool:
     return n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _REDUCTIONS
 
 
-
 def _view(n: fx.Node) -> bool:
     return (n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _VIEWS
             and len(n.all_input_nodes) == 1)

@@ -9,8 +9,8 @@ partitions a copy of the tagged joint graph and counts the plan as that partitio
 tensor the partition does not save is live in the forward only and, where it is made by pointwise ops and
 views only and read in the backward by pointwise or reduction kernels (what Inductor fuses), never stored
 in the backward; one made or read otherwise (a matrix product) is counted again from the backward's start
-(Inductor fuses such recomputes of several layers into the backward's first kernel). One a recompute of the plan replays from stays
-counted as kept.
+(on the transformer Inductor computed such recomputes of all layers in the backward's first kernel). One
+a recompute of the plan replays from stays counted as kept.
 """
 from __future__ import annotations
 
