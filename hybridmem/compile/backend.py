@@ -492,7 +492,10 @@ class CompileBackend:
         grads = sum(t.nbytes for t in g.tensors if t.producer < 0 and t.kind == "param")
         outside += others * (fixed + grads)
         share -= others * (fixed + grads)
-        least = solvers.memory_floor(g, model) + margin + outside
+        floor = solvers.memory_floor(g, model)
+        if jg_part is not None and not others:
+            floor = min(floor, solvers.memory_floor(jg_part.graph, model))
+        least = floor + margin + outside
         if budget < least:
             raise BudgetInfeasibleError(
                 f"hybridmem compile: {name} needs a budget of at least {fmt_bytes(least)} ({least} B) with every "
