@@ -438,7 +438,10 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
                 more_starts: list | None = None) -> Plan | None:
     limit = DEFAULT_MILP_TIME_LIMIT if time_limit is None else time_limit
     t0 = time.perf_counter()
-    compact = options.get("compact", relax.is_large(p))
+
+    def compact_of(q: Problem) -> bool:
+        return options.get("compact", relax.is_large(q))
+    compact = compact_of(p)
     # starts to try, best first: the rounded LP schedule, the best plan so far, the other plans (those
     # that fit, then the best that does not): the model is built and each start checked against its rows
     # before CBC runs, and the first that satisfies them all is the one CBC gets (and the solution
@@ -454,7 +457,7 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
             for i, actions in enumerate(tries):
                 # the first two get a few tenths of a second at least, even once the others have taken theirs
                 left = max((stop - time.perf_counter()) / (len(tries) - i), min(0.5, 0.05 * limit) if i < 2 else 0.0)
-                yield relax.stage_link_start(q, actions, compact, time_budget=left) if left > 0.05 else None
+                yield relax.stage_link_start(q, actions, compact_of(q), time_budget=left) if left > 0.05 else None
         made = starts(p, end)
         first = next((s_ for s_ in made if s_ is not None), None)
         coarse = p
@@ -466,7 +469,6 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
             if left < 0.2:
                 break
             p = _finer(p, options)
-            compact = options.get("compact", relax.is_large(p))
             made = starts(p, time.perf_counter() + left)
             first = next((s_ for s_ in made if s_ is not None), None)
         if p is not coarse:
@@ -475,13 +477,13 @@ def _solve_milp(p: Problem, approx: Plan | None, start: Any, time_limit: float |
                 refined = (f"no start satisfies the MILP's rows on {coarse.T} to {p.T} stages: it searches on "
                            f"{coarse.T} without one")
                 p, made = coarse, iter(())
-                compact = options.get("compact", relax.is_large(p))
             else:
                 refined = (f"no start satisfies the MILP's rows on {coarse.T} stages: the MILP is posed on "
                            f"{p.T} stages, where one does")
                 start = None                  # the rounded schedule is one of the coarse problem's
         candidates: Any = itertools.chain([] if first is None else [first], made,
                                           [] if start is None else [start])
+        compact = compact_of(p)
     elif tries and start is None and p.T == p.graph.num_stages:
         candidates = [schedule_of_actions(p, tries[0])]   # an uncoarsened problem: the plan is a schedule of it
     else:

@@ -34,7 +34,7 @@ from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import DeviceModel, get_cost_model
 from ..graph.units import fmt_bytes, parse_bytes
 from ..runtime.core import cost_model_for, resolve_device
-from .defaults import saved_by_default
+from .defaults import saved_by_partition
 from .joint import has_convolution, joint_graph
 from .measured import StepPeak
 from .runs import InFlight
@@ -329,6 +329,10 @@ class CompileBackend:
         return list(self._regions.values())
 
     # ---- planning ----------------------------------------------------------------------------
+    def _solve(self, g: Any, budget: int | str, model: Any) -> Any:
+        from .. import solvers
+        return solvers.plan(g, budget, device=model, solver=self.solver, time_limit=self.time_limit)
+
     def _plan_realized(self, g: Any, share: int, model: Any, judge: Any) -> tuple[Any, int]:
         """A plan that fits ``share`` by its count or by its peak as PyTorch's partition runs it (``judge``:
         :func:`~hybridmem.compile.realized.realized_peak`). The partition recomputes some of what a plan
@@ -338,11 +342,9 @@ class CompileBackend:
         (:data:`REALIZED_PROBES` plans, for :data:`REALIZED_TIME_SHARE` times the first one's time at most)
         keeps the highest budget whose plan fits as partitioned. Returns the plan and the peak it was
         taken by; on failure the error names the least peak found."""
-        from .. import solvers
-
         def judged(b: int | str) -> tuple[Any, int, int] | None:
             try:
-                p = solvers.plan(g, b, device=model, solver=self.solver, time_limit=self.time_limit)
+                p = self._solve(g, b, model)
             except BudgetInfeasibleError:
                 return None
             count = int(p.predicted_peak_bytes)
@@ -388,11 +390,8 @@ class CompileBackend:
         from .. import solvers
         from ..graph.simulate import simulate
 
-        def plan(graph: Any, b: int) -> Any:
-            return solvers.plan(graph, b, device=model, solver=self.solver, time_limit=self.time_limit)
-
         if not others:
-            p = plan(g, share)
+            p = self._solve(g, share, model)
             return p, int(p.predicted_peak_bytes)
         heavy = copy.deepcopy(g)
         for t in heavy.tensors:
@@ -406,7 +405,7 @@ class CompileBackend:
                 break
             b = (lo + hi) // 2
             try:
-                p = plan(heavy, b)
+                p = self._solve(heavy, b, model)
             except BudgetInfeasibleError:
                 lo = b + 1
                 continue
@@ -455,7 +454,7 @@ class CompileBackend:
         conv = has_convolution(gm.graph.nodes)
         fuse = self.compiler == "inductor"
         t_probe = time.perf_counter()
-        saved = saved_by_default(gm, joint_inputs, kwargs) if fuse else None
+        saved = saved_by_partition(gm, joint_inputs, kwargs) if fuse else None
         t_probe = time.perf_counter() - t_probe
 
         def joint(saved_: set[fx.Node] | None) -> Any:
@@ -473,9 +472,10 @@ class CompileBackend:
         jg_part = joint(saved) if saved is not None else None
         t_scratch = time.perf_counter()
         if self.scratch:
-            for j in (jg, jg_part):
-                if j is not None:
-                    j.graph.meta["workspace"] = measure_scratch(j, dev)
+            counts = [j for j in (jg, jg_part) if j is not None]
+            note = measure_scratch(counts, dev)
+            for j in counts:
+                j.graph.meta["workspace"] = note
         t_scratch = time.perf_counter() - t_scratch
         g = jg.graph
         key = self._current
@@ -533,8 +533,7 @@ class CompileBackend:
                 if others:  # the least total any of the plans tried needed, beside the other runs
                     least_need = int(e.minimum_bytes if e.minimum_bytes is not None else g.peak_bytes())
                 else:
-                    least_need = int(solvers.plan(g, "min", device=model, solver=self.solver,
-                                                  time_limit=self.time_limit).budget_bytes)
+                    least_need = int(self._solve(g, "min", model).budget_bytes)
                     if jg_part is not None and e.minimum_bytes is not None:
                         least_need = min(least_need, int(e.minimum_bytes))   # a plan as partitioned
                 need = least_need + margin + outside

@@ -6,7 +6,7 @@ reductions and compute-intensive ops are banned from recompute by default) into 
 so they are never stored. A count that keeps every forward value the backward reads holds them from
 the forward to the backward: on a GPT's loss, the log-softmax the backward recomputes from the logits
 (4 MiB of a 27 MiB step). The backend partitions a copy of the joint graph once, untagged, to learn
-which forward values the backward really reads (:func:`saved_by_default`); its second count of the region
+which forward values the backward really reads (:func:`saved_by_partition`); its second count of the region
 reads those in place of the values recomputed from them (:func:`hybridmem.compile.joint.joint_graph`), and a
 plan made on it pins the recomputes with ``MUST_RECOMPUTE`` so that its tags do not change them.
 """
@@ -17,13 +17,15 @@ from typing import Any
 
 from torch import fx
 
-__all__ = ["saved_by_default"]
+__all__ = ["saved_by_partition"]
 
 
-def saved_by_default(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> set[fx.Node] | None:
-    """The nodes of ``gm``'s forward whose values PyTorch's own partition of ``gm`` (with no plan) saves for
-    the backward; None if that partition fails (the count then keeps every value the backward reads).
-    ``joint_inputs``, ``kwargs``: what AOTAutograd passes to the partition function."""
+def saved_by_partition(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> set[fx.Node] | None:
+    """The nodes of ``gm``'s forward whose values PyTorch's partition of a copy of ``gm``, under the
+    checkpoint tags ``gm`` carries (none of a plan: PyTorch's own choice; a plan's:
+    :func:`hybridmem.compile.realized.realized_peak`), saves for the backward; None if that partition
+    fails (the count then keeps every value the backward reads). ``joint_inputs``, ``kwargs``: what
+    AOTAutograd passes to the partition function."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     try:

@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..graph.flops import op_flops
 from ..graph.ir import Graph, Stage, TensorInfo
 
-__all__ = ["JointGraph", "fusible", "joint_graph", "node_nbytes", "reduction"]
+__all__ = ["JointGraph", "computes_inputs", "fusible", "joint_graph", "node_nbytes", "reduction"]
 
 
 @dataclass
@@ -139,6 +139,12 @@ def fusible(n: fx.Node) -> bool:
 def reduction(n: fx.Node) -> bool:
     """Whether ``n`` is a reduction Inductor computes its pointwise input inside (``sum``, ``amax``, ...)."""
     return n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _REDUCTIONS
+
+
+def computes_inputs(n: fx.Node) -> bool:
+    """Whether the kernel of ``n`` computes a recomputed pointwise input inside itself (a pointwise, layout or
+    reduction kernel); another kernel (a matrix product, a library op) reads it stored."""
+    return fusible(n) or reduction(n)
 
 
 def _view(n: fx.Node) -> bool:
@@ -285,7 +291,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     (None: costs stay 0). ``fuse``: one stage per forward pointwise chain (:func:`fusion_groups`), as a
     fusing compiler runs it: its inner values take no memory, and recomputing its output replays the
     chain; ``fuse_backward``: the backward's chains too. ``saved``: the forward values PyTorch's own
-    partition saves (:func:`hybridmem.compile.defaults.saved_by_default`; with ``fuse``): a forward value
+    partition saves (:func:`hybridmem.compile.defaults.saved_by_partition`; with ``fuse``): a forward value
     it leaves out is recomputed in the backward, inside the pointwise or reduction kernel that reads it, so
     those read what it is recomputed from (:func:`recomputed_reads`; another reader, a matrix product,
     reads it as the forward made it), and a saved value is never fused away.
@@ -351,7 +357,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
         for m in members:
             # a value the backward recomputes is computed inside a pointwise or reduction kernel that reads
             # it; for another kernel (a matrix product) it is stored: counted here from the forward on
-            inline = phase == "backward" and (_pointwise(m) or reduction(m) or fusible(m))
+            inline = phase == "backward" and computes_inputs(m)
             for a in m.all_input_nodes:
                 for r in (redirect.get(a, (a,)) if inline else (a,)):
                     for tid in node_tensor.get(r, ()):      # a fused member has no tensor: skipped

@@ -22,8 +22,8 @@ from torch import fx
 from ..graph.ir import Graph, TensorInfo
 from ..graph.plan import Plan
 from ..graph.simulate import simulate
-from .defaults import saved_by_default
-from .joint import JointGraph, fusible, reduction
+from .defaults import saved_by_partition
+from .joint import JointGraph, computes_inputs, fusible
 from .partition import Decisions, apply_plan, remove_tags
 
 __all__ = ["realized_peak"]
@@ -35,7 +35,7 @@ def realized_peak(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
     runs it; None if that partition fails (the plan's own count then stands)."""
     tags = apply_plan(jg, d)
     try:
-        saved = saved_by_default(gm, joint_inputs, kwargs)
+        saved = saved_by_partition(gm, joint_inputs, kwargs)
     finally:
         remove_tags(tags)
     if saved is None:
@@ -51,8 +51,7 @@ def realized_peak(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any],
                 or any(n in saved for n in jg.tensor_nodes.get(t.id, ()))):
             continue
         fused = all(fusible(n) for n in jg.forward_nodes_of(t.id)) and all(
-            fusible(jg.stage_node[c]) or reduction(jg.stage_node[c])
-            for c in t.consumers if g.stages[c].phase == "backward")
+            computes_inputs(jg.stage_node[c]) for c in t.consumers if g.stages[c].phase == "backward")
         (inlined if fused else remade).append(t.id)
     if inlined or remade:
         g = _as_partitioned(g, inlined, remade)
@@ -66,13 +65,14 @@ def _as_partitioned(g: Graph, inlined: list[int], remade: list[int]) -> Graph:
     did); both are freed after their last forward read."""
     out = copy.deepcopy(g)
     start = next(s.index for s in out.stages if s.phase == "backward")
+    fused = set(inlined)
     for tid in [*inlined, *remade]:
         t = out.tensors[tid]
         back = [c for c in t.consumers if out.stages[c].phase == "backward"]
         t.consumers = [c for c in t.consumers if c not in back]
         t.freed_after = max([t.producer, *t.consumers])
         t.saved = False
-        if tid in inlined:
+        if tid in fused:
             for c in back:
                 out.stages[c].inputs = [x for x in out.stages[c].inputs if x != tid]
             continue

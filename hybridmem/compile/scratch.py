@@ -9,14 +9,13 @@ on the CPU, the caching allocator's peak on CUDA. Ops with the same signature ar
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..graph.capture import scratch_meter
-from ..graph.ir import Graph
 from .joint import JointGraph
 
 __all__ = ["measure_scratch"]
@@ -76,9 +75,9 @@ def _peak_of(call: Any, device: torch.device, meter: Any) -> tuple[int, Any]:
     return meter.window_peak - base, out
 
 
-def measure_scratch(jg: JointGraph, device: torch.device) -> str:
-    """Set ``Stage.workspace`` of ``jg``'s FLOP-counted stages; return where the figures come from."""
-    g: Graph = jg.graph
+def measure_scratch(jgs: Iterable[JointGraph], device: torch.device) -> str:
+    """Set ``Stage.workspace`` of the FLOP-counted stages of the joint graphs ``jgs`` (counts of one region:
+    each op is measured once, whichever graph has it); return where the figures come from."""
     seen: dict[Any, int] = {}
     with ExitStack() as stack:
         meter = None
@@ -91,7 +90,7 @@ def measure_scratch(jg: JointGraph, device: torch.device) -> str:
         # the partition runs under the compile's fake mode: real tensors need it set aside
         stack.enter_context(unset_fake_temporarily())
         stack.enter_context(torch.no_grad())
-        for s, node in zip(g.stages, jg.stage_node):
+        for s, node in ((s, node) for jg in jgs for s, node in zip(jg.graph.stages, jg.stage_node)):
             if s.flops <= 0 or not isinstance(node.target, torch._ops.OpOverload):
                 continue
             key = _signature(node)

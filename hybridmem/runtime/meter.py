@@ -241,11 +241,7 @@ class Meter:
         budget = native.budget
         if budget is not None and self.current_bytes + nb > budget and self.on_pressure is not None \
                 and not self._relieving:
-            self._relieving = True  # eviction runs ops: do not recurse into the listener
-            try:
-                self.on_pressure(nb)  # where nothing frees enough, the next allocation raises the OOM
-            finally:
-                self._relieving = False
+            self._ask(nb)  # where nothing frees enough, the next allocation raises the OOM
         if k not in self._live:
             self._add(st)  # the weak reference whose callback un-counts it
         self._external[k] = nb
@@ -302,6 +298,15 @@ class Meter:
         finally:
             self._relieving = False
 
+    def _ask(self, nbytes: int) -> Any:
+        """``on_pressure(nbytes)``, once, with the listener shut: eviction code runs ops."""
+        assert self.on_pressure is not None
+        self._relieving = True
+        try:
+            return self.on_pressure(nbytes)
+        finally:
+            self._relieving = False
+
     def _raise(self, requested: int, live: int, what: str) -> None:
         where = f"simulated {self.device.type} device" if self.simulated else str(self.device)
         raise torch.OutOfMemoryError(
@@ -334,11 +339,7 @@ class Meter:
                 # What the op had allocated when it was refused is free again now, and the retry
                 # allocates it once more: ask for room for that too.
                 room = needed if held is None else needed + max(0, held - self.current_bytes)
-                self._relieving = True
-                try:
-                    freed = self.on_pressure(room)
-                finally:
-                    self._relieving = False
+                freed = self._ask(room)
                 if not freed:
                     if self.on_exhausted is not None:
                         raise self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", held) from e
