@@ -21,6 +21,8 @@ Methods (``METHODS``):
                        overhead benchmark shows it beside the default)
 ``hybridmem-online``   ``hybridmem.session(budget=B)``: the online scorer picks swap/recompute/compress
 ``hybridmem-plan``     the same budget, following an offline plan made on this CPU's captured graph
+``hybridmem-plan-recompute`` a recompute-only plan, recompute the only policy (not in ``METHODS``: the
+                       steady-state benchmark makes its plan, ``bench/test_bench_steady.py``)
 ``ckpt-sqrt``          ``torch.utils.checkpoint.checkpoint_sequential`` with sqrt(n) segments (only
                        for models whose forward is a plain chain of their children)
 ``ckpt-block``         every block wrapped in ``torch.utils.checkpoint.checkpoint`` (on a deep copy)
@@ -287,16 +289,17 @@ def build_variant(method: str, model: nn.Module, inputs: Any, *, budget: int | N
         kw: dict[str, Any] = {"budget": None if monitor_only else budget, "device": "cpu"}
         if method == "hybridmem-monitor-ops":
             kw["monitor"] = "ops"
-        if method in ("hybridmem-recompute", "hybridmem-recompute-mode"):
+        if method in ("hybridmem-recompute", "hybridmem-recompute-mode", "hybridmem-plan-recompute"):
             kw["policies"] = ("recompute",)
         if method.endswith("-mode"):  # every step under the dispatch mode (no steady state): the comparison
             kw["config"] = {"plugins": {"steady": False}}
-        if method == "hybridmem-plan":
+        if method in ("hybridmem-plan", "hybridmem-plan-recompute"):
             if plan is None or isinstance(plan, str):  # a string says why there is no plan
                 raise Unavailable(plan or "no plan (planner or capture missing)")
             kw["plan"] = plan
         return Variant(method, m, _plain_forward(m, inputs), context=persistent_runtime(**kw))
-    raise ValueError(f"unknown measured method {method!r}; known: {', '.join(METHODS)}, hybridmem-monitor-ops")
+    raise ValueError(f"unknown measured method {method!r}; known: {', '.join(METHODS)}, hybridmem-monitor-ops, "
+                     "hybridmem-plan-recompute")
 
 
 def persistent_runtime(**kw: Any) -> Callable[[], AbstractContextManager]:

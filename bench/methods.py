@@ -13,6 +13,7 @@ LABELS: dict[str, str] = {
     "hybridmem-recompute": "hybridmem online, recompute only",
     "hybridmem-recompute-mode": "hybridmem online, recompute only, every step under the dispatch mode",
     "hybridmem-plan": "hybridmem with plan",
+    "hybridmem-plan-recompute": "hybridmem with a recompute-only plan, recompute only",
     "ckpt-sqrt": "torch checkpoint_sequential sqrt(n)",
     "ckpt-block": "torch checkpoint per block",
     "ckpt-selective": "torch selective activation checkpointing per block (matmul/conv/attention outputs kept)",

@@ -10,8 +10,9 @@ Three families, every figure a median of per-round ratios to plain PyTorch measu
 - ``test_recompute_at_checkpoint_peak``: ``torch.utils.checkpoint`` around every block sets the real peak
   (bytes of the training state + the CPU allocator's peak during the step); hybridmem gets that peak as its
   budget, recompute only (raised in 3 % steps where op-level recompute cannot reach a block-level
-  checkpoint's peak; the ratio is reported), and runs with the steady state (default) and with every step under the
-  dispatch mode; selective activation checkpointing per block (matrix products, convolutions and attention
+  checkpoint's peak; the ratio is reported), and runs with the steady state (default), with every step under the
+  dispatch mode, and following a recompute-only plan (Checkmate's MILP on this CPU's captured graph at that
+  peak; the steady state from step 3 frees the plan's recomputes first); selective activation checkpointing per block (matrix products, convolutions and attention
   kept) runs beside them, with its own real peak reported. hybridmem must give the unmanaged losses and
   gradients bit for bit and stay within its budget in real bytes; ``HYBRIDMEM_BENCH_ASSERT_FASTER=1`` also asserts it is faster than checkpoint.
 - ``test_nothing_to_evict``: a budget ten times the monitor-only peak: the overhead of managing when
@@ -41,6 +42,7 @@ from bench import measure  # noqa: E402
 SIZE = os.environ.get("HYBRIDMEM_BENCH_SIZE", "small")
 MODELS = tuple(os.environ.get("HYBRIDMEM_BENCH_MODELS", "resnet50,mobilenet,unet,vgg16,transformer,gpt").split(","))
 ROUNDS = int(os.environ.get("HYBRIDMEM_BENCH_ROUNDS", "10"))
+PLAN_SOLVER, PLAN_S = "checkmate", 30.0  # the recompute-only plan of hybridmem-plan-recompute
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in the root conftest.py
 
@@ -63,16 +65,31 @@ def _state_bytes(model: nn.Module, inputs: Any) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
 
 
-def _feasible(e: Any, budget: int, methods: list[str]) -> int:
+def _feasible(e: Any, budget: int, methods: list[str], plan: Any = None) -> int:
     """``budget``, or the least above it (3 % steps) at which every hybridmem method in ``methods`` trains
     3 interleaved steps the way the timed rounds will (op-level recompute cannot always reach a block-level
     checkpoint's peak: the test reports how far above it the budget is)."""
     for _ in range(10):
-        if all(r.status == "ok" for m in methods for r in _alone(e, m, budget, steps=2, measure_peaks=False)
-               if r.method == m):
+        if all(r.status == "ok" for m in methods for r in _alone(e, m, budget, steps=2, measure_peaks=False,
+                                                                   plan=plan) if r.method == m):
             return budget
         budget = int(budget * 1.03)
     pytest.fail(f"no budget hybridmem meets within 10 tries (last {budget} bytes)")
+
+
+def _recompute_plan(name: str, budget: int) -> Any:
+    """A recompute-only plan (Checkmate's MILP) for this CPU's captured graph at ``budget``, or why none."""
+    from hybridmem.errors import BudgetInfeasibleError
+    from hybridmem.graph.costs import apply_costs, get_cost_model
+    from hybridmem.solvers import plan
+
+    from bench.runner import capture_graph
+
+    g = apply_costs(capture_graph(name, SIZE, "cpu"), get_cost_model("cpu"))
+    try:
+        return plan(g, budget, device="cpu", solver=PLAN_SOLVER, time_limit=PLAN_S)
+    except BudgetInfeasibleError as e:
+        return f"no {PLAN_SOLVER} plan at {budget} B: {str(e)[:200]}"
 
 
 def _alone(e: Any, method: str, budget: int, **kw: Any) -> list[Any]:
@@ -97,20 +114,25 @@ def test_recompute_at_checkpoint_peak(benchmark: Any, name: str) -> None:
     if ck.status != "ok" or ck.alloc_peak_bytes is None:
         pytest.skip(f"checkpoint per block not applicable to {name}: {ck.reason}")
     ckpt_real = state + ck.alloc_peak_bytes
+    plan = _recompute_plan(name, ckpt_real)
     methods = ["ckpt-block", "hybridmem-recompute", "hybridmem-recompute-mode"]
-    budget = _feasible(e, ckpt_real, methods[1:])
+    if not isinstance(plan, str):
+        methods.append("hybridmem-plan-recompute")
+    budget = _feasible(e, ckpt_real, methods[1:], plan=plan)
     holder: dict[str, Any] = {}
 
     def interleaved() -> None:
         # one run per hybridmem method (see _alone), each beside checkpoint and plain PyTorch
         holder["res"] = [r for m in methods[1:] for r in _alone(e, m, budget, steps=_rounds(benchmark, ROUNDS),
-                                                                allocator_peak=True)]
+                                                                allocator_peak=True, plan=plan)]
 
     benchmark.group = f"recompute at checkpoint's real peak ({SIZE})"
     benchmark.pedantic(interleaved, rounds=1, iterations=1)
     res = _by_method(holder["res"])  # checkpoint's and plain PyTorch's figures: from the last run
     info: dict[str, Any] = {"budget_bytes": budget, "ckpt_real_peak_bytes": ckpt_real,
                             "budget_over_ckpt_peak": budget / ckpt_real}
+    if isinstance(plan, str):
+        info["hybridmem-plan-recompute"] = {"status": "skipped", "reason": plan}
     sac_run = res["ckpt-selective"]
     info["ckpt-selective"] = {"status": sac_run.status, "reason": sac_run.reason}
     if sac_run.status == "ok":
@@ -134,7 +156,9 @@ def test_recompute_at_checkpoint_peak(benchmark: Any, name: str) -> None:
     print(f"\n{name} ({SIZE}): budget {budget / 2**20:.1f} MiB = {budget / ckpt_real:.3f} x checkpoint's real peak; "
           + ", ".join(f"{m} x{ratio[m]:.3f}" for m in methods) + f"; selective checkpointing {sac_text}")
     if os.environ.get("HYBRIDMEM_BENCH_ASSERT_FASTER") and not getattr(benchmark, "disabled", False):
-        assert ratio["hybridmem-recompute"] < ratio["ckpt-block"], ratio
+        for m in ("hybridmem-recompute", "hybridmem-plan-recompute"):
+            if m in ratio:
+                assert ratio[m] < ratio["ckpt-block"], ratio
 
 
 @pytest.mark.parametrize("name", MODELS)

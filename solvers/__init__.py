@@ -143,8 +143,9 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
     peak, one plan per probe (``time_limit`` each); a probe that finds a plan moves the upper end to that
     plan's peak, one that finds none moves the lower end. It stops when the bracket is narrower than
     ``precision`` of the upper end (0: to the byte). The plan's ``budget_bytes`` is its own peak, and
-    ``info`` has ``min_budget_bytes``, ``min_no_plan_bytes`` (the largest budget found without a plan,
-    or the floor less one byte), ``min_probes`` and ``memory_floor_bytes``.
+    ``info`` has ``min_budget_bytes``, ``min_no_plan_bytes`` (the largest budget below it found without a
+    plan, or the floor less one byte), ``min_probes``, ``memory_floor_bytes`` and ``min_failed_above``
+    (probes that found no plan at a budget the least plan fits: the planner is not monotone there).
 
     With ``approx`` the search is exact on small graphs (its portfolio includes the exact MILP there).
     On the others a budget approx finds no plan for is given to the ``milp`` solver too, for
@@ -159,6 +160,7 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
     if solver != "approx" or milp_s <= 0 or _approx_is_exact(graph, model, options):
         milp_s = 0.0
     lo, hi, best, probes = floor - 1, peak, None, 0
+    failed: list[int] = []              # budgets no probe found a plan for
     budget = floor                      # the floor first: where it has a plan, the search ends there
     while hi - lo > max(1, int(precision * hi)):
         probes += 1
@@ -168,14 +170,20 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
         if found is None and milp_s:
             found = _probe(graph, budget, model, "milp", milp_s, verbose, options)
         if found is None:
+            failed.append(budget)
             lo = budget
         else:
             best, hi = found, min(int(found.predicted_peak_bytes), hi)
+            # A plan found at a higher budget can peak below a budget where the probe found none (the
+            # planners are not monotone in the budget): that budget has a plan after all, and the search
+            # goes on below this one, from the largest failed budget under it.
+            lo = max((f for f in failed if f < hi), default=floor - 1)
         budget = (lo + hi) // 2
     if best is None:                    # nothing below the peak: keeping everything is the plan
         best = plan(graph, peak, device=model, solver=solver, time_limit=time_limit, **options)
     best.info.update({"min_budget_bytes": hi, "min_no_plan_bytes": lo, "min_probes": probes,
-                      "memory_floor_bytes": floor})
+                      "memory_floor_bytes": floor,
+                      "min_failed_above": sum(f >= hi for f in failed)})
     return _finish(graph, best, model, hi, t0)
 
 

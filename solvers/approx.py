@@ -256,7 +256,7 @@ def solve(graph: Graph, budget: int, model: Any, solver: str, time_limit: float 
         _polish(pool, fine, str_plan, again, solver, None if solver == "milp" else stop, options)
     t_polish = time.perf_counter()
     if exact:
-        _exact_start(pool, fine, deadline, verbose, options, notes, capped=time_limit is None)
+        _exact_start(pool, fine, deadline, verbose, options, notes, seeds, capped=time_limit is None)
     elif solver == "approx" and pool.best[1] is None and time_limit is None and options.get("milp_fallback", True):
         _milp_fallback(pool, p, str_plan, seeds, verbose, options, notes)
     _, out, res, source = pool.best
@@ -336,7 +336,7 @@ def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple
 
 
 def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bool, options: dict[str, Any],
-                 notes: list[str], capped: bool = False) -> None:
+                 notes: list[str], seeds: list[tuple[float, str, Any]], capped: bool = False) -> None:
     """The exact MILP on a small uncoarsened problem, warm-started from the best plan so far, with the
     time left: on such graphs ``approx`` finds a plan wherever ``milp`` does, and one as fast when the
     solve ends. With ``capped`` (no time limit given) and a plan in hand, it gets at most
@@ -351,20 +351,34 @@ def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bo
     if left is not None and left < MIN_EXACT_S:
         notes.append("no time left for the exact MILP")
         return
-    start = None if best_plan is None else schedule_of_actions(fine, best_plan.actions)
     pool.tried.append("milp")
     t0 = time.perf_counter()
-    res = milp.solve_problem(fine, time_limit=left, start=start, isolate=options.get("isolate", True),
-                             solver=options.get("solver_backend", "cbc"), verbose=verbose, compact=False)
-    info = {"exact_status": res.status, "exact_s": round(time.perf_counter() - t0, 4)}
-    if res.schedule is not None:
-        try:
-            cand = make_plan(fine, schedule_to_actions(fine, res.schedule), "approx", info)
-        except ValueError as e:         # as in _solve_milp: a solution the plan rules cannot write
-            notes.append(f"the exact MILP's solution could not be written as a plan ({e})")
-        else:
-            t = pool.offer("milp", cand)
-            info["exact_improved"] = t is not None and pool.best[3] == "milp" and t < best_s - 1e-12
+    # the warm starts the milp solver gets (_solve_milp): the best plan so far, then the other starts; where
+    # the MILP's link rows are per stage (past milp.FIFO_MAX_STAGES), each is first made to satisfy them
+    try:
+        more = _more_starts(fine, seeds, best_plan)
+    except ValueError:                  # a start the polish left with a schedule the plan rules refuse
+        more = [arg for t, _, arg in sorted(seeds, key=lambda s: s[0]) if t < float("inf") and isinstance(arg, list)]
+    opts = {**options, "compact": False}
+    # Past milp.FIFO_MAX_STAGES the model's link rows are conservative: a longer solve can end on a solution
+    # the simulator times slower than one it passed on its way (CBC keeps no pool to read them back from).
+    # Two solves, the second from the best plan after the first, give the simulator two to choose from.
+    halves = 2 if (fine.T > milp.FIFO_MAX_STAGES and left is not None and left >= 4 * MIN_EXACT_S) else 1
+    info: dict[str, Any] = {}
+    for i in range(halves):
+        limit = None if left is None else (left / 2 if i == 0 and halves == 2 else
+                                           left - (time.perf_counter() - t0))
+        start = pool.best[1]
+        res = _solve_milp(fine, None, None, limit, verbose, opts, None if start is None else start.actions, more)
+        if res is None:
+            info.setdefault("exact_status", "no solution")
+            continue
+        info["exact_status"] = res.info.get("status")
+        pool.offer("milp", make_plan(fine, res.actions, "approx", {}))
+        if info["exact_status"] == "optimal":
+            break
+    info["exact_s"] = round(time.perf_counter() - t0, 4)
+    info["exact_improved"] = pool.best[3] == "milp" and pool.best[0] < best_s - 1e-12
     pool.exact = info
 
 

@@ -42,6 +42,34 @@ def test_min_budget_brackets_the_least_budget_within_its_precision() -> None:
         plan(g, below, time_limit=5)
 
 
+def test_a_plan_found_below_a_failed_budget_sends_the_search_below_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planner is not monotone in the budget: a probe can miss at a budget that a plan found at a higher
+    one fits. The search then goes on below that plan (from the largest failed budget under it) and does
+    not report the missed budget as one without a plan."""
+    import hybridmem.solvers as solvers
+
+    device, n_forward, seed = CASES[0]
+    g = random_graph(8, seed=seed, n_forward=n_forward, device=device, mb=(2, 32))
+    least_plan = plan(g, "min", device=device, precision=0)
+    least = least_plan.budget_bytes
+    assert memory_floor(g, get_cost_model(device)) < least
+    asked: list[int] = []
+
+    def flaky(graph, budget, *args, **kwargs):  # the first probe at or above the least budget misses
+        asked.append(budget)
+        if budget < least or sum(b >= least for b in asked) == 1:
+            return None
+        return least_plan
+
+    monkeypatch.setattr(solvers, "_probe", flaky)
+    p = plan(g, "min", device=device, precision=0)
+    missed = next(b for b in asked if b >= least)
+    assert missed > least                   # a budget the least plan fits, where the probe found none
+    assert p.info["min_budget_bytes"] == least
+    assert p.info["min_no_plan_bytes"] == least - 1 < missed
+    assert p.info["min_failed_above"] == 1
+
+
 def test_min_budget_refuses_a_bad_precision_and_unknown_budgets_name_min() -> None:
     g = random_graph(8, seed=1)
     with pytest.raises(ValueError, match=r"precision 1\.5: expected a fraction in \[0, 1\)"):

@@ -7,7 +7,9 @@ of the way to the keep-all peak) and ``80%`` of the keep-all peak. Three plain-S
 plan (no optimizer state). With a stateful optimizer (momentum SGD) the graph is captured with
 ``optimizer=``, so that the plan budgets the momentum buffers (resident from the end of step 1 on;
 the last tests). The runtime verifies the plan on step 1 (under the online scorer) and
-follows it from step 2, so:
+follows it from step 2, here under the dispatch mode in every step (``steady: false``: the steady state,
+from step 3 by default, has the allocator free the plan's recomputes first and is tested in
+``tests/test_steady_plan.py``), so:
 
 - losses, gradients, BatchNorm buffers and the RNG stream are bit-identical to an unmanaged run;
 - ``stats().plan == "following"``: the plan was followed to the end, not abandoned;
@@ -127,7 +129,9 @@ def _train(case: Case, plan: Plan | None, optimizer: str = "sgd") -> tuple[list,
     model = copy.deepcopy(case.model)
     if plan is None:
         return train(case, model, STEPS, OPTIMIZERS[optimizer]), None
-    with hybridmem.session(plan=plan, device="cpu") as s:
+    # under the dispatch mode in every step: what these tests check is the follower's per-stage actions
+    # against the simulator (tests/test_steady_plan.py: steps after that in the steady state)
+    with hybridmem.session(plan=plan, device="cpu", config={"plugins": {"steady": False}}) as s:
         whole: list[Stats] = []
 
         def first_done() -> None:

@@ -112,8 +112,9 @@ class PlanInfo(MutableMapping):
     evictor_budget_bytes: int | None = None     # dtr
     # -- the least budget (budget="min")
     min_budget_bytes: int | None = None
-    min_no_plan_bytes: int | None = None        # the largest budget found without a plan
+    min_no_plan_bytes: int | None = None        # the largest budget below it found without a plan
     min_probes: int | None = None
+    min_failed_above: int | None = None         # probes without a plan at budgets the least plan fits
     memory_floor_bytes: int | None = None
     # -- a plan book's bucket (hybridmem.buckets)
     shape_key: str | None = None

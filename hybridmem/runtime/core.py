@@ -32,7 +32,7 @@ from . import ckpt
 from .budget import device_budget_bytes
 from .cpumeter import load, unavailable_reason
 from .estimate import OutputEstimator
-from .device import native_device
+from .device import native_device, planned_first
 from .fixed import FixedMarker
 from .follow import PlanFollower
 from .lineage import OpCost, Recorder
@@ -202,9 +202,13 @@ class Runtime:
         # torch.utils.checkpoint regions run plainly under the online scorer's budget (runtime.ckpt)
         self.takes_regions = self.budget is not None and plan is None and book is None and not self.light
         # Steady state (runtime.program): a step like the recorded one runs with the saved-tensor hooks
-        # alone. It needs the allocator to enforce the budget (the native device) and no per-stage work.
-        self.steady_possible = (self.native is not None and self.follower is None and self.buckets is None
+        # alone. It needs the allocator to enforce the budget (the native device) and no per-stage work:
+        # a followed plan's recomputes become the allocator's order (Runtime._finish_program); its swaps
+        # and compressions need the dispatch mode (the recorded step's evictions by them refuse the program).
+        self.steady_possible = (self.native is not None and self.buckets is None
                                 and self.prefetcher is None and cfg.extra.get("steady", True))
+        self._registrable = self.store.registrable  # the allocator's order without a plan (runtime.device)
+        self.plan_recomputes: set[Any] = set()      # program nodes a followed plan recomputes (steady state)
         self.program: StepProgram | None = None
         self._program_rec: ProgramRecorder | None = None
         self._steady: SteadyPack | None = None
@@ -422,6 +426,9 @@ class Runtime:
         prog, mode = self.program, self.mode
         if mode is None:
             return
+        follower = self.follower
+        if follower is not None and follower.state == "pending":
+            prog = None                 # step 1 verifies the plan under the dispatch mode
         if prog is not None and (not self.mode_on or _get_current_dispatch_mode() is mode):
             if self.mode_on:
                 mode.__exit__(None, None, None)
@@ -437,7 +444,8 @@ class Runtime:
             self.mode_on = True
         self._steady = None
         # The first step is not recorded: the optimizer's state appears after it, so later steps hold more.
-        if self._divergences < 3 and self.steps.steps >= 1:
+        # (With a plan, the first step verifies it: the step after, which follows it, is recorded.)
+        if self._divergences < 3 and self.steps.steps >= 1 and (follower is None or follower.state != "pending"):
             self._program_rec = ProgramRecorder()
             self._packfn = self._pack_recording
         else:
@@ -477,6 +485,9 @@ class Runtime:
         self.stats.note(f"steady state left at step {self.steps.steps + 1}: {why}; the dispatch mode runs "
                         f"again from the next step" + ("" if self._divergences < 3 else
                                                        " (and stays: the steps keep changing)"))
+        if self.follower is not None and self.follower.state == "following":
+            self.stats.plan_note = (f"{_first_clause(self.stats.plan_note)}; steady state left at step "
+                                    f"{self.steps.steps + 1} ({why}): the dispatch mode follows the plan again")
 
     def _finish_program(self, stages: int) -> None:
         """End of a recording step: keep its program if later steps may follow it."""
@@ -495,6 +506,15 @@ class Runtime:
         self.program = prog
         if self.recorder is not None:
             self.recorder.keep = prog.keep
+        follower = self.follower
+        if follower is not None and follower.state == "following":
+            # what the plan recomputes goes first when the allocator frees; the rest after it, so that real
+            # bytes the plan did not count (kernel scratch) are still made room for
+            self.plan_recomputes = set(follower.recomputed)
+            self.store.registrable = planned_first(self._registrable, self.plan_recomputes)
+            self.stats.plan_note = (f"{_first_clause(self.stats.plan_note)}; from step {self.steps.steps + 1} in "
+                                    f"the steady state: the allocator frees the {len(follower.recomputed)} "
+                                    "storages the plan recomputes first, at allocation time")
 
     def _steady_refusal(self, rec: ProgramRecorder | None) -> str:
         if rec is None or not rec.saves:
@@ -566,7 +586,7 @@ class Runtime:
             self.recorder.end_step()
         if self.prefetcher is not None:
             self.prefetcher.step_ended()
-        if self.follower is not None:
+        if self.follower is not None and steady is None:  # a steady step ran no op the follower sees
             self.follower.step_ended(stages)
         if self.buckets is not None:
             self.buckets.step_ended()
@@ -581,3 +601,8 @@ class Runtime:
     def reset_stats(self) -> None:
         (self.allocator if self.allocator is not None else self.meter).reset_peak()
         self.stats.reset()
+
+
+def _first_clause(note: str) -> str:
+    """A plan note without what the steady state added to it (``; ...``)."""
+    return note.split("; ", 1)[0]

@@ -127,6 +127,9 @@ class PlanFollower:
         self.entries: dict[int, Any] = {}          # plan tensor -> its saved-tensor entry this step
         self.pending: list[tuple[Any, Any]] = []   # (entry, policy) evictions waiting for sole ownership
         self.unsaved: list[tuple[Any, str, int]] = []  # (slot, policy name, tensor): evictions waiting for the pack
+        # lineage nodes of what this step's plan actions evicted by recompute: a steady-state step has the
+        # allocator free those first (runtime.core, Runtime._finish_program)
+        self.recomputed: set[Any] = set()
 
     def _bounds(self) -> tuple[list[int], list[int]]:
         if self.groups is None:
@@ -148,6 +151,7 @@ class PlanFollower:
         self.entries.clear()
         self.pending = []
         self.unsaved = []
+        self.recomputed = set()
 
     def step_ended(self, stages: int) -> None:
         if self.state == "pending":
@@ -287,6 +291,8 @@ class PlanFollower:
         if policy is None or not policy.applicable(e):
             self.rt.stats.note(f"plan: {name} not applicable to tensor {tensor}; left to the online scorer")
             return
+        if name == "recompute" and e.lineage is not None:
+            self.recomputed.add(e.lineage)
         self.pending.append((e, policy))
         self._flush()
 

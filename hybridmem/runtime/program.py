@@ -7,8 +7,8 @@ now read as a replay program: arguments are other nodes (rebuilt or bound again)
 buffers (read as they are in the current step), or tensors the step saved (the batch): those are bound
 again at the pack that saves them in each later step.
 
-A later step that starts like the recorded one (same module entry, no plan to follow) runs without the
-dispatch mode: nothing runs per op in Python. Each pack looks up its ordinal, checks the signature, binds
+A later step that starts like the recorded one (same module entry; with a plan, from the step after the
+first one that follows it) runs without the dispatch mode: nothing runs per op in Python. Each pack looks up its ordinal, checks the signature, binds
 the node to the new storage and hands the tensor to the usual :class:`~.saved.SavedStore` (an entry;
 near the budget it is registered with the native allocator device, which frees it at allocation time
 when the budget would be crossed). A freed entry is rebuilt at unpack by replaying its node's ops, as in
