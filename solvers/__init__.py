@@ -83,6 +83,7 @@ __all__ = ["plan", "min_budget", "sweep", "memory_floor", "SOLVERS", "HYBRID", "
 
 MIN = "min"                # the budget that asks for the least budget with a plan
 MIN_PRECISION = 0.005      # budget="min": relative width of the bracket the bisection stops at
+MIN_CHECK_BELOW = 0.01     # budget="min" with MILP probes: the last probe, this share below the least found
 
 
 def resolve_budget(graph: Graph, budget: int | float | str) -> int:
@@ -150,7 +151,10 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
     With ``approx`` the search is exact on small graphs (its portfolio includes the exact MILP there).
     On the others a budget approx finds no plan for is given to the ``milp`` solver too, for
     ``milp_probe_s`` seconds (option; default ``DEFAULT_MILP_TIME_LIMIT``, 0: never), so that the least
-    budget named is one the MILP finds nothing below within that time (to ``precision``)."""
+    budget named is one the MILP finds nothing below within that time (to ``precision``); and once the
+    bracket is closed, the MILP gets one more probe ``MIN_CHECK_BELOW`` (1 %) under the least budget
+    found: where it finds a plan there the search goes on below it, else ``info["min_checked_bytes"]``
+    is that budget."""
     if not 0 <= precision < 1:
         raise ValueError(f"precision {precision!r}: expected a fraction in [0, 1)")
     t0 = time.perf_counter()
@@ -161,29 +165,47 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
         milp_s = 0.0
     lo, hi, best, probes = floor - 1, peak, None, 0
     failed: list[int] = []              # budgets no probe found a plan for
+    checked: int | None = None
     budget = floor                      # the floor first: where it has a plan, the search ends there
-    while hi - lo > max(1, int(precision * hi)):
+    while True:
+        while hi - lo > max(1, int(precision * hi)):
+            probes += 1
+            # approx's own MILP fallback would repeat the probe below with less time
+            found = _probe(graph, budget, model, solver, time_limit, verbose,
+                           {**options, "milp_fallback": False} if milp_s else options)
+            if found is None and milp_s:
+                found = _probe(graph, budget, model, "milp", milp_s, verbose, options)
+            if found is None:
+                failed.append(budget)
+                lo = budget
+            else:
+                best, hi = found, min(int(found.predicted_peak_bytes), hi)
+                # A plan found at a higher budget can peak below a budget where the probe found none (the
+                # planners are not monotone in the budget): that budget has a plan after all, and the
+                # search goes on below this one, from the largest failed budget under it.
+                lo = max((f for f in failed if f < hi), default=floor - 1)
+            budget = (lo + hi) // 2
+        below = int(hi * (1 - MIN_CHECK_BELOW))
+        if not milp_s or below < floor:
+            break
+        # The MILP, time-limited on a coarsened graph, is not monotone in the budget either: one more
+        # probe MIN_CHECK_BELOW under the least budget found, and where it finds a plan the search goes on.
         probes += 1
-        # approx's own MILP fallback would repeat the probe below with less time
-        found = _probe(graph, budget, model, solver, time_limit, verbose,
-                       {**options, "milp_fallback": False} if milp_s else options)
-        if found is None and milp_s:
-            found = _probe(graph, budget, model, "milp", milp_s, verbose, options)
+        found = _probe(graph, below, model, "milp", milp_s, verbose, options)
         if found is None:
-            failed.append(budget)
-            lo = budget
-        else:
-            best, hi = found, min(int(found.predicted_peak_bytes), hi)
-            # A plan found at a higher budget can peak below a budget where the probe found none (the
-            # planners are not monotone in the budget): that budget has a plan after all, and the search
-            # goes on below this one, from the largest failed budget under it.
-            lo = max((f for f in failed if f < hi), default=floor - 1)
+            checked = below
+            failed.append(below)
+            break
+        best, hi = found, min(int(found.predicted_peak_bytes), hi)
+        lo = max((f for f in failed if f < hi), default=floor - 1)
         budget = (lo + hi) // 2
     if best is None:                    # nothing below the peak: keeping everything is the plan
         best = plan(graph, peak, device=model, solver=solver, time_limit=time_limit, **options)
     best.info.update({"min_budget_bytes": hi, "min_no_plan_bytes": lo, "min_probes": probes,
                       "memory_floor_bytes": floor,
                       "min_failed_above": sum(f >= hi for f in failed)})
+    if checked is not None:
+        best.info["min_checked_bytes"] = checked
     return _finish(graph, best, model, hi, t0)
 
 

@@ -337,10 +337,12 @@ def _polish(pool: _Pool, fine: Problem, str_plan: Plan | None, seeds: list[tuple
 
 def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bool, options: dict[str, Any],
                  notes: list[str], seeds: list[tuple[float, str, Any]], capped: bool = False) -> None:
-    """The exact MILP on a small uncoarsened problem, warm-started from the best plan so far, with the
-    time left: on such graphs ``approx`` finds a plan wherever ``milp`` does, and one as fast when the
-    solve ends. With ``capped`` (no time limit given) and a plan in hand, it gets at most
-    ``EXACT_IMPROVE_S``. Skipped when the best plan already runs at the valid lower bound. Its result is
+    """The exact MILP on a small uncoarsened problem, warm-started from the best plan so far (and the other
+    starts, as the ``milp`` solver is), with the time left: on such graphs ``approx`` finds a plan wherever
+    ``milp`` does, and one as fast when the solve ends. Past ``milp.FIFO_MAX_STAGES`` stages it solves
+    twice, half the time each, the second from the best plan after the first. With ``capped`` (no time
+    limit given) and a plan in hand, it gets at most ``EXACT_IMPROVE_S`` (none in hand: the MILP's default
+    limit). Skipped when the best plan already runs at the valid lower bound. Its result is
     offered to ``pool``; ``pool.exact`` records the MILP's status and whether it improved on the rest."""
     best_s, best_plan, _, _ = pool.best
     if best_plan is not None and best_s <= lower_bound(fine.graph, fine.budget, fine.model).time_s * (1 + 1e-9):

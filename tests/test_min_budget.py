@@ -70,6 +70,36 @@ def test_a_plan_found_below_a_failed_budget_sends_the_search_below_it(monkeypatc
     assert p.info["min_failed_above"] == 1
 
 
+def test_a_milp_plan_one_percent_below_the_least_budget_sends_the_search_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On graphs approx does not solve exactly, the MILP gets one more probe 1 % below the least budget
+    found once the bracket is closed. A time-limited MILP is not monotone in the budget: here it misses
+    every probe of the first bisection, then finds the least plan at that last probe, and the search goes
+    on below it until the probe 1 % under the least budget finds nothing."""
+    import hybridmem.solvers as solvers
+
+    device = "h100-80gb"   # its least plan is 4.5 % above the memory floor, 14 % below the peak
+    g = random_graph(8, seed=26, n_forward=4, device=device, mb=(2, 32))
+    least_plan = plan(g, "min", device=device, precision=0)
+    least = least_plan.budget_bytes
+    assert memory_floor(g, get_cost_model(device)) < 0.99 * least and least < 0.99 * g.peak_bytes()
+    milp_calls: list[int] = []
+
+    def probe(graph, budget, model, solver, *args, **kwargs):
+        if solver != "milp":
+            return None                     # approx misses everything
+        milp_calls.append(budget)
+        honest = any(b < a for a, b in zip(milp_calls, milp_calls[1:]))   # from the first lower budget on
+        return least_plan if honest and budget >= least else None
+
+    monkeypatch.setattr(solvers, "_approx_is_exact", lambda *a, **k: False)
+    monkeypatch.setattr(solvers, "_probe", probe)
+    p = plan(g, "min", device=device)
+    assert int(g.peak_bytes() * 0.99) in milp_calls   # the check below the first bracket (at the peak)
+    assert p.info["min_budget_bytes"] == least
+    assert p.info["min_checked_bytes"] == int(least * 0.99) == milp_calls[-1]
+    assert least - p.info["min_no_plan_bytes"] <= 0.005 * least
+
+
 def test_min_budget_refuses_a_bad_precision_and_unknown_budgets_name_min() -> None:
     g = random_graph(8, seed=1)
     with pytest.raises(ValueError, match=r"precision 1\.5: expected a fraction in \[0, 1\)"):

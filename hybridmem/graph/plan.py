@@ -115,6 +115,7 @@ class PlanInfo(MutableMapping):
     min_no_plan_bytes: int | None = None        # the largest budget below it found without a plan
     min_probes: int | None = None
     min_failed_above: int | None = None         # probes without a plan at budgets the least plan fits
+    min_checked_bytes: int | None = None        # 1 % below the least budget: the MILP's last probe found none
     memory_floor_bytes: int | None = None
     # -- a plan book's bucket (hybridmem.buckets)
     shape_key: str | None = None
