@@ -153,3 +153,33 @@ def test_planned_first_orders_the_plans_recomputes_ahead_and_keeps_the_rest() ->
     assert order(E(a, 8)) == 3e-10                     # the plan's recompute: its own priority
     assert order(E(b, 8)) == 1e-12 + PLAN_KEEPS_LAST   # kept by the plan: after every recompute, still freeable
     assert order(E(c, 8)) is None                      # recompute cannot rebuild it: never registered
+
+
+def test_a_plan_tensor_the_allocator_freed_before_the_plans_action_is_no_divergence(captured: tuple) -> None:
+    """Under pressure the allocator can free a registered entry (its storage then reads 0 bytes) before the
+    plan's own eviction of it comes: the follower goes on (the eviction finds it evicted by recompute
+    already). A storage of another size, or 0 bytes with no registered entry, is a different step."""
+    from types import SimpleNamespace
+
+    from hybridmem.runtime.follow import PlanFollower
+
+    _, g, _ = captured
+    p = _plan(g, 0.6, "checkmate")
+    rt = SimpleNamespace(stats=SimpleNamespace(plan=None, plan_note=""))
+    tensor, (stage, k, nbytes) = next((t, w) for t, w in PlanFollower(p, rt).where.items() if w[2] > 0)
+
+    class Slot:
+        def __init__(self, st: torch.UntypedStorage, registered: bool | None):
+            self.st = st
+            self.entry = None if registered is None else SimpleNamespace(registered=registered)
+
+        def __call__(self) -> torch.UntypedStorage:
+            return self.st
+
+    for st, registered, follows in [(torch.UntypedStorage(0), True, True), (torch.UntypedStorage(0), False, False),
+                                    (torch.UntypedStorage(0), None, False), (torch.UntypedStorage(nbytes + 8), True, False),
+                                    (torch.UntypedStorage(nbytes), None, True)]:
+        f = PlanFollower(p, rt)
+        f.state = "following"
+        f.outputs = [[] for _ in range(stage)] + [[None] * k + [Slot(st, registered)]]
+        assert (f._slot(tensor) is not None) == follows and (f.state == "following") == follows, (st.nbytes(), registered)

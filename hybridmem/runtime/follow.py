@@ -247,7 +247,7 @@ class PlanFollower:
             return None
         slot = self.outputs[p][k]
         st = slot()
-        if st is not None and st.nbytes() != nbytes:
+        if st is not None and st.nbytes() != nbytes and not _freed_by_allocator(st, slot):
             self._diverge(f"tensor {tensor}: {st.nbytes()} bytes in this run, {nbytes} in the plan")
             return None
         return slot
@@ -331,6 +331,13 @@ class PlanFollower:
             self.rt.residency.prefetch([e])  # the copy starts now on its stream; the read waits for it
         else:
             self.rt.residency.ensure(e)
+
+
+def _freed_by_allocator(st: Any, slot: Any) -> bool:
+    """Whether a storage reads 0 bytes because the allocator freed its registered entry at an allocation
+    (evicted by recompute before the plan's action for it came): not a different step."""
+    e = slot.entry
+    return st.nbytes() == 0 and e is not None and e.registered
 
 
 def _nbytes(t: Any) -> int:
