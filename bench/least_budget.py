@@ -12,10 +12,11 @@ model's line is JSON; a markdown table closes the run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from typing import Any
+
+from .milp_sweep import emit
 
 MODELS = ("vgg16", "unet", "mobilenet", "resnet50", "transformer", "gpt", "resnet101", "resnet152")
 GIB = 2**30
@@ -102,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in models:
             row = run_model(m, args.device, args.check_s)
             rows.append(row)
-            line = json.dumps(row)
-            print(line, flush=True)
-            if sink:
-                sink.write(line + "\n")
-                sink.flush()
+            emit(row, sink)
     finally:
         if sink:
             sink.close()

@@ -81,6 +81,15 @@ def run_budget(graph: Any, device: str, budget: int, time_limit: float, backend:
     return row
 
 
+def emit(row: dict[str, Any], sink: Any = None) -> None:
+    """Print ``row`` as one JSON line, and write it to ``sink`` (an open file) too where given."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if sink:
+        sink.write(line + "\n")
+        sink.flush()
+
+
 def table(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown: per model and device, the budgets, MILP solutions, warm starts among them, statuses."""
     out = ["| model | device | budgets (of peak) | MILP solution | of which the warm start | statuses | load |",
@@ -140,11 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"model": model, "device": device, **run_budget(g, device, b, args.time_limit,
                                                                       args.solver_backend)}
                 rows.append(row)
-                line = json.dumps(row)
-                print(line, flush=True)
-                if sink:
-                    sink.write(line + "\n")
-                    sink.flush()
+                emit(row, sink)
     finally:
         if sink:
             sink.close()
