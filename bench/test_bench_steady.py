@@ -154,7 +154,8 @@ def test_recompute_at_checkpoint_peak(benchmark: Any, name: str) -> None:
     sac_text = (f"x{sac['step_ratio']:.3f} at {sac['real_peak_bytes'] / ckpt_real:.2f} x the peak" if "step_ratio" in sac
                 else f"not applicable ({sac['reason']})")
     print(f"\n{name} ({SIZE}): budget {budget / 2**20:.1f} MiB = {budget / ckpt_real:.3f} x checkpoint's real peak; "
-          + ", ".join(f"{m} x{ratio[m]:.3f}" for m in methods) + f"; selective checkpointing {sac_text}")
+          + ", ".join(f"{m} x{ratio[m]:.3f}" for m in methods) + f"; selective checkpointing {sac_text}"
+          + (f"; hybridmem-plan-recompute skipped ({plan})" if isinstance(plan, str) else ""))
     if os.environ.get("HYBRIDMEM_BENCH_ASSERT_FASTER") and not getattr(benchmark, "disabled", False):
         for m in ("hybridmem-recompute", "hybridmem-plan-recompute"):
             if m in ratio:
