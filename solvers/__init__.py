@@ -168,36 +168,34 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
     checked: int | None = None
     budget = floor                      # the floor first: where it has a plan, the search ends there
     while True:
-        while hi - lo > max(1, int(precision * hi)):
-            probes += 1
+        check = hi - lo <= max(1, int(precision * hi))
+        if check:
+            # The MILP, time-limited on a coarsened graph, is not monotone in the budget: once the bracket
+            # is closed it gets one more probe MIN_CHECK_BELOW under the least budget found, and where it
+            # finds a plan there the search goes on.
+            budget = int(hi * (1 - MIN_CHECK_BELOW))
+            if not milp_s or budget < floor:
+                break
+        probes += 1
+        found = None
+        if not check:
             # approx's own MILP fallback would repeat the probe below with less time
             found = _probe(graph, budget, model, solver, time_limit, verbose,
                            {**options, "milp_fallback": False} if milp_s else options)
-            if found is None and milp_s:
-                found = _probe(graph, budget, model, "milp", milp_s, verbose, options)
-            if found is None:
-                failed.append(budget)
-                lo = budget
-            else:
-                best, hi = found, min(int(found.predicted_peak_bytes), hi)
-                # A plan found at a higher budget can peak below a budget where the probe found none (the
-                # planners are not monotone in the budget): that budget has a plan after all, and the
-                # search goes on below this one, from the largest failed budget under it.
-                lo = max((f for f in failed if f < hi), default=floor - 1)
-            budget = (lo + hi) // 2
-        below = int(hi * (1 - MIN_CHECK_BELOW))
-        if not milp_s or below < floor:
-            break
-        # The MILP, time-limited on a coarsened graph, is not monotone in the budget either: one more
-        # probe MIN_CHECK_BELOW under the least budget found, and where it finds a plan the search goes on.
-        probes += 1
-        found = _probe(graph, below, model, "milp", milp_s, verbose, options)
+        if found is None and milp_s:
+            found = _probe(graph, budget, model, "milp", milp_s, verbose, options)
         if found is None:
-            checked = below
-            failed.append(below)
-            break
-        best, hi = found, min(int(found.predicted_peak_bytes), hi)
-        lo = max((f for f in failed if f < hi), default=floor - 1)
+            failed.append(budget)
+            if check:
+                checked = budget
+                break
+            lo = budget
+        else:
+            best, hi = found, min(int(found.predicted_peak_bytes), hi)
+            # A plan found at a higher budget can peak below a budget where the probe found none (the
+            # planners are not monotone in the budget): that budget has a plan after all, and the search
+            # goes on below this one, from the largest failed budget under it.
+            lo = max((f for f in failed if f < hi), default=floor - 1)
         budget = (lo + hi) // 2
     if best is None:                    # nothing below the peak: keeping everything is the plan
         best = plan(graph, peak, device=model, solver=solver, time_limit=time_limit, **options)

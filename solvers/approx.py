@@ -357,10 +357,7 @@ def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bo
     t0 = time.perf_counter()
     # the warm starts the milp solver gets (_solve_milp): the best plan so far, then the other starts; where
     # the MILP's link rows are per stage (past milp.FIFO_MAX_STAGES), each is first made to satisfy them
-    try:
-        more = _more_starts(fine, seeds, best_plan)
-    except ValueError:                  # a start the polish left with a schedule the plan rules refuse
-        more = [arg for t, _, arg in sorted(seeds, key=lambda s: s[0]) if t < float("inf") and isinstance(arg, list)]
+    more = _more_starts(fine, seeds, best_plan)
     opts = {**options, "compact": False}
     # Past milp.FIFO_MAX_STAGES the model's link rows are conservative: a longer solve can end on a solution
     # the simulator times slower than one it passed on its way (CBC keeps no pool to read them back from).
@@ -368,8 +365,7 @@ def _exact_start(pool: _Pool, fine: Problem, deadline: float | None, verbose: bo
     halves = 2 if (fine.T > milp.FIFO_MAX_STAGES and left is not None and left >= 4 * MIN_EXACT_S) else 1
     info: dict[str, Any] = {}
     for i in range(halves):
-        limit = None if left is None else (left / 2 if i == 0 and halves == 2 else
-                                           left - (time.perf_counter() - t0))
+        limit = None if left is None else left / halves if i == 0 else left - (time.perf_counter() - t0)
         start = pool.best[1]
         res = _solve_milp(fine, None, None, limit, verbose, opts, None if start is None else start.actions, more)
         if res is None:
@@ -403,7 +399,10 @@ def _unfit_start(fine: Problem, seeds: list[tuple[float, str, Any]]) -> list | N
     a MILP that has no plan to start from: made to satisfy its rows and repaired, it may fit."""
     for _, _, arg in sorted(seeds, key=lambda s: s[0]):
         if isinstance(arg, relax.GapPlanner):
-            return schedule_to_actions(fine, arg.schedule(arg.realize()))
+            try:
+                return schedule_to_actions(fine, arg.schedule(arg.realize()))
+            except ValueError:         # a polished construction whose schedule the plan rules refuse
+                return None
         if isinstance(arg, list):
             return arg
     return None

@@ -80,12 +80,12 @@ def _follow(case: Case, p: Any, registered: list | None = None, **config: Any) -
     gc.collect()  # the budget counts every live allocation of the process: earlier tests' cycles too
     with hybridmem.session(plan=p, device="cpu", config={"plugins": config}) as s:
         if registered is not None:
-            _watch_registrations(s, registered)
+            _watch_registrations(registered)
         got = train(case, model, STEPS, "sgd-plain")
     return got, s.stats()
 
 
-def _watch_registrations(s: Any, out: list) -> None:
+def _watch_registrations(out: list) -> None:
     """Record ("registered", in a steady step, planned, priority) of every registration with the allocator
     and ("freed", in a steady step, planned, None) of every entry the allocator frees."""
     from hybridmem.runtime import _current as rt

@@ -427,7 +427,8 @@ class Runtime:
         if mode is None:
             return
         follower = self.follower
-        if follower is not None and follower.state == "pending":
+        verifying = follower is not None and follower.state == "pending"
+        if verifying:
             prog = None                 # step 1 verifies the plan under the dispatch mode
         if prog is not None and (not self.mode_on or _get_current_dispatch_mode() is mode):
             if self.mode_on:
@@ -445,7 +446,7 @@ class Runtime:
         self._steady = None
         # The first step is not recorded: the optimizer's state appears after it, so later steps hold more.
         # (With a plan, the first step verifies it: the step after, which follows it, is recorded.)
-        if self._divergences < 3 and self.steps.steps >= 1 and (follower is None or follower.state != "pending"):
+        if self._divergences < 3 and self.steps.steps >= 1 and not verifying:
             self._program_rec = ProgramRecorder()
             self._packfn = self._pack_recording
         else:
