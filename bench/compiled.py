@@ -140,7 +140,7 @@ def compare(name: str, size: str = "small", ratios: tuple[float, ...] = (0.5,), 
             variants.append(amb)
             log(f"{name}: amb={r} compiled in {amb.result.compile_s:.1f} s, real peak {amb.result.real_peak_bytes}")
             budget = amb.result.real_peak_bytes
-            backend = compile_backend(budget)
+            backend = compile_backend(budget, hold_outputs=False)   # _step drops the outputs before backward
             try:
                 hm = _prepare(name, entry, f"hybridmem@amb={r}", backend, None, args, kwargs)
             except Exception as e:     # a budget below what a plan can reach: reported, not hidden

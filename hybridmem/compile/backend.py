@@ -220,14 +220,18 @@ class CompileBackend:
     when more were in flight).
     ``measure``: read the device's real peak while compiled steps run (``stats().measured_peak_bytes``,
     :mod:`hybridmem.compile.measured`; default on; on the CPU this installs the native allocator meter
-    until :meth:`close`).
+    until :meth:`close`). ``hold_outputs``: the compiled forward's outputs count until the step ends
+    (default: the training loop may hold them through the backward, as ``logits, loss = model(x)`` does);
+    ``False`` for a loop that drops them before calling backward (``loss = model(x)[1]``): their bytes
+    then count only until the forward ends, and a loop that holds them after all holds that much more
+    than the plan counted.
     """
 
     def __init__(self, budget: int | str, device: str | torch.device | None = None,
                  policies: Sequence[str] | str = POLICIES, solver: str = "approx",
                  time_limit: float | None = None, optimizer: Any = None, cost_model: str | None = None,
                  compiler: str = "inductor", scratch: bool = True, calls_per_step: int = 1,
-                 measure: bool = True) -> None:
+                 measure: bool = True, hold_outputs: bool = True) -> None:
         from .. import solvers
         self.policies = _policies(policies)
         if solver not in solvers.SOLVERS:
@@ -258,6 +262,10 @@ class CompileBackend:
             raise ValueError(f"calls_per_step {calls_per_step!r}: expected an int >= 1 (the runs of a compiled "
                              "region in flight at once, e.g. the number of blocks that share one compiled graph)")
         self.calls_per_step = calls_per_step
+        if not isinstance(hold_outputs, bool):
+            raise ValueError(f"hold_outputs {hold_outputs!r}: expected True (the loop may hold the compiled forward's "
+                             "outputs through the backward) or False (it drops them before calling backward)")
+        self.hold_outputs = hold_outputs
         self._runs: dict[tuple[str, ...], InFlight] = {}
         self.peak = StepPeak()
         self._held: dict[tuple[str, ...], int] = {}      # region key -> bytes it keeps through its backward
@@ -462,7 +470,7 @@ class CompileBackend:
                                [p for i, p in enumerate(placeholders) if i in static_idx],
                                [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
                                name=f"region {len(self._regions) + 1}", fuse=fuse,
-                               fuse_backward=fuse and not conv, saved=saved_)
+                               fuse_backward=fuse and not conv, saved=saved_, outputs_held=self.hold_outputs)
 
         # two counts of the region: every forward value the backward reads held from the forward (the
         # count plans are made on first), and the count of the partition PyTorch makes (what it
@@ -619,5 +627,5 @@ def compile_backend(budget: int | str, device: str | torch.device | None = None,
                     policies: Sequence[str] | str = POLICIES, solver: str = "approx", **options: Any) -> CompileBackend:
     """A ``torch.compile`` backend that keeps each compiled training step under ``budget`` bytes
     (:class:`CompileBackend`; ``options``: ``time_limit``, ``optimizer``, ``cost_model``, ``compiler``,
-    ``scratch``, ``calls_per_step``, ``measure``)."""
+    ``scratch``, ``calls_per_step``, ``measure``, ``hold_outputs``)."""
     return CompileBackend(budget, device=device, policies=policies, solver=solver, **options)

@@ -178,7 +178,8 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
     convolutions: there Inductor fuses the backward's chains as well, while around convolutions the
     backward's peak, where the budget binds, held more than the fused count).
 
-    In the backward (with ``backward``) a pointwise node is also inlined, as Inductor inlines it, into a
+    In the backward (with ``backward``) a pointwise node, or one made from no stored tensor (an ``iota``,
+    a ``full``, views of them), is also inlined, as Inductor inlines it, into a
     reduction that reads it (``sum``, ``amax``, ``amin``, ``mean``), into each of up to
     :data:`MAX_INLINED_USERS` pointwise or reduction users (each computes it again: it reads at most
     :data:`MAX_INLINED_READS` stored tensors), and through the views (``view``, ``reshape``) between
@@ -196,7 +197,10 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
         # or an index expression in the kernel: nothing read
         if n.op == "call_function" and all(a in reads and not reads[a] for a in n.all_input_nodes):
             reads.setdefault(n, set())
-        if not _pointwise(n) or n in returned:
+        # in the backward such a value (an iota and its expand, for a loss's one-hot) is an index
+        # expression of the kernels that read it, as a pointwise value is
+        const = backward and n not in fw and n in reads and not reads[n] and not _is_random(n)
+        if not (_pointwise(n) or const) or n in returned:
             continue
         ins: set[fx.Node] = set()
         for a in n.all_input_nodes:
@@ -282,7 +286,8 @@ def is_tangent(n: fx.Node) -> bool:
 
 def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: Iterable[fx.Node],
                 fwd_outputs: Iterable[fx.Node], cost_model: Any = None, name: str = "",
-                fuse: bool = False, fuse_backward: bool = False, saved: set[fx.Node] | None = None) -> JointGraph:
+                fuse: bool = False, fuse_backward: bool = False, saved: set[fx.Node] | None = None,
+                outputs_held: bool = True) -> JointGraph:
     """The hybridmem Graph of joint graph ``gm``.
 
     ``forward``: the nodes the forward computes (``classify_nodes``' required forward nodes);
@@ -295,6 +300,10 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     it leaves out is recomputed in the backward, inside the pointwise or reduction kernel that reads it, so
     those read what it is recomputed from (:func:`recomputed_reads`; another reader, a matrix product,
     reads it as the forward made it), and a saved value is never fused away.
+
+    ``outputs_held``: the forward's user outputs live until the step ends (the training loop may hold them
+    through the backward); False: until the forward ends or their last read, whichever is later (a loop
+    that drops them before the backward, ``loss = model(x)[1]``).
 
     Tangents (the gradients of the forward's outputs, which the backward receives) exist from the
     backward's first stage on (the autograd engine makes them once the forward has returned) until their
@@ -391,12 +400,16 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     for s in stages:
         for tid in s.inputs:
             tensors[tid].consumers.append(s.index)
+    released: list[int] = []     # user outputs freed once the forward ends (outputs_held=False)
     for n in returned:
         for tid in node_tensor.get(n, ()):
             t = tensors[tid]
             if t.producer >= 0:
                 t.freed_after = None
                 t.kind = "other" if n in user_out or stages[t.producer].phase == "forward" else "grad"
+                if n in user_out and not outputs_held:
+                    released.append(tid)
+    forward_end = max((s.index for s in stages if s.phase == "forward"), default=0)
     for t in tensors:
         t.consumers = sorted(set(t.consumers))
         if t.producer < 0:
@@ -405,6 +418,8 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
             t.freed_after = max([t.producer, *t.consumers])
             t.saved = stages[t.producer].phase == "forward" and any(
                 stages[c].phase == "backward" for c in t.consumers)
+        elif t.id in released and t.kind == "other":
+            t.freed_after = max([forward_end, t.producer, *t.consumers])
         elif t.id in tangent_ids and t.kind == "input":
             # the compiled backward owns its tangents (it clears its argument list): each is freed after
             # its last read, as the backward's saved tensors are

@@ -291,13 +291,15 @@ class SteadyPack:
     def __init__(self, program: StepProgram, store_pack: Callable[[Tensor], Any],
                  bind: Callable[[Node, Any], Any], after: Callable[[], None], diverged: Callable[[str], None],
                  keep: Callable[[Tensor], Any], far: Callable[[], bool], counted: Callable[[int], None],
-                 pack_bound: Callable[[Tensor, Any, Any], Any] | None = None):
+                 pack_bound: Callable[[Tensor, Any, Any, bool], Any] | None = None):
         self.program = program
         self.saves = program.saves
         self.store_pack = store_pack
         self.bind = bind  # bind(node, storage) -> the storage's slot
-        # pack_bound(tensor, storage, slot): store_pack for a storage just bound (what store_pack would find)
-        self.pack_bound = pack_bound or (lambda t, st, slot: store_pack(t))
+        # pack_bound(tensor, storage, slot, register): store_pack for a storage just bound (what store_pack
+        # would find)
+        self.pack_bound = pack_bound or (lambda t, st, slot, register: store_pack(t))
+        self.register = program.pressure  # pack_bound registers new entries with the allocator at once
         self.after = after
         self.diverged = diverged
         self.keep, self.far, self.counted = keep, far, counted
@@ -339,7 +341,7 @@ class SteadyPack:
             if st.nbytes() != node.nbytes:
                 return self._leave(f"save #{k} is over a storage of {st.nbytes()} bytes where the recorded "
                                    f"step's had {node.nbytes}", t)
-            h = self.pack_bound(t, st, self.bind(node, st))
+            h = self.pack_bound(t, st, self.bind(node, st), self.register)
         elif cur is not st:
             return self._leave(f"save #{k} is over another storage than the recorded step's", t)
         else:

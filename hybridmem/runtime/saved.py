@@ -133,9 +133,47 @@ class SavedStore:
             return self._keep(t)
         return self.pack_slot(t, st, slot, True)
 
-    def pack_bound(self, t: Tensor, st: torch.UntypedStorage, slot: Any) -> Any:
+    def pack_bound(self, t: Tensor, st: torch.UntypedStorage, slot: Any, register: bool = False) -> Any:
         """``pack`` in a steady-state step of a tensor over storage ``st``, which the step has just bound to
-        its program node (``slot``): the storage and its slot are known, and no dispatch mode is active."""
+        its program node (``slot``): the storage and its slot are known, and no dispatch mode is active.
+        ``register``: register the new entry with the allocator at once (a step whose recording came near
+        its budget registers every entry as it is made) rather than through ``register_pending``.
+
+        On the CPU each tensor attribute read here runs right after a kernel has swept the caches, and
+        costs several times what it costs in a loop: the usual case (``t`` is its storage's contiguous
+        root) reads ``t``'s geometry once, for the entry's view and the covering test alike."""
+        if slot.entry is not None or t._base is not None or t.device != self.device:
+            return self._pack_bound_general(t, st, slot)
+        view = View.of(t)
+        item = view.dtype.itemsize
+        nbytes = st.nbytes()
+        if view.offset or not _contiguous(view.size, view.stride, nbytes // item) or nbytes % item:
+            return self._pack_bound_general(t, st, slot)
+        # The program node says the recorded step saved an activation here (FSDP's unsharded parameters
+        # and wrapper subclasses have none), so pack_slot's checks for those are not repeated.
+        version = t._version
+        e = new_entry(t.detach(), nbytes, view.dtype, self.device, slot.node, version, slot.stage)
+        e.root, e.view, e.origin = weakref.ref(t), view, self.last_op
+        slot.entry = e
+        if slot.node is not None:
+            slot.node.entry = e
+        self.resident[e.uid] = e
+        self.stats.saved(nbytes)
+        self.on_saved(e)
+        if self.native is not None:
+            if register:
+                priority = self.registrable(e)
+                if priority is not None:
+                    self._register(e, st, _SOLE + 1, priority)
+            else:
+                self.pending[e.uid] = e
+        e.refs = 1
+        e.last_access = self.clock.now
+        return Saved(self, e, None, version, None)
+
+    def _pack_bound_general(self, t: Tensor, st: torch.UntypedStorage, slot: Any) -> Any:
+        # a view, an entry made by an earlier save of the storage, another device: pack_slot's general
+        # path (a new entry is left pending: the step's after-pack call registers it)
         if t.device != self.device:
             return self.keep(t)
         return self.pack_slot(t, st, slot, False)
@@ -237,10 +275,12 @@ class SavedStore:
         return Kept(t, t._version)
 
     def _new_entry(self, t: Tensor, st: torch.UntypedStorage, slot: Any,
-                   guard: bool = True) -> tuple[Entry, bool]:
+                   guard: bool = True, pending: bool = True) -> tuple[Entry, bool]:
         """A resident entry for ``t``'s storage, and whether its tensor is ``t`` itself detached (``t`` is a
-        root covering its storage: same geometry, same version counter)."""
-        root = t._base if t._base is not None else t
+        root covering its storage: same geometry, same version counter). ``pending``: left for
+        ``register_pending`` (with the native device); the caller registers it otherwise."""
+        b = t._base
+        root = b if b is not None else t
         nbytes = st.nbytes()
         if guard:
             with torch._C._DisableTorchDispatch():
@@ -257,7 +297,7 @@ class SavedStore:
         self.resident[e.uid] = e
         self.stats.saved(nbytes)
         self.on_saved(e)
-        if self.native is not None:
+        if pending and self.native is not None:
             self.pending[e.uid] = e
         return e, covers and root is t
 
@@ -266,8 +306,11 @@ class SavedStore:
         """Let the allocator free ``e``'s bytes while only the runtime references its storage."""
         t = e.tensor
         assert t is not None
-        limit = _SOLE + (t._base is not None) + 1  # our tensor (and its base), the Python object, the registry
-        if self.native.register(e.uid, t.untyped_storage(), limit, priority):
+        # our tensor (and its base), the Python object, the registry
+        self._register(e, t.untyped_storage(), _SOLE + (t._base is not None) + 1, priority)
+
+    def _register(self, e: Entry, st: torch.UntypedStorage, limit: int, priority: float) -> None:
+        if self.native.register(e.uid, st, limit, priority):
             e.registered = True
             e.priority = priority
             self.registered[e.uid] = e
@@ -390,6 +433,20 @@ def _covering(root: Tensor, st: torch.UntypedStorage, nbytes: int,
             return d, True, True
         return d.as_strided((n,), (1,), 0), True, False
     return flat(st, torch.uint8, device), False, False
+
+
+def _contiguous(size: tuple[int, ...], stride: tuple[int, ...], n: int) -> bool:
+    """Whether a tensor of ``size`` and ``stride`` at offset 0 is contiguous and has ``n`` elements (what
+    ``is_contiguous()`` and ``numel()`` say, without two more reads of the tensor: see ``pack_bound``)."""
+    expected = 1
+    for k, step in zip(reversed(size), reversed(stride)):
+        if k == 0:
+            return n == 0
+        if k != 1:
+            if step != expected:
+                return False
+            expected *= k
+    return expected == n
 
 
 def _modified(size: tuple[int, ...], dtype: torch.dtype, origin: str, saved: int, now: int) -> RuntimeError:
