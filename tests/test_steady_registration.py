@@ -178,3 +178,18 @@ def test_registration_cost_matches_the_full_checks(monkeypatch: pytest.MonkeyPat
     assert got == ref
     assert st.peak_bytes <= budget
     assert st.steady_steps == len(batches) - 2 and seen["steady"] and seen["cost"], (seen, st.notes)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.empty(2, 3, 4), lambda: torch.empty(2, 3, 4).transpose(0, 1), lambda: torch.empty(1, 3, 1, 4),
+    lambda: torch.empty(0, 3), lambda: torch.empty(2, 1, 3)[:, :, :2], lambda: torch.empty(()),
+    lambda: torch.empty(4, 1).expand(4, 3), lambda: torch.empty(3, 1, 5).as_strided((3, 1, 5), (5, 99, 1)),
+    lambda: torch.empty(6)[:4]])
+def test_the_steady_packs_covering_test_is_pytorchs(make: Any) -> None:
+    """``pack_bound`` tests from one read of a tensor's geometry whether it covers its storage contiguously
+    (its entry is then the tensor itself): what ``is_contiguous()``, ``numel()`` and the offset say."""
+    from hybridmem.runtime.saved import _contiguous
+    t = make()
+    n = t.untyped_storage().nbytes() // t.element_size()
+    want = t.is_contiguous() and t.numel() == n and t.storage_offset() == 0
+    assert (t.storage_offset() == 0 and _contiguous(tuple(t.shape), t.stride(), n)) == want

@@ -275,12 +275,10 @@ class SavedStore:
         return Kept(t, t._version)
 
     def _new_entry(self, t: Tensor, st: torch.UntypedStorage, slot: Any,
-                   guard: bool = True, pending: bool = True) -> tuple[Entry, bool]:
+                   guard: bool = True) -> tuple[Entry, bool]:
         """A resident entry for ``t``'s storage, and whether its tensor is ``t`` itself detached (``t`` is a
-        root covering its storage: same geometry, same version counter). ``pending``: left for
-        ``register_pending`` (with the native device); the caller registers it otherwise."""
-        b = t._base
-        root = b if b is not None else t
+        root covering its storage: same geometry, same version counter)."""
+        root = t._base if t._base is not None else t
         nbytes = st.nbytes()
         if guard:
             with torch._C._DisableTorchDispatch():
@@ -297,7 +295,7 @@ class SavedStore:
         self.resident[e.uid] = e
         self.stats.saved(nbytes)
         self.on_saved(e)
-        if pending and self.native is not None:
+        if self.native is not None:
             self.pending[e.uid] = e
         return e, covers and root is t
 
