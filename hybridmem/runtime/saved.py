@@ -154,19 +154,11 @@ class SavedStore:
         version = t._version
         e = new_entry(t.detach(), nbytes, view.dtype, self.device, slot.node, version, slot.stage)
         e.root, e.view, e.origin = weakref.ref(t), view, self.last_op
-        slot.entry = e
-        if slot.node is not None:
-            slot.node.entry = e
-        self.resident[e.uid] = e
-        self.stats.saved(nbytes)
-        self.on_saved(e)
-        if self.native is not None:
-            if register:
-                priority = self.registrable(e)
-                if priority is not None:
-                    self._register(e, st, _SOLE + 1, priority)
-            else:
-                self.pending[e.uid] = e
+        self._enter(e, slot, nbytes, not register)
+        if register and self.native is not None:
+            priority = self.registrable(e)
+            if priority is not None:
+                self._register(e, st, _SOLE + 1, priority)
         e.refs = 1
         e.last_access = self.clock.now
         return Saved(self, e, None, version, None)
@@ -289,15 +281,20 @@ class SavedStore:
         e.root = weakref.ref(root) if shared else None
         e.view = View.of(base)
         e.origin = self.last_op
+        self._enter(e, slot, nbytes, True)
+        return e, covers and root is t
+
+    def _enter(self, e: Entry, slot: Any, nbytes: int, pending: bool) -> None:
+        """A new entry becomes its slot's and node's, resident and counted as saved; ``pending``: left for
+        ``register_pending`` (with the native device)."""
         slot.entry = e
         if slot.node is not None:
             slot.node.entry = e
         self.resident[e.uid] = e
         self.stats.saved(nbytes)
         self.on_saved(e)
-        if self.native is not None:
+        if pending and self.native is not None:
             self.pending[e.uid] = e
-        return e, covers and root is t
 
     # ---- the allocator's registry ------------------------------------------------------------
     def register(self, e: Entry, priority: float) -> None:
