@@ -400,7 +400,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     for s in stages:
         for tid in s.inputs:
             tensors[tid].consumers.append(s.index)
-    released: list[int] = []     # user outputs freed once the forward ends (outputs_held=False)
+    released: set[int] = set()     # user outputs freed once the forward ends (outputs_held=False)
     for n in returned:
         for tid in node_tensor.get(n, ()):
             t = tensors[tid]
@@ -408,7 +408,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
                 t.freed_after = None
                 t.kind = "other" if n in user_out or stages[t.producer].phase == "forward" else "grad"
                 if n in user_out and not outputs_held:
-                    released.append(tid)
+                    released.add(tid)
     forward_end = max((s.index for s in stages if s.phase == "forward"), default=0)
     for t in tensors:
         t.consumers = sorted(set(t.consumers))
