@@ -165,11 +165,20 @@ def _zoo() -> Any:
 
 
 # ---- simulated -------------------------------------------------------------------------------------
-def capture_graph(name: str, size: str = "paper", device: str = "meta", batch: int | None = None) -> Any:
-    """Capture one training step of a zoo model into a Graph (on meta: no memory, paper size is fine)."""
+def capture_graph(name: str, size: str = "paper", device: str = "meta", batch: int | None = None,
+                  warm: bool = False) -> Any:
+    """Capture one training step of a zoo model into a Graph (on meta: no memory, paper size is fine).
+    ``warm``: run one plain step first, so that the measured op times (``meta["measured_cost_s"]``) are
+    the steady state's, not a first call's (on this CPU a first convolution takes about twice as long)."""
     from hybridmem.graph.capture import capture
 
     e = _zoo().build(name, size, batch=batch, device=device)
+    if warm and device != "meta":
+        from .measure import _args_kwargs
+
+        args, kwargs = _args_kwargs(e.inputs)
+        e.loss_fn(e.model(*args, **kwargs)).backward()
+        e.model.zero_grad(set_to_none=True)
     g = capture(e.model, e.inputs, e.loss_fn, device=device)
     g.meta["model"] = name  # the zoo name (capture records the class name), as the tables use it
     g.meta.setdefault("batch", getattr(e.config, "batch", None))
@@ -501,7 +510,7 @@ def measured_sweep(s: Settings, missing: list[str]) -> list[dict[str, Any]]:
                            torch.get_num_threads(), "")
             graph = None
             try:
-                graph = capture_graph(name, s.measured_size, "cpu")
+                graph = capture_graph(name, s.measured_size, "cpu", warm=True)
                 run.saved_bytes = int(graph.saved_bytes())
             except Exception as ex:
                 run.notes.append(f"capture unavailable ({type(ex).__name__}: {ex}); saved bytes counted by "
@@ -528,19 +537,20 @@ def measured_sweep(s: Settings, missing: list[str]) -> list[dict[str, Any]]:
 
 
 def _cpu_plan(graph: Any, run: Any, time_limit: float) -> Any:
-    """An offline plan for this CPU's own graph (cost model ``cpu``) at the measured budget, or why not."""
+    """An offline plan for this CPU's own graph at the measured budget, its ops priced by the times measured
+    in the capture (copies by the ``cpu`` model), or why not."""
     try:
-        from hybridmem.graph.costs import apply_costs, get_cost_model
+        from hybridmem.graph.costs import MeasuredCostModel
         from hybridmem.solvers import plan as solve
 
-        g = apply_costs(graph, get_cost_model("cpu"))
-        p = solve(g, run.budget_bytes, device="cpu", solver="approx", time_limit=time_limit)
+        p = solve(graph, run.budget_bytes, device=MeasuredCostModel.from_graph(graph), solver="approx",
+                  time_limit=time_limit)
         run.plan_solver = p.solver
         if "runtime" not in (p.info or {}):
             # What the runtime needs to map plan stages onto the ops it sees (if the planner left it out).
             from hybridmem.runtime.follow import annotate
 
-            annotate(p, g)
+            annotate(p, graph)
         return p
     except Exception as e:
         why = f"no CPU plan: {type(e).__name__}: {e}"

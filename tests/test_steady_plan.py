@@ -69,10 +69,41 @@ def captured() -> tuple[Case, Any, list]:
     return case, g, reference
 
 
-def _plan(g: Any, share: float, solver: str) -> Any:
+@pytest.fixture(scope="module")
+def measured(captured: tuple) -> Any:
+    """The same step captured after a warm-up step, its op times (the stages' costs) measured."""
+    from hybridmem.graph.capture import capture
+
+    case = captured[0]
+    model = copy.deepcopy(case.model)
+    case.loss_fn(model(*case.args)).backward()
+    model.zero_grad(set_to_none=True)
+    g = capture(model, case.args, case.loss_fn, device="cpu")
+    assert g.meta["cost_model"] == "measured"
+    return g
+
+
+def _plan(g: Any, share: float, solver: str, device: Any = "cpu") -> Any:
     from hybridmem.solvers import plan
 
-    return plan(g, int(share * g.peak_bytes()), device="cpu", solver=solver, time_limit=20)
+    return plan(g, int(share * g.peak_bytes()), device=device, solver=solver, time_limit=20)
+
+
+def test_a_plan_priced_by_measured_op_times_runs_in_the_steady_state(captured: tuple, measured: Any) -> None:
+    """A plan made with this CPU's own op times (MeasuredCostModel, as the benchmarks plan) is followed
+    like one made with a device model: bit-identical, in the steady state, within its budget."""
+    from hybridmem.graph.costs import MeasuredCostModel
+
+    case, _, reference = captured
+    p = _plan(measured, 0.6, "checkmate", MeasuredCostModel.from_graph(measured))
+    assert p.device == "measured" and any(a.kind == "recompute" for a in p.actions)
+    got, stats = _follow(case, p)
+    for i, (a, b) in enumerate(zip(got, reference)):
+        assert a == b, f"step {i} (loss, gradients, buffers or the RNG state) differs from unmanaged"
+    assert stats.plan == "following", stats.plan_note
+    assert stats.steady_steps == STEPS - 2, stats.notes
+    assert stats.peak_bytes <= p.budget_bytes
+    assert stats.policies["recompute"].regenerated > 0
 
 
 def _follow(case: Case, p: Any, registered: list | None = None, **config: Any) -> tuple[list, Any]:
