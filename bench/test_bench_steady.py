@@ -79,9 +79,9 @@ def _feasible(e: Any, budget: int, methods: list[str], plan: Any = None) -> int:
 
 def _recompute_plan(name: str, budget: int) -> Any:
     """A recompute-only plan (Checkmate's MILP) for this CPU's captured graph at ``budget``, priced with the op
-    times measured in that capture (after a warm-up step), or why none. (The nominal ``cpu`` model misranks this CPU's ops: training
-    batch norm costs 0.56 of a convolution here and 0.39 in the model, an in-place ReLU6 0.06 and 0.36, so a
-    plan made with it recomputes what is dear.)"""
+    times measured in that capture (after a warm-up step), or why none. The nominal ``cpu`` model misranks
+    this CPU's ops (MobileNetV2: a training-mode batch norm costs 0.69 of a convolution here and 0.39 in the
+    model, an in-place ReLU6 0.12 and 0.53), so a plan priced by it recomputes what is dear."""
     from hybridmem.errors import BudgetInfeasibleError
     from hybridmem.graph.costs import MeasuredCostModel
     from hybridmem.solvers import plan
