@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from bench.measure import alloc_peak, step_clock
+from bench.measure import alloc_peak, step_clock, storage_bytes
 
 __all__ = ["CompiledResult", "compare", "main"]
 
@@ -64,7 +64,7 @@ def _state_bytes(model: nn.Module, optimizer: Any, inputs: list[Any]) -> int:
     ts = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
     ts += [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
     ts += [t for t in inputs if torch.is_tensor(t)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
+    return storage_bytes(ts)
 
 
 def _step(v: _Variant, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:

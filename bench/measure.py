@@ -132,6 +132,29 @@ def _args_kwargs(inputs: Any) -> tuple[tuple, dict]:
     return (inputs,), {}
 
 
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages under ``tensors`` (views of one storage count once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def state_bytes(model: nn.Module, inputs: Any) -> int:
+    """Distinct storages of parameters, buffers and inputs: the state alive when a step starts (gradients
+    are set to None before each measured step, so the allocator's step peak counts them)."""
+    ins = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    return storage_bytes([*model.parameters(), *model.buffers(), *(t for t in ins if torch.is_tensor(t))])
+
+
+def checkpoint_real_peak(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> tuple[int | None, str]:
+    """(real peak of one step under ``torch.utils.checkpoint`` around every block: the state alive at its
+    start plus the CPU allocator's peak during it, ""), or (None, why checkpoint does not apply)."""
+    first, _ = run_methods(model, inputs, loss_fn, ["ckpt-block"], budget=None, steps=1, warmup=1,
+                           allocator_peak=True, measure_peaks=True)
+    ck = next(r for r in first if r.method == "ckpt-block")
+    if ck.status != "ok" or ck.alloc_peak_bytes is None:
+        return None, ck.reason or "no allocator peak"
+    return state_bytes(model, inputs) + ck.alloc_peak_bytes, ""
+
+
 def _plain_forward(model: nn.Module, inputs: Any) -> Callable[[], Any]:
     args, kwargs = _args_kwargs(inputs)
     return lambda: model(*args, **kwargs)

@@ -45,15 +45,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     e = zoo().build(args.model, args.size)
-    ts = [*e.model.parameters(), *e.model.buffers(), *(t for t in measure._args_kwargs(e.inputs)[0] if torch.is_tensor(t))]
-    state = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
-    first, _ = measure.run_methods(e.model, e.inputs, e.loss_fn, ["ckpt-block"], budget=None, steps=1, warmup=1,
-                                   allocator_peak=True, measure_peaks=True)
-    ck = next(r for r in first if r.method == "ckpt-block")
-    if ck.status != "ok" or ck.alloc_peak_bytes is None:
-        print(f"checkpoint per block is not applicable to {args.model}: {ck.reason}")
+    state = measure.state_bytes(e.model, e.inputs)
+    budget, why = measure.checkpoint_real_peak(e.model, e.inputs, e.loss_fn)
+    if budget is None:
+        print(f"checkpoint per block is not applicable to {args.model}: {why}")
         return 1
-    budget = state + ck.alloc_peak_bytes
     warm = capture_graph(args.model, args.size, "cpu", warm=True)
     nominal = apply_costs(capture_graph(args.model, args.size, "cpu"), get_cost_model("cpu"))
     print(f"{args.model} ({args.size}), budget {budget} B (checkpoint's real peak); forward ops:")

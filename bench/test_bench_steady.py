@@ -57,14 +57,6 @@ def _entry(name: str) -> Any:
     return zoo().build(name, SIZE)
 
 
-def _state_bytes(model: nn.Module, inputs: Any) -> int:
-    """Distinct storages of parameters, buffers and inputs: the state alive when a step starts (gradients
-    are set to None before each measured step, so the allocator's step peak counts them)."""
-    ins = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    ts = [*model.parameters(), *model.buffers(), *(t for t in ins if torch.is_tensor(t))]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
-
-
 def _feasible(e: Any, budget: int, methods: list[str], plan: Any = None) -> int:
     """``budget``, or the least above it (3 % steps) at which every hybridmem method in ``methods`` trains
     3 interleaved steps the way the timed rounds will (op-level recompute cannot always reach a block-level
@@ -110,13 +102,10 @@ def _by_method(results: list[Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("name", MODELS)
 def test_recompute_at_checkpoint_peak(benchmark: Any, name: str) -> None:
     e = _entry(name)
-    state = _state_bytes(e.model, e.inputs)
-    first, _ = measure.run_methods(e.model, e.inputs, e.loss_fn, ["ckpt-block"], budget=None, steps=1, warmup=1,
-                                   allocator_peak=True, measure_peaks=True)
-    ck = _by_method(first)["ckpt-block"]
-    if ck.status != "ok" or ck.alloc_peak_bytes is None:
-        pytest.skip(f"checkpoint per block not applicable to {name}: {ck.reason}")
-    ckpt_real = state + ck.alloc_peak_bytes
+    state = measure.state_bytes(e.model, e.inputs)
+    ckpt_real, why = measure.checkpoint_real_peak(e.model, e.inputs, e.loss_fn)
+    if ckpt_real is None:
+        pytest.skip(f"checkpoint per block not applicable to {name}: {why}")
     plan = _recompute_plan(name, ckpt_real)
     methods = ["ckpt-block", "hybridmem-recompute", "hybridmem-recompute-mode"]
     if not isinstance(plan, str):
