@@ -72,6 +72,19 @@ def _same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
     return all(bit_equal(x, y) for ga, gb in zip(a, b) for x, y in zip(ga, gb))
 
 
+def _assert_rounding_close(losses: list[torch.Tensor], grads: list[list[torch.Tensor]],
+                           ref_losses: list[torch.Tensor], ref_grads: list[list[torch.Tensor]]) -> None:
+    """Losses and gradients equal to rounding. Where Inductor recomputes inside a fused backward kernel its
+    sums may run in another order, and which kernels it fuses depends on the plan (measured: bit-identical,
+    or 4.7e-10 apart in a third step's gradients, CPU, 2026-12-02); another dropout mask would differ by
+    about 0.1, as the knapsack's do."""
+    for x, y in zip(losses, ref_losses):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    for ga, gb in zip(grads, ref_grads):
+        for x, y in zip(ga, gb):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODELS])
 def test_zoo_model_trains_bit_identical_within_the_budget(name: str) -> None:
     e = build(name, "small", batch=2)
@@ -209,34 +222,111 @@ def _least_budget(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Any, bud
     return err
 
 
-@pytest.mark.slow   # two Inductor compiles of the GPT (small, batch 8): 3-5 minutes on 2 shared cores
-def test_inductor_trains_the_gpt_within_a_budget_the_op_by_op_count_had_no_plan_for() -> None:
-    """The GPT under Inductor at 85 % of the unmanaged compiled step's real peak. With the tangents
-    counted for the whole step, the backward's pointwise chains unfused and 8 % of the keep-all peak left
-    free, the least budget with a plan was 0.99 of that peak; with the backward's one-user chains fused,
-    0.91; with its pointwise values inlined into reductions and into several users as Inductor inlines
-    them, about 0.80 (CPU, 2026-12-01). Every step's real peak stays within the budget; dropout masks the
-    backward recomputes are drawn again from the forward's saved seeds (Inductor's ``inductor_random``),
-    so they are the forward's own."""
+@pytest.mark.slow   # three Inductor compiles of the GPT (small, batch 8): 2-5 minutes on 2 shared cores
+def test_inductor_trains_the_gpt_at_the_knapsacks_peak() -> None:
+    """The GPT under Inductor at the real peak PyTorch's own knapsack reaches with
+    ``activation_memory_budget=0.5`` (0.658 of the unmanaged compiled step's). The least budget with a plan
+    was 0.99 of the unmanaged peak with the op-by-op count, 0.80 with the backward's pointwise values
+    inlined as Inductor inlines them, 0.695 with the loop's dropped outputs not counted, and is below 0.658
+    now that a dropout mask is computed from its seed (which stays for the step) and an attention's scores
+    and softmax fold into the masked probabilities they make (CPU, 2026-12-02). Every step's real peak
+    stays within the budget; a recomputed dropout mask is the forward's own (Inductor's
+    ``inductor_random`` of the saved seed)."""
+    import torch._inductor.config as iconfig
+    from torch._functorch import config as fconfig
+
     e = build("gpt", "small")
     args, kwargs = e.args_kwargs()
-    ref_peaks, ref_grads, ref_losses = _train(copy.deepcopy(e.model), args, kwargs, e.loss_fn, "inductor")
-    budget = int(0.85 * ref_peaks[-1])
-    b = compile_backend(budget)
-    peaks, grads, losses = _train(copy.deepcopy(e.model), args, kwargs, e.loss_fn, b)
+    with iconfig.patch(fx_graph_cache=False), fconfig.patch(enable_autograd_cache=False):
+        ref_peaks, ref_grads, ref_losses = _train(copy.deepcopy(e.model), args, kwargs, e.loss_fn, "inductor")
+        with fconfig.patch(activation_memory_budget=0.5):
+            knapsack, _, _ = _train(copy.deepcopy(e.model), args, kwargs, e.loss_fn, "inductor", steps=1)
+        budget = knapsack[0]
+        b = compile_backend(budget, hold_outputs=False)       # _train drops the logits before the backward
+        peaks, grads, losses = _train(copy.deepcopy(e.model), args, kwargs, e.loss_fn, b)
     st = b.stats()
     (region,) = st.regions
+    assert budget < 0.7 * ref_peaks[-1], (budget, ref_peaks)
     assert region.recomputed > 0, st
     assert region.margin_bytes == int(0.02 * region.keep_all_peak_bytes), st     # no convolution
     assert all(p <= budget for p in peaks), (peaks, budget, str(st))
-    # Inductor recomputes inside its fused kernels, where sums may run in another order, and the
-    # partition changes which forward kernels it fuses: losses and gradients to rounding (another
-    # dropout mask would differ by far more: 0.08 where PyTorch's own knapsack redraws them)
-    for x, y in zip(losses, ref_losses):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-    for ga, gb in zip(grads, ref_grads):
-        for x, y in zip(ga, gb):
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    _assert_rounding_close(losses, grads, ref_losses, ref_grads)
+
+
+class _GPT2Block(nn.Module):
+    """A GPT-2 block as Hugging Face writes it: one fused q/k/v projection, a causal ``bias`` buffer applied with
+    ``torch.where`` and the dtype's minimum, softmax, attention and residual dropout, a ``gelu_new`` MLP."""
+
+    def __init__(self, d: int, heads: int, positions: int, p: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.attn_dropout, self.resid_dropout = nn.Dropout(p), nn.Dropout(p)
+        self.register_buffer("bias", torch.tril(torch.ones(positions, positions, dtype=torch.bool)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        w = torch.matmul(q, k.transpose(-1, -2)) / (d // self.heads) ** 0.5
+        w = torch.where(self.bias[:t, :t], w, torch.finfo(w.dtype).min)
+        a = torch.matmul(self.attn_dropout(torch.softmax(w, dim=-1)), v)
+        x = x + self.resid_dropout(self.c_proj(a.transpose(1, 2).reshape(b, t, d)))
+        h = self.c_fc(self.ln_2(x))
+        h = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * h.pow(3))))
+        return x + self.resid_dropout(self.mlp_proj(h))
+
+
+class _TinyGPT2(nn.Module):
+    """A GPT-2-style language model from a config (vocabulary, positions, width, heads, layers, dropout),
+    tied input and output embeddings, the loss of the next token."""
+
+    def __init__(self, vocab: int = 512, positions: int = 32, d: int = 64, heads: int = 4, layers: int = 2,
+                 p: float = 0.1) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(positions, d)
+        self.drop = nn.Dropout(p)
+        self.h = nn.ModuleList(_GPT2Block(d, heads, positions, p) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device)))
+        for block in self.h:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def test_inductor_trains_a_gpt2_at_the_knapsacks_peak_recomputing_dropout_masks() -> None:
+    """A GPT-2-style model the zoo does not build, under Inductor, at the real peak PyTorch's own knapsack
+    reaches (``activation_memory_budget=0.5``). A dropout mask is Inductor's random numbers of a seed the
+    forward draws: the graph computes it from the seeds, which stay for the step, so a plan recomputes it,
+    and the recomputed mask is the forward's own. Each step stays within the budget; losses and gradients
+    equal the unmanaged compiled step's to rounding (:func:`_assert_rounding_close`)."""
+    import torch._inductor.config as iconfig
+    from torch._functorch import config as fconfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _TinyGPT2(vocab=1024, positions=64, d=96, heads=4, layers=3)
+        args = (torch.randint(0, 1024, (8, 64)),)
+    loss_fn: Callable[[Any], torch.Tensor] = lambda loss: loss
+    with iconfig.patch(fx_graph_cache=False), fconfig.patch(enable_autograd_cache=False):
+        ref_peaks, ref_grads, ref_losses = _train(copy.deepcopy(model), args, {}, loss_fn, "inductor")
+        with fconfig.patch(activation_memory_budget=0.5):
+            knapsack, _, _ = _train(copy.deepcopy(model), args, {}, loss_fn, "inductor", steps=1)
+        budget = knapsack[0]
+        assert budget < 0.9 * ref_peaks[-1]
+        b = compile_backend(budget)
+        peaks, grads, losses = _train(copy.deepcopy(model), args, {}, loss_fn, b)
+    st = b.stats()
+    (region,) = st.regions
+    ops = [d["op"] for d in region.decisions if d["policy"] == "recompute"]
+    assert any("inductor_random" in op for op in ops), st.report(50)
+    assert all(p <= budget for p in peaks), (peaks, budget, str(st))
+    _assert_rounding_close(losses, grads, ref_losses, ref_grads)
 
 
 def test_a_loop_that_drops_the_outputs_gives_the_plan_their_bytes() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hybridmem.compile.joint import MAX_INLINED_USERS, fusion_groups
+from hybridmem.compile.joint import MAX_INLINED_USERS, fusion_groups, materialized
 
 
 def _groups(fn, *args) -> tuple[dict[str, list[str]], set[str]]:
@@ -75,15 +75,64 @@ def test_a_value_with_many_users_or_returned_is_stored() -> None:
     assert _names(returned, x)["mul"] not in _groups(returned, x)[1]
 
 
-def test_the_forward_keeps_one_user_chains_only() -> None:
-    x = torch.randn(4, 8)
-
-    def f(x):
-        return (x * 2.0).sum(-1)
-
-    gm = make_fx(f)(x)
-    nodes = list(gm.graph.nodes)
-    fw = {n for n in nodes if n.op == "call_function"}
+def _forward_groups(fn, *args, read_by_backward: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """The forward's groups of ``fn`` traced as if every node were a forward node; the ops named in
+    ``read_by_backward`` (aten names) get a stand-in backward reader."""
+    gm = make_fx(fn)(*args)
+    g = gm.graph
+    nodes = list(g.nodes)
     out = next(n for n in nodes if n.op == "output")
-    # a reduction is no pointwise user: in the forward the product stays a tensor the partitioner may save
-    assert fusion_groups(nodes, fw, set(out.all_input_nodes), backward=True) == {}
+    fw = {n for n in nodes if n.op == "call_function"}
+    for n in list(fw):
+        if n.target.overloadpacket.__name__ in read_by_backward:
+            with g.inserting_before(out):
+                g.call_function(torch.ops.aten.neg.default, (n,))
+    nodes = list(g.nodes)
+    groups = fusion_groups(nodes, fw, set(out.all_input_nodes), backward=True)
+    return {k.name: [m.name for m in v] for k, v in groups.items()}
+
+
+def test_the_forward_folds_a_value_only_one_kernel_reads() -> None:
+    """An attention's scores and softmax are read by its masked probabilities only: they fold into that
+    stage (its recompute replays them from q and k), the matrix product with them."""
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 8, 4)
+
+    def attn(q, k):
+        s = torch.bmm(q, k)
+        return torch.softmax(s, -1).masked_fill(s == 0, 0.0)
+
+    groups = _forward_groups(attn, q, k)
+    (root, members), = groups.items()
+    ops = [m.rstrip("_0123456789") for m in members]
+    assert {"bmm", "_softmax", "eq"} <= set(ops), groups
+
+
+def test_the_forward_keeps_values_two_stages_or_the_backward_read() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+
+    def two_readers(x, w):
+        y = x @ w
+        return y.sum(), torch.mm(y, w)
+
+    def chain(x, w):
+        return torch.mm(torch.mm(x, w), w)
+
+    n = _names(two_readers, x, w)
+    assert not any(n["mm"] in ms for ms in _forward_groups(two_readers, x, w).values())
+    assert _forward_groups(chain, x, w) != {}                               # the inner product folds ...
+    assert _forward_groups(chain, x, w, read_by_backward=("mm",)) == {}     # ... unless the backward reads it
+
+
+def test_a_folded_matrix_product_is_materialized_inside_its_stage() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+
+    def f(x, w):
+        return torch.relu(torch.mm(x, w))
+
+    gm = make_fx(f)(x, w)
+    nodes = list(gm.graph.nodes)
+    out = next(n for n in nodes if n.op == "output")
+    fw = {n for n in nodes if n.op == "call_function"}
+    (root, members), = fusion_groups(nodes, fw, set(out.all_input_nodes)).items()
+    stored = materialized([*members, root])
+    assert len(stored) == 1 and tuple(stored[0].shape) == (4, 8)

@@ -552,7 +552,7 @@ class CompileBackend:
                     + (f" with the other {others} runs' kept tensors" if others else "")
                     + (f", {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
                     + f", {fmt_bytes(outside)} held outside it (the optimizer's state, the regions compiled "
-                    f"before" + (f", the other runs' inputs, parameters and gradients)" if others else ")"),
+                    f"before" + (", the other runs' inputs, parameters and gradients)" if others else ")"),
                     need) from None
             solve_s = float(p.info.get("solve_s") or 0.0)
             d = decisions(p)

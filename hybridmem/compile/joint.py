@@ -11,7 +11,9 @@ Kinds: the partition's static inputs (parameters, buffers) are ``param``, the ot
 returns (gradients) outlive the step and are not evictable (``other``, ``grad``). Forward tensors the
 backward reads are ``saved``. Random ops are not recomputable (their replay would draw new numbers).
 Under Inductor a dropout mask is ``inductor_random`` of a seed that ``inductor_seeds`` draws: only the
-seeds are random, and a mask recomputed from the saved seed is the forward's own. The tangents (the
+seeds are random, and a mask recomputed from the saved seed is the forward's own. The seeds stay for the
+step (a few bytes) and the mask's stage computes the random numbers inside itself, so a plan can recompute
+the mask from the seeds alone. The tangents (the
 gradients of the forward's outputs) are made by a stage of their own before the backward's first op:
 the autograd engine makes them once the forward has returned.
 """
@@ -109,9 +111,23 @@ def _flops(node: fx.Node) -> float:
         return float(hint) if hint is not None else 0.0
 
 
+# Inductor's random numbers from a seed (``inductor_seeds`` draws the seeds): elementwise, computed inside
+# the kernel that reads them, and the same numbers whenever they are computed again from the same seed
+_SEEDED = ("prims.inductor_lookup_seed.default", "prims.inductor_random.default")
+
+
+def _seeded(n: fx.Node) -> bool:
+    return n.op == "call_function" and str(n.target) in _SEEDED
+
+
+def _seeds(n: fx.Node) -> bool:
+    """Whether ``n`` draws the seeds Inductor's random ops are computed from (``inductor_seeds``)."""
+    return n.op == "call_function" and str(n.target) == "prims.inductor_seeds.default"
+
+
 def _pointwise(n: fx.Node) -> bool:
     return (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-            and torch.Tag.pointwise in n.target.tags and not _is_random(n))
+            and (torch.Tag.pointwise in n.target.tags or _seeded(n)) and not _is_random(n))
 
 
 # Reductions Inductor lowers by reading their input's inner function: a pointwise input is computed in
@@ -184,9 +200,13 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
     :data:`MAX_INLINED_USERS` pointwise or reduction users (each computes it again: it reads at most
     :data:`MAX_INLINED_READS` stored tensors), and through the views (``view``, ``reshape``) between
     them. A user that is anything else (a matrix product, a library kernel, a view of another kind) makes
-    Inductor store the value, and so does being returned. The forward keeps the one-user rule: what its
-    inner values become is the partitioner's to decide (it may save one), and a saved value must be a
-    stage of the graph.
+    Inductor store the value, and so does being returned. In the forward a value that only one stage's
+    nodes read, and neither the backward nor the step's caller, also joins that stage, whatever its op
+    (:func:`_fold_forward`: an attention's scores and softmax join the masked probabilities they make); what
+    a fused stage still stores while it runs (a folded matrix product's output) is its workspace
+    (:func:`materialized`). A value the backward reads stays a stage of its own: the partitioner may save
+    it, and a saved value must be a stage of the graph; a plan that recomputes a stage tags its folded
+    nodes ``MUST_RECOMPUTE`` with it, so the partition never saves them instead.
 
     Returns each kernel's last node -> the nodes fused into it, in graph order; a node inlined into
     several kernels is in each of their lists."""
@@ -228,6 +248,8 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
             into[v] = [w for w in _through_views(v, returned)[0]]   # type: ignore[index]
             reads[v] = ins
 
+    _fold_forward(nodes, fw, returned, into)
+
     def roots(n: fx.Node) -> list[fx.Node]:
         out: list[fx.Node] = []
         for u in into[n]:
@@ -242,6 +264,50 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
             for r in roots(n):
                 groups.setdefault(r, []).append(n)
     return groups
+
+
+def _fold_forward(nodes: list[fx.Node], fw: set[fx.Node], stored: set[fx.Node], into: dict[fx.Node, list[fx.Node]]) -> None:
+    """Fold into ``into`` each forward value that only one kernel's nodes read: a value the backward does not
+    read (nor a user of the step), all of whose users end up in one stage (an attention's scores, its
+    softmax and the causal mask, all read by its masked probabilities only). Its op joins that stage, as a
+    chain a recompute of the stage's output replays: otherwise the output could be recomputed only with
+    the value held, which nothing holds (it is not saved). Values ``stored`` (returned, or saved by the
+    partition) stay; so do random ops and multi-output ops (their ``getitem`` users)."""
+    def root(u: fx.Node) -> fx.Node | None:
+        while u in into:
+            if len(into[u]) != 1:
+                return None
+            u = into[u][0]
+        return u
+
+    for n in reversed(nodes):
+        if (n not in fw or n.op != "call_function" or n in into or n in stored or not n.users
+                or _is_random(n) or n.target is operator.getitem):
+            continue
+        if any(u not in fw or u.target is operator.getitem or u.op != "call_function" for u in n.users):
+            continue
+        rs = {root(u) for u in n.users}
+        if len(rs) == 1 and None not in rs:
+            into[n] = [next(iter(rs))]        # type: ignore[list-item]
+
+
+def materialized(members: list[fx.Node]) -> list[torch.Tensor]:
+    """Of a stage's fused members (its own node last), the values a fusing compiler still writes to memory
+    while the stage runs: those of members but the last that are neither pointwise, layout nor reduction
+    ops (which Inductor computes inside the kernel that reads them), a matrix product's output folded into
+    its reader's stage, say; a value that is the storage of the stage's own output is not counted twice."""
+    own = {_storage_key(v) for v in _vals(members[-1].meta.get("val"))}
+    out: list[torch.Tensor] = []
+    seen: set[Any] = set()
+    for m in members[:-1]:
+        if computes_inputs(m) or m.target is operator.getitem:
+            continue
+        for v in _vals(m.meta.get("val")):
+            k = _storage_key(v)
+            if k not in own and k not in seen:
+                seen.add(k)
+                out.append(v)
+    return out
 
 
 def recomputed_reads(nodes: list[fx.Node], fw: set[fx.Node], saved: set[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
@@ -392,9 +458,12 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
         wrote = sum(tensors[t].nbytes for t in outs)
         random = _is_random(n)
         op = "+".join(str(m.target) for m in members)
+        # what a fused stage writes to memory inside itself (a folded matrix product's output)
+        inner_bytes = sum(node_nbytes(v) for v in materialized(members))
         stages.append(Stage(index=idx, id=f"{phase}/{n.name}", op=op, phase=phase,
                             flops=sum(_flops(m) for m in members), bytes_accessed=read + wrote, inputs=ins,
-                            outputs=outs, rng=random, deterministic=not random))
+                            outputs=outs, rng=random, deterministic=not random, workspace=inner_bytes,
+                            ops=len(members)))
         jg.stage_node.append(n)
 
     for s in stages:
@@ -409,6 +478,13 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
                 t.kind = "other" if n in user_out or stages[t.producer].phase == "forward" else "grad"
                 if n in user_out and not outputs_held:
                     released.add(tid)
+    for n in nodes:
+        if _seeds(n) and n in fw:
+            # the backward computes random numbers again from these seeds where it recomputes a dropout
+            # mask: they stay for the step (a few bytes; the partition saves them whenever anything is
+            # recomputed, hybridmem.compile.partition)
+            for tid in node_tensor.get(n, ()):
+                tensors[tid].kind, tensors[tid].freed_after = "other", None
     forward_end = max((s.index for s in stages if s.phase == "forward"), default=0)
     for t in tensors:
         t.consumers = sorted(set(t.consumers))

@@ -105,5 +105,5 @@ def measure_scratch(jgs: Iterable[JointGraph], device: torch.device) -> str:
                 out_bytes = sum(o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor))
                 seen[key] = max(0, int(peak) - out_bytes)
                 del args, kwargs, out, outs
-            s.workspace = seen[key]
+            s.workspace = max(s.workspace, seen[key])     # a fused stage's own buffers may be more
     return "measured: the allocator's peak inside each library op beyond its inputs and outputs"
