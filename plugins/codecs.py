@@ -34,7 +34,7 @@ import math
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -624,6 +624,49 @@ class FP8Codec(Int8Codec):
 
     def decode(self, enc, out, force_torch=False):
         torch.mul(enc.parts[0].to(torch.float32), enc.scale, out=out)
+
+
+class CodecPasses:
+    """One tensor's bytes as the codecs see them: each dtype view and each one-pass statistic is made once
+    and shared by the codecs that read it (the compress policy's choice, a compiled graph's saved tensor).
+
+    ``view(dtype)`` returns the bytes as a flat 1-D tensor of ``dtype`` (no copy); ``nbytes`` is their size.
+    """
+
+    def __init__(self, dtype: torch.dtype, nbytes: int, view: Callable[[torch.dtype], torch.Tensor],
+                 force_torch: bool = False) -> None:
+        self.dtype, self.nbytes, self._view, self.force_torch = dtype, nbytes, view, force_torch
+        self._flat: dict[torch.dtype, torch.Tensor] = {}
+        self._stats: dict[str, Any] = {}
+
+    def flat(self, vdt: torch.dtype) -> torch.Tensor:
+        got = self._flat.get(vdt)
+        if got is None:
+            got = self._flat[vdt] = self._view(vdt)
+        return got
+
+    def info(self, needs: str, flat: torch.Tensor) -> Any:
+        if not needs:
+            return None
+        got = self._stats.get(needs)
+        if got is None:  # codecs that need the same statistics read the same bits (see view_dtype)
+            got = self._stats[needs] = (Analysis.of(flat, self.force_torch) if needs == "bits"
+                                        else Span.of(flat, self.force_torch))
+        return got
+
+    def smallest(self, codecs: Iterable[Codec], limit: float) -> tuple[int, Codec, Any] | None:
+        """``(size, codec, info)`` of the codec whose encoding is smallest and at most ``limit`` bytes
+        (``info``: the statistics its ``encode`` takes), or None where none applies within it."""
+        best: tuple[int, Codec, Any] | None = None
+        for codec in codecs:
+            vdt = codec.view_dtype(self.dtype)
+            if vdt is None or self.nbytes == 0 or self.nbytes % vdt.itemsize:
+                continue
+            flat = self.flat(vdt)
+            size = codec.size(flat, self.info(codec.needs, flat))
+            if size is not None and size <= limit and (best is None or size < best[0]):
+                best = (size, codec, self._stats.get(codec.needs))
+        return best
 
 
 def _pack(flat: torch.Tensor, force_torch: bool) -> torch.Tensor:

@@ -26,7 +26,7 @@ from hybridmem.graph.costs import get_cost_model
 from hybridmem.runtime.entry import Entry
 
 from .base import EntryView
-from .codecs import (LOSSLESS, LOSSY, Analysis, Codec, Encoded, Geometry, Span, Stamp, entry_version,
+from .codecs import (LOSSLESS, LOSSY, Analysis, Codec, CodecPasses, Encoded, Geometry, Span, Stamp, entry_version,
                      flat_view, supported)
 
 # Encode/decode throughput in bytes of the original per second, for cost() without a cost model.
@@ -124,28 +124,12 @@ class CompressPolicy:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         limit = self.max_ratio * nbytes
-        stats: dict[str, Any] = {}          # one pass per kind of statistics, shared by the codecs
-        views: dict[torch.dtype, torch.Tensor] = {}
-        best: tuple[int, Codec, Any] | None = None
-        for lossy, codecs in ((False, self.lossless_codecs), (True, self.lossy_codecs)):
-            if lossy and best is not None and self.prefer_lossless:
-                break
-            for codec in codecs:
-                vdt = codec.view_dtype(t.dtype)
-                if vdt is None or nbytes == 0 or nbytes % vdt.itemsize:
-                    continue
-                flat = views.get(vdt)
-                if flat is None:  # one view per dtype, shared by the codecs reading the same bits
-                    flat = views[vdt] = flat_view(storage, vdt, t.device)
-                info = None
-                if codec.needs:
-                    info = stats.get(codec.needs)
-                    if info is None:
-                        info = stats[codec.needs] = (Analysis.of(flat, self.force_torch) if codec.needs == "bits"
-                                                     else Span.of(flat, self.force_torch))
-                size = codec.size(flat, info)
-                if size is not None and size <= limit and (best is None or size < best[0]):
-                    best = (size, codec, info)
+        passes = CodecPasses(t.dtype, nbytes, lambda vdt: flat_view(storage, vdt, t.device), self.force_torch)
+        best = passes.smallest(self.lossless_codecs, limit)
+        if self.lossy_codecs and (best is None or not self.prefer_lossless):
+            # a lossy codec wins only where it is strictly smaller (sizes are whole bytes)
+            lossy = passes.smallest(self.lossy_codecs, limit if best is None else min(limit, best[0] - 1))
+            best = lossy or best
         if best is None:
             return _Choice(None, nbytes, stamp, None)
         return _Choice(best[1], best[0], stamp, best[2])
@@ -193,8 +177,7 @@ class CompressPolicy:
             name = _COST_MODEL_CODEC.get(codec, "")
             dec = getattr(m, "decompress_time", m.compress_time)
             return float(m.compress_time(nbytes, name, ratio) + dec(nbytes, name, ratio))
-        enc_bw, dec_bw = _THROUGHPUT.get(device_type, _THROUGHPUT["cuda"])[codec]
-        return nbytes / enc_bw + nbytes / dec_bw + 2 * _LATENCY.get(device_type, _LATENCY["cuda"])
+        return sum(codec_seconds(codec, nbytes, device_type))
 
     def evict(self, entry: EntryView) -> _Compressed:
         choice = self.choose(entry)
@@ -273,6 +256,14 @@ class CompressPolicy:
         LOSSLESS.get(enc.codec, LOSSY.get(enc.codec)).decode(enc, out, self.force_torch)
         self.stats["decode_s"] += time.perf_counter() - t0
         return g.rebuild(storage)
+
+
+def codec_seconds(codec: str, nbytes: int, device_type: str = "cpu") -> tuple[float, float]:
+    """(encode, decode) seconds of ``nbytes`` with ``codec`` on a device of this type, from the measured
+    throughput table above (CUDA: its guesses)."""
+    enc_bw, dec_bw = _THROUGHPUT.get(device_type, _THROUGHPUT["cuda"])[codec]
+    latency = _LATENCY.get(device_type, _LATENCY["cuda"])
+    return nbytes / enc_bw + latency, nbytes / dec_bw + latency
 
 
 def _resolve_cost_model(spec: Any) -> Any:
