@@ -44,6 +44,9 @@ class JointGraph:
     fused: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)  # stage node -> pointwise nodes fused into it
     # forward nodes the backward recomputes under PyTorch's own partition (see hybridmem.compile.defaults)
     recomputed: set[fx.Node] = field(default_factory=set)
+    # saved tensors held compressed (hybridmem.compile.compressed): tensor id -> the node whose value the
+    # backward reads, saved as it is and encoded after its last forward read
+    compressed: dict[int, fx.Node] = field(default_factory=dict)
 
     def forward_nodes_of(self, tensor_id: int) -> list[fx.Node]:
         """The nodes a decision on ``tensor_id`` tags: its producer, the pointwise nodes fused into it
@@ -118,6 +121,11 @@ _SEEDED = ("prims.inductor_lookup_seed.default", "prims.inductor_random.default"
 
 def _seeded(n: fx.Node) -> bool:
     return n.op == "call_function" and str(n.target) in _SEEDED
+
+
+def _alias(n: fx.Node) -> bool:
+    """Whether ``n`` is a view op (its output shares its input's storage: ``detach``, ``t``, ``permute``)."""
+    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and bool(n.target.is_view)
 
 
 def _seeds(n: fx.Node) -> bool:
@@ -426,6 +434,16 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
                                 inputs=[], outputs=list(dict.fromkeys(made))))
             jg.stage_node.append(tangents[0])
             tangents = []
+        if phase == "backward" and _alias(n):
+            # a view in the backward (a ReLU's ``detach`` of its output, a ``t`` for a weight's gradient) is no
+            # kernel: it takes place where its readers run. As a stage of its own at the backward's start (where
+            # AOTAutograd traces a ReLU's detach) it would hold its base resident from there on
+            tids = [by_storage.get(_storage_key(v)) for v in _vals(n.meta.get("val"))]
+            if tids and None not in tids:
+                node_tensor[n] = tids              # type: ignore[assignment]
+                for tid in tids:
+                    jg.tensor_nodes.setdefault(tid, []).append(n)   # type: ignore[index]
+                continue
         idx = len(stages)
         members = [*groups.get(n, ()), n]
         ins: list[int] = []
