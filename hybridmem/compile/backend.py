@@ -33,9 +33,13 @@ from torch import fx
 from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import DeviceModel, get_cost_model
 from ..graph.units import fmt_bytes, parse_bytes
+from ..plugins.compress import codec_seconds
 from ..runtime.core import cost_model_for, resolve_device
 from .defaults import saved_by_partition
 from .joint import has_convolution, joint_graph
+from . import codec_ops, probe
+from . import compressed as compressed_mod
+from .compressed import rewrite_partition
 from .measured import StepPeak
 from .runs import InFlight
 from .partition import Decisions, apply_plan, decisions
@@ -44,14 +48,15 @@ from .scratch import measure_scratch
 
 __all__ = ["CompileBackend", "CompileStats", "RegionStats", "compile_backend", "POLICIES", "COMPILERS"]
 
-POLICIES = ("swap", "recompute")      # what a compiled graph can do with a saved tensor
+POLICIES = ("swap", "recompute", "compress")   # what a compiled graph can do with a saved tensor
 COMPILERS = ("inductor", "eager")     # what compiles the partitioned graphs
 NO_LINK_BW = 1e-3                     # B/s: the host link of a device that cannot swap (planners avoid it)
 # Inductor's compiled step holds more at its peak than the joint graph counts op by op (its kernels'
 # buffers live by kernel, not by op, and it orders the backward and the recomputed ops its own way):
-# 0.7-1.6 MiB on ResNet-50 small (4.3-6.4 % of the keep-all peak), 3.3 % on a ResNet-18-like net
-# (CPU, 2026-12-01). Its plans leave this share of the keep-all peak free.
-INDUCTOR_MARGIN = 0.08
+# 0.7-1.6 MiB on ResNet-50 small (4.3-6.4 % of the keep-all peak) at 0.79 of its unmanaged peak, 3.3 % on a
+# ResNet-18-like net (CPU, 2026-12-01), and 2.3 MiB (9.3 %) at 0.76, where a plan recomputes 6-7 MiB
+# (2026-12-03). Its plans leave this share of the keep-all peak free.
+INDUCTOR_MARGIN = 0.11
 # Without convolutions (transformers, MLPs) the graph fuses the backward's pointwise chains as Inductor
 # does, and Inductor's step stayed below the count: on the transformer (small, batch 8) at 0.765 of the
 # unmanaged peak the real peak was 1.27 MiB (4.0 % of the keep-all peak) below the predicted one (CPU,
@@ -62,6 +67,11 @@ INDUCTOR_MARGIN_NO_CONV = 0.02
 REALIZED_PROBES = 4
 REALIZED_HEADROOM = 0.02    # ... only where the first plan's judged peak leaves this share of the budget free
 REALIZED_TIME_SHARE = 2.0   # ... and for at most twice the time the first plan and its judgement took
+
+
+# compress a saved tensor only where its lossless encoding, measured on the example inputs, is at most this
+# share of its bytes: a ReLU's output with half its elements zero encodes to 0.53 of a float32 tensor
+COMPRESS_MAX_RATIO = 0.75
 
 
 @dataclass
@@ -79,8 +89,11 @@ class RegionStats:
     saved_bytes: int                  # bytes the forward saves for the backward, kept
     recomputed: int = 0               # saved tensors the backward recomputes ...
     recomputed_bytes: int = 0
-    swapped: int = 0                  # ... and those it reloads from the host
+    swapped: int = 0                  # ... those it reloads from the host ...
     swapped_bytes: int = 0
+    compressed: int = 0               # ... and those it holds compressed (lossless) from forward to backward
+    compressed_bytes: int = 0
+    compressed_to_bytes: int = 0      # ... their encodings' bytes, measured on the first call's inputs
     predicted_overhead: float = 0.0   # predicted step time / compute time - 1
     gap_to_lower_bound: float | None = None
     runs_planned: int = 1             # runs in flight the plan holds (calls_per_step)
@@ -91,7 +104,11 @@ class RegionStats:
     scratch_s: float = 0.0            # ... measuring the library ops' scratch
     probe_s: float = 0.0              # ... partitioning once with no plan (what PyTorch saves on its own)
     solve_s: float = 0.0              # ... in the solver
+    codec_probe_s: float = 0.0        # ... measuring what compresses (one forward on the inputs) and its counts
     note: str = ""
+    # what the compress ops did in the steps run so far (None: nothing compressed)
+    codec: codec_ops.CodecStats | None = None
+    codec_region: int = 0             # the compress ops' region id (0: none)
     # one record per evicted tensor: the node that makes it, its op, bytes and policy, largest first
     decisions: list[dict[str, Any]] = field(default_factory=list)
 
@@ -141,12 +158,110 @@ class CompileStats:
                 f"  {r.name}: {r.stages} ops, keep-all peak {fmt_bytes(r.keep_all_peak_bytes)}, share "
                 f"{fmt_bytes(r.budget_bytes)}, predicted peak {fmt_bytes(r.predicted_peak_bytes)}; saved "
                 f"{fmt_bytes(r.saved_bytes)}, recomputed {r.recomputed} ({fmt_bytes(r.recomputed_bytes)}), "
-                f"swapped {r.swapped} ({fmt_bytes(r.swapped_bytes)}); predicted +{100 * r.predicted_overhead:.1f} %"
+                f"swapped {r.swapped} ({fmt_bytes(r.swapped_bytes)})"
+                + (f", compressed {r.compressed} ({fmt_bytes(r.compressed_bytes)} to "
+                   f"{fmt_bytes(r.compressed_to_bytes)})" if r.compressed else "")
+                + f"; predicted +{100 * r.predicted_overhead:.1f} %"
                 + (f"; planned for {r.runs_planned} runs in flight" if r.runs_planned > 1 else "")
                 + (f"; {r.runs_in_flight} runs were in flight (calls_per_step={r.runs_in_flight} plans for them)"
                    if r.runs_in_flight > r.runs_planned else "")
-                + (f"; {r.note}" if r.note else ""))
+                + (f"; {r.note}" if r.note else "")
+                + (f"\n    {r.name}: compressed {_codec_line(r.codec)}"
+                   if r.codec is not None and r.codec.packed else ""))
         return "\n".join(lines)
+
+
+@dataclass(eq=False)
+class _Variant:
+    """One count of a region (and its partition's count) the planners may plan on."""
+
+    name: str                                     # "", "compress half", "compress" or "compress all"
+    jg: Any
+    part: Any
+    compressed: dict[str, compressed_mod.Compressed] = field(default_factory=dict)  # node name -> measured
+
+
+class _Codecs:
+    """What compresses in a region's counts (:meth:`CompileBackend._codec_choices`), and the counts that hold a
+    choice of it compressed."""
+
+    def __init__(self, model: Any, device_type: str) -> None:
+        self.model, self.device_type = model, device_type
+        # id(count) -> (its compressible tensors, most worth it first; what the probe measured; their nodes)
+        self.counts: dict[int, tuple[list[int], dict[int, compressed_mod.Compressed], dict[int, fx.Node]]] = {}
+
+    def variant(self, name: str, jg: Any, part: Any, select: Any) -> _Variant | None:
+        """``jg`` and ``part`` with the tensors ``select(count, ranked ids)`` returns held compressed; None where
+        that is nothing."""
+        made, specs = [], {}
+        for j in (jg, part):
+            got = self.counts.get(id(j)) if j is not None else None
+            chosen = select(j, got[0]) if got is not None else []
+            if not chosen:
+                made.append(None)
+                continue
+            _, picks, found = got               # type: ignore[misc]
+            made.append(compressed_mod.with_compression(j, {t: picks[t] for t in chosen}, found, self.model,
+                                                        self.device_type))
+            specs.update({picks[t].node: picks[t] for t in chosen})
+        if not specs:
+            return None
+        return _Variant(name, made[0] if made[0] is not None else jg, made[1], specs)
+
+    def pick(self, j: Any, select: Any) -> list[int]:
+        """``select(ranked ids)`` of count ``j`` (empty where nothing of it compresses)."""
+        got = self.counts.get(id(j))
+        return select(got[0]) if got is not None else []
+
+    def seconds(self, j: Any, tids: list[int]) -> float:
+        """Encode and decode seconds of ``tids`` of count ``j`` (:func:`~hybridmem.plugins.compress.codec_seconds`)."""
+        picks = self.counts[id(j)][1]
+        return sum(sum(codec_seconds(picks[t].codec, picks[t].nbytes, self.device_type)) for t in tids)
+
+    def half(self, j: Any, order: list[int]) -> list[int]:
+        """The most worth it of ``order`` that save half the bytes all of them would."""
+        _, picks, _ = self.counts[id(j)]
+        total = sum(picks[t].nbytes - picks[t].size for t in order)
+        out, saved = [], 0
+        for t in order:
+            if saved >= total / 2:
+                break
+            out.append(t)
+            saved += picks[t].nbytes - picks[t].size
+        return out
+
+
+@dataclass
+class _Planned:
+    variant: _Variant
+    jg: Any                                       # the count the plan was made on
+    plan: Any                                     # None: the share holds the keep-all peak
+    decisions: Decisions
+    peak: int                                     # that count's keep-all peak
+    predicted: int
+    time_s: float                                 # predicted step time
+    solve_s: float
+    note: str
+
+
+@dataclass
+class _Prepared:
+    """What the partition function needs after planning: whether to offload, what to compress."""
+
+    offload: bool = False
+    compressed: list[compressed_mod.Compressed] = field(default_factory=list)
+    region: int = 0
+    stats: RegionStats | None = None
+
+
+def _codec_line(c: codec_ops.CodecStats) -> str:
+    """What the compress ops did: tensors, bytes before and after, time, and bytes over the plan's count."""
+    codecs = ", ".join(f"{k} {v}" for k, v in sorted(c.codecs.items()))
+    raw = f", {c.raw} left as they were" if c.raw else ""
+    over = (f"; {fmt_bytes(c.over_plan_bytes)} more than the plan counted (the data compressed worse than when "
+            "the region compiled)") if c.over_plan_bytes else ""
+    return (f"{c.packed} saved tensor(s) in the steps so far ({codecs}{raw}): {fmt_bytes(c.bytes_in)} to "
+            f"{fmt_bytes(c.bytes_out)}, encode {c.encode_s * 1e3:.1f} ms, decode {c.decode_s * 1e3:.1f} ms{over}")
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -187,12 +302,31 @@ class _Partitioner:
         from torch._functorch import config as fconfig
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        offload = self.backend._prepare(gm, joint_inputs, kwargs)
+        prep = self.backend._prepare(gm, joint_inputs, kwargs)
         patch = fconfig.patch(enable_activation_offloading=True, activation_offload_separate_stream=True,
                               activation_offload_sink_wait=True, activation_reload_prefetch=True) \
-            if offload else contextlib.nullcontext()
+            if prep.offload else contextlib.nullcontext()
         with patch:
-            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+            fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if prep.compressed:
+            done = set(rewrite_partition(fw, bw, prep.compressed, prep.region))
+            missed = [c for c in prep.compressed if c.node not in done]
+            if missed and prep.stats is not None:
+                # the partition saved them in another form (a view, a recompute): they stay as they are
+                st = prep.stats
+                lost = sum(c.nbytes - c.size for c in missed)
+                gone = {c.node for c in missed}
+                st.compressed -= len(missed)
+                st.compressed_bytes -= sum(c.nbytes for c in missed)
+                st.compressed_to_bytes -= sum(c.size for c in missed)
+                st.decisions = [d for d in st.decisions if not (d["policy"] == "compress" and d["node"] in gone)]
+                st.note = "; ".join(x for x in (st.note, (
+                    f"{len(missed)} tensor(s) the plan compressed were not saved as planned and stay "
+                    f"uncompressed ({fmt_bytes(lost)} more than the plan counted)")) if x)
+                warnings.warn(f"hybridmem compile: {prep.stats.name}: {len(missed)} tensor(s) the plan compressed were "
+                              f"not saved as planned: the step may hold {fmt_bytes(lost)} more than the plan counted",
+                              RuntimeWarning, stacklevel=2)
+        return fw, bw
 
     def uuid(self) -> str:
         return self.token
@@ -272,6 +406,7 @@ class CompileBackend:
         self._regions: dict[tuple[str, ...], RegionStats] = {}
         self._current: tuple[str, ...] = ()
         self._dev: torch.device | None = self.device
+        self._examples: list[Any] | None = None
         self.partitioner = _make_partitioner(self)
 
     # ---- torch.compile calls this ----------------------------------------------------------------
@@ -284,9 +419,11 @@ class CompileBackend:
         if self.measure:
             self.peak.start(self._dev, self._optimizer)
         self.peak.compiling()
+        self._examples = example_inputs     # what the compress probe measures on; held while compiling only
         try:
             compiled = self._compile(gm, example_inputs)
         finally:
+            self._examples = None
             self.peak.compiled()
         key = self._current
         runs = self._runs.get(key)
@@ -334,6 +471,9 @@ class CompileBackend:
         for key, st in self._regions.items():
             runs = self._runs.get(key)
             st.runs_in_flight = runs.most if runs is not None else 0
+            if st.codec_region:
+                now = codec_ops.stats_for(st.codec_region)
+                st.codec = replace(now, codecs=dict(now.codecs))
         return list(self._regions.values())
 
     # ---- planning ----------------------------------------------------------------------------
@@ -437,8 +577,8 @@ class CompileBackend:
             return parse_bytes(self.budget, what="budget", total=total)
         return self._budget_b
 
-    def _prepare(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> bool:
-        """Plan the joint graph ``gm`` and tag it; return whether any tensor is offloaded."""
+    def _prepare(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> _Prepared:
+        """Plan the joint graph ``gm`` and tag it; return what the partition's rewrite needs."""
         from torch._functorch import config as fconfig
         from torch._functorch.compile_utils import fx_graph_cse
         from torch._functorch.partitioners import classify_nodes
@@ -459,6 +599,7 @@ class CompileBackend:
         info = classify_nodes(gm, static_idx, nfwd)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         out = next(n for n in gm.graph.nodes if n.op == "output")
+        forward = [n for n in gm.graph.nodes if info.is_required_fw(n)]
         conv = has_convolution(gm.graph.nodes)
         fuse = self.compiler == "inductor"
         t_probe = time.perf_counter()
@@ -466,8 +607,7 @@ class CompileBackend:
         t_probe = time.perf_counter() - t_probe
 
         def joint(saved_: set[fx.Node] | None) -> Any:
-            return joint_graph(gm, [n for n in gm.graph.nodes if info.is_required_fw(n)],
-                               [p for i, p in enumerate(placeholders) if i in static_idx],
+            return joint_graph(gm, forward, [p for i, p in enumerate(placeholders) if i in static_idx],
                                [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
                                name=f"region {len(self._regions) + 1}", fuse=fuse,
                                fuse_backward=fuse and not conv, saved=saved_, outputs_held=self.hold_outputs)
@@ -478,6 +618,10 @@ class CompileBackend:
         # has no plan (hybridmem.compile.defaults)
         jg = joint(None)
         jg_part = joint(saved) if saved is not None else None
+        if "recompute" not in self.policies:
+            for j in (jg, jg_part):      # no stage may be replayed: the planners keep, swap (or it compresses)
+                for st_ in (j.graph.stages if j is not None else ()):
+                    st_.deterministic = False
         t_scratch = time.perf_counter()
         if self.scratch:
             counts = [j for j in (jg, jg_part) if j is not None]
@@ -500,90 +644,254 @@ class CompileBackend:
         grads = sum(t.nbytes for t in g.tensors if t.producer < 0 and t.kind == "param")
         outside += others * (fixed + grads)
         share -= others * (fixed + grads)
-        floor = solvers.memory_floor(g, model)
-        if jg_part is not None and not others:
-            floor = min(floor, solvers.memory_floor(jg_part.graph, model))
-        least = floor + margin + outside
+        base_s = float(model.op_times(g).sum())
+        plain = _Variant("", jg, jg_part)
+        variants = [plain]
+        notes: list[str] = []
+        t_codec = 0.0
+        lazy: dict[str, Any] = {}
+
+        def codecs() -> "_Codecs | None":
+            """What compresses (measured once, where compress is allowed and the budget binds)."""
+            nonlocal t_codec
+            if "codecs" not in lazy:
+                t1 = time.perf_counter()
+                lazy["codecs"] = (self._codec_choices(gm, forward, jg, jg_part, model, notes)
+                                  if "compress" in self.policies else None)
+                t_codec += time.perf_counter() - t1
+            return lazy["codecs"]
+
+        def every() -> _Variant | None:
+            """The counts with every candidate compressed (made once, where asked for)."""
+            nonlocal t_codec
+            if "every" not in lazy:
+                t1 = time.perf_counter()
+                c = codecs()
+                lazy["every"] = c.variant("compress all", jg, jg_part, lambda j, order: order) if c else None
+                t_codec += time.perf_counter() - t1
+            return lazy["every"]
+
+        def floor(v: _Variant) -> int:
+            f = solvers.memory_floor(v.jg.graph, model)
+            if v.part is not None and not others:
+                f = min(f, solvers.memory_floor(v.part.graph, model))
+            return f
+        least_plain = floor(plain) + margin + outside
+        least = least_plain
+        if budget < least_plain and every() is not None:
+            least = min(least, floor(every()) + margin + outside)
         if budget < least:
             raise BudgetInfeasibleError(
                 f"hybridmem compile: {name} needs a budget of at least {fmt_bytes(least)} ({least} B) with every "
-                f"evictable activation recomputed or swapped ({fmt_bytes(least - outside)} in the region"
+                "evictable activation "
+                + ("recomputed, swapped or compressed" if lazy.get("every") else "recomputed or swapped")
+                + f" ({fmt_bytes(least - outside)} in the region"
                 + (f", of which {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
                 + f"; {fmt_bytes(outside)} held outside it: the optimizer's state, the regions compiled "
                 f"before" + (", the other runs' inputs, parameters and gradients" if others else "")
                 + f"); the budget is {fmt_bytes(budget)} ({budget} B)", least)
-        solve_s = 0.0
-        if jg_part is not None and not others and share >= jg_part.graph.peak_bytes() + margin:
-            jg, g = jg_part, jg_part.graph     # PyTorch's own partition fits, as it runs
-            peak = g.peak_bytes()
-        if share >= peak + margin + others * max(g.saved_bytes() - grads, 0):
-            d = Decisions()
-            st = RegionStats(name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=peak,
-                             min_budget_bytes=least, margin_bytes=margin, budget_bytes=share,
-                             predicted_peak_bytes=peak, saved_bytes=g.saved_bytes(),
-                             note="the share holds the keep-all peak: PyTorch's own partition")
-        else:
-            try:
-                try:
-                    p, predicted = self._plan_runs(g, share - margin, others, grads, model)
-                except BudgetInfeasibleError:
-                    if jg_part is None or others:
-                        raise
-                    part = jg_part
+        planned: list[_Planned] = []
+        failures: list[BudgetInfeasibleError] = []
 
-                    def judge(p: Any) -> int | None:
-                        return realized_peak(gm, joint_inputs, kwargs, part, p, decisions(p), model)
-                    p, predicted = self._plan_realized(part.graph, share - margin, model, judge)
-                    jg, g = part, part.graph
-                    peak = g.peak_bytes()
+        def attempt(v: _Variant | None) -> _Planned | None:
+            nonlocal t_codec
+            if v is None or any(v is w for w in variants[1:]):
+                return None
+            if v is not plain:
+                variants.append(v)
+            t_v = time.perf_counter()
+            try:
+                r = self._plan_variant(v, gm, joint_inputs, kwargs, share, margin, others, grads, model, name)
+                planned.append(r)
+                return r
             except BudgetInfeasibleError as e:
-                # the least budget this solver finds a plan for (bisection), so the error names it
-                if others:  # the least total any of the plans tried needed, beside the other runs
-                    least_need = int(e.minimum_bytes if e.minimum_bytes is not None else g.peak_bytes())
-                else:
-                    least_need = int(self._solve(g, "min", model).budget_bytes)
-                    if jg_part is not None and e.minimum_bytes is not None:
-                        least_need = min(least_need, int(e.minimum_bytes))   # a plan as partitioned
-                need = least_need + margin + outside
-                raise BudgetInfeasibleError(
-                    f"hybridmem compile: {name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
-                    f"the least budget it has a plan for is {fmt_bytes(need)} ({need} B): "
-                    f"{fmt_bytes(least_need)} in the region"
-                    + (f" with the other {others} runs' kept tensors" if others else "")
-                    + (f", {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
-                    + f", {fmt_bytes(outside)} held outside it (the optimizer's state, the regions compiled "
-                    f"before" + (", the other runs' inputs, parameters and gradients)" if others else ")"),
-                    need) from None
-            solve_s = float(p.info.get("solve_s") or 0.0)
-            d = decisions(p)
-            if d.swap and not can_swap:
-                raise BudgetInfeasibleError(
-                    f"hybridmem compile: {name} fits {fmt_bytes(share)} only by swapping {len(d.swap)} tensor(s), "
-                    f"which a compiled graph on {dev} cannot (policies {list(self.policies)}); "
-                    f"a larger budget lets recompute alone fit", None)
-            apply_plan(jg, d)
-            records = [{"node": jg.producer_node[t].name, "op": g.stages[g.tensors[t].producer].op,
-                        "bytes": g.tensors[t].nbytes, "policy": policy}
-                       for policy, ids in (("recompute", d.recompute), ("swap", d.swap)) for t in ids]
-            st = RegionStats(
-                name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=peak,
-                min_budget_bytes=least, margin_bytes=margin, budget_bytes=share, predicted_peak_bytes=predicted,
-                saved_bytes=g.saved_bytes() - d.bytes_of(jg, "recompute") - d.bytes_of(jg, "swap"),
-                recomputed=len(d.recompute), recomputed_bytes=d.bytes_of(jg, "recompute"),
-                swapped=len(d.swap), swapped_bytes=d.bytes_of(jg, "swap"),
-                predicted_overhead=float(p.info.get("overhead") or 0.0),
-                gap_to_lower_bound=p.info.get("gap_to_lower_bound"), solver=p.solver,
-                plan_from=str(p.info.get("plan_from") or ""),
-                decisions=sorted(records, key=lambda r: -r["bytes"]))
-        self._held[key] = (fixed + st.saved_bytes + (st.swapped_bytes if dev.type != "cuda" else 0)
+                failures.append(e)
+                return None
+            finally:
+                if v is not plain:
+                    t_codec += time.perf_counter() - t_v
+
+        # below the floor of the count without compression no plan of it fits: only compression may
+        first = attempt(plain) if budget >= least_plain else None
+        if (first is None or first.plan is not None) and codecs() is not None:
+            if first is not None:
+                # hold compressed what that plan keeps, but the sources its recomputes replay from: the same
+                # recomputes still fit, and the bytes compression frees may spare some of them. Not where the
+                # codecs alone cost more than all that plan adds to the step (it could not be faster)
+                d, ga = first.decisions, first.jg.graph
+                sources = {x for t in d.recompute for x in ga.stages[ga.tensors[t].producer].inputs}
+                evicted = set(d.recompute) | set(d.swap) | sources
+                pick = lazy["codecs"].pick(first.jg, lambda order: [t for t in order if t not in evicted])
+                if pick and lazy["codecs"].seconds(first.jg, pick) < first.time_s - base_s:
+                    attempt(lazy["codecs"].variant("compress what it keeps", first.jg, None, lambda j, order: pick))
+                elif pick:
+                    notes.append("compression not tried: its codecs alone would cost more than the recompute plan adds")
+            else:
+                attempt(every())
+                # the most worth it, for about half the bytes compressing all would save: the plan recomputes
+                # around them (compressing a recompute's source takes that recompute away)
+                attempt(lazy["codecs"].variant("compress half", jg, jg_part, lazy["codecs"].half))
+        if not planned:
+            needs = [int(e.minimum_bytes) for e in failures if e.minimum_bytes is not None]
+            if not needs:
+                raise failures[0]
+            least_need = min(needs)
+            need = least_need + margin + outside
+            raise BudgetInfeasibleError(
+                f"hybridmem compile: {name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
+                f"the least budget it has a plan for is {fmt_bytes(need)} ({need} B): "
+                f"{fmt_bytes(least_need)} in the region"
+                + (f" with the other {others} runs' kept tensors" if others else "")
+                + (f", {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
+                + f", {fmt_bytes(outside)} held outside it (the optimizer's state, the regions compiled "
+                f"before" + (", the other runs' inputs, parameters and gradients)" if others else ")"),
+                need) from None
+        best = min(planned, key=lambda r: r.time_s)     # the fastest plan; the first (less compressed) on a tie
+        if len(variants) > 1:
+            times = ", ".join(f"{v.name or 'no compression'} " + next(
+                (f"{100 * (r.time_s / base_s - 1):+.1f} %" for r in planned if r.variant is v), "no plan")
+                for v in variants)
+            notes.append(f"compression {'chosen' if best.variant.compressed else 'not chosen'} (predicted {times})")
+        st = self._region_stats_of(best, name, least, margin, share, base_s)
+        if notes:
+            st.note = "; ".join([*(x for x in [st.note] if x), *notes])
+        jg, g = best.jg, best.jg.graph
+        if best.plan is not None:
+            apply_plan(jg, best.decisions)
+        elif jg.compressed:
+            apply_plan(jg, Decisions())
+        self._held[key] = (fixed + st.saved_bytes + st.compressed_to_bytes
+                           + (st.swapped_bytes if dev.type != "cuda" else 0)
                            + others * (fixed + max(st.saved_bytes, grads)))
         st.runs_planned = self.calls_per_step
         st.plan_s = time.perf_counter() - t0
         st.scratch_s = t_scratch
         st.probe_s = t_probe
-        st.solve_s = solve_s
+        st.codec_probe_s = t_codec
+        st.solve_s = best.solve_s
+        region = codec_ops.new_region() if best.variant.compressed else 0
+        st.codec_region = region
         self._regions[key] = st
-        return bool(d.swap)
+        return _Prepared(offload=bool(best.decisions.swap), region=region, stats=st,
+                         compressed=[best.variant.compressed[n.name] for n in jg.compressed.values()])
+
+    def _codec_choices(self, gm: fx.GraphModule, forward: list[fx.Node], jg: Any, jg_part: Any, model: Any,
+                       notes: list[str]) -> "_Codecs | None":
+        """The saved tensors of the region's counts a lossless codec shrinks to :data:`COMPRESS_MAX_RATIO` of
+        their bytes or less, measured on the example inputs (:mod:`hybridmem.compile.probe`), most worth it
+        first (recomputing their producer costs most more than the codec, per byte saved); None (``notes``
+        says why) where none does or the forward cannot be measured."""
+        fw = set(forward)
+        found_in = {id(j): compressed_mod.candidates(j, fw) for j in (jg, jg_part) if j is not None}
+        cands = {n for found in found_in.values() for n in found.values()}
+        if not cands:
+            return None
+        if self._examples is None:
+            notes.append("compression: no example inputs to measure the saved tensors on")
+            return None
+        try:
+            measured = probe.measure(gm, forward, self._examples, cands)
+        except Exception as e:     # an op the probe cannot run eagerly: plan without compression
+            notes.append(f"compression: the forward could not be measured ({type(e).__name__}: {str(e)[:120]})")
+            return None
+        dev_type = (self._dev or torch.device("cpu")).type
+        out = _Codecs(model, dev_type)
+        for j in (jg, jg_part):
+            if j is None:
+                continue
+            found = found_in[id(j)]
+            picks: dict[int, compressed_mod.Compressed] = {}
+            worth: dict[int, float] = {}
+            for tid, n in found.items():
+                got = measured.get(n.name)
+                t = j.graph.tensors[tid]
+                if got is None or got[1] > COMPRESS_MAX_RATIO * t.nbytes:
+                    continue
+                c = picks[tid] = compressed_mod.Compressed(n.name, got[0], t.nbytes, got[1],
+                                                           compressed_mod.storage_of(n))
+                codec_s = sum(codec_seconds(c.codec, c.nbytes, dev_type))
+                worth[tid] = (model.op_time(j.graph.stages[t.producer]) - codec_s) / max(t.nbytes - c.size, 1)
+            if picks:
+                out.counts[id(j)] = (sorted(picks, key=lambda t: -worth[t]), picks, found)
+        if not out.counts:
+            notes.append(f"compression: no saved tensor compresses to {COMPRESS_MAX_RATIO:.0%} or less of its bytes")
+            return None
+        return out
+
+    def _plan_variant(self, v: "_Variant", gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any], share: int,
+                      margin: int, others: int, grads: int, model: Any, name: str) -> "_Planned":
+        """A plan for one count of the region (with or without compression) that fits ``share``; raises
+        BudgetInfeasibleError whose ``minimum_bytes`` is the least the region needs (the margin and what is
+        held outside it not included)."""
+        from ..graph.simulate import simulate
+
+        jg, jg_part = v.jg, v.part
+        g = jg.graph
+        if jg_part is not None and not others and share >= jg_part.graph.peak_bytes() + margin:
+            jg, g = jg_part, jg_part.graph     # PyTorch's own partition fits, as it runs
+        peak = g.peak_bytes()
+        if share >= peak + margin + others * max(g.saved_bytes() - grads, 0):
+            time_s = float(simulate(g, None, model, budget=None, check_hash=False).time_s)
+            return _Planned(v, jg, None, Decisions(), peak, peak, time_s, 0.0,
+                            "the share holds the keep-all peak: PyTorch's own partition"
+                            + (" with the compressed tensors" if v.compressed else ""))
+        try:
+            try:
+                p, predicted = self._plan_runs(g, share - margin, others, grads, model)
+            except BudgetInfeasibleError:
+                if jg_part is None or others:
+                    raise
+                part = jg_part
+
+                def judge(p: Any) -> int | None:
+                    return realized_peak(gm, joint_inputs, kwargs, part, p, decisions(p), model)
+                p, predicted = self._plan_realized(part.graph, share - margin, model, judge)
+                jg, g = part, part.graph
+                peak = g.peak_bytes()
+        except BudgetInfeasibleError as e:
+            # the least budget this solver finds a plan for (bisection), so the error names it
+            if others:  # the least total any of the plans tried needed, beside the other runs
+                least_need = int(e.minimum_bytes if e.minimum_bytes is not None else g.peak_bytes())
+            else:
+                least_need = int(self._solve(g, "min", model).budget_bytes)
+                if jg_part is not None and e.minimum_bytes is not None:
+                    least_need = min(least_need, int(e.minimum_bytes))   # a plan as partitioned
+            raise BudgetInfeasibleError("no plan", least_need) from None
+        d = decisions(p)
+        dev = self._dev or torch.device("cpu")
+        if d.swap and not ("swap" in self.policies and dev.type == "cuda"):
+            raise BudgetInfeasibleError(
+                f"hybridmem compile: {name} fits {fmt_bytes(share)} only by swapping {len(d.swap)} tensor(s), "
+                f"which a compiled graph on {dev} cannot (policies {list(self.policies)}); "
+                + ("a larger budget lets recompute alone fit" if "recompute" in self.policies
+                   else "policies with recompute or compress, or a larger budget, may fit"), None)
+        time_s = float(p.predicted_time_s or 0.0)
+        return _Planned(v, jg, p, d, peak, predicted, time_s, float(p.info.get("solve_s") or 0.0), "")
+
+    def _region_stats_of(self, r: "_Planned", name: str, least: int, margin: int, share: int,
+                         base_s: float) -> RegionStats:
+        jg, g, d = r.jg, r.jg.graph, r.decisions
+        comp = [(tid, n) for tid, n in jg.compressed.items()]
+        specs = r.variant.compressed
+        records = [{"node": jg.producer_node[t].name, "op": g.stages[g.tensors[t].producer].op,
+                    "bytes": g.tensors[t].nbytes, "policy": policy}
+                   for policy, ids in (("recompute", d.recompute), ("swap", d.swap)) for t in ids]
+        records += [{"node": n.name, "op": str(n.target), "bytes": g.tensors[t].nbytes, "policy": "compress",
+                     "codec": specs[n.name].codec, "to_bytes": specs[n.name].size} for t, n in comp]
+        p = r.plan
+        return RegionStats(
+            name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=r.peak,
+            min_budget_bytes=least, margin_bytes=margin, budget_bytes=share, predicted_peak_bytes=r.predicted,
+            saved_bytes=g.saved_bytes() - d.bytes_of(jg, "recompute") - d.bytes_of(jg, "swap"),
+            recomputed=len(d.recompute), recomputed_bytes=d.bytes_of(jg, "recompute"),
+            swapped=len(d.swap), swapped_bytes=d.bytes_of(jg, "swap"),
+            compressed=len(comp), compressed_bytes=sum(specs[n.name].nbytes for _, n in comp),
+            compressed_to_bytes=sum(specs[n.name].size for _, n in comp),
+            predicted_overhead=(r.time_s / base_s - 1.0) if base_s > 0 else 0.0,
+            gap_to_lower_bound=p.info.get("gap_to_lower_bound") if p is not None else None,
+            solver=p.solver if p is not None else "",
+            plan_from=str(p.info.get("plan_from") or "") if p is not None else "",
+            note=r.note, decisions=sorted(records, key=lambda x: -x["bytes"]))
 
 
 def _kept_bytes(g: Any, p: Any) -> int:
@@ -615,9 +923,6 @@ def _policies(policies: Sequence[str] | str) -> tuple[str, ...]:
     if not items:
         raise ValueError(f"policies: expected at least one of {list(POLICIES)}")
     for p in items:
-        if p == "compress":
-            raise ValueError("policies: 'compress' is not available inside a compiled graph (its codecs run "
-                             f"in the eager runtime); accepted here: {list(POLICIES)}")
         if p not in POLICIES:
             raise UnknownNameError("policy", p, POLICIES)
     return items

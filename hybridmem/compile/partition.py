@@ -9,6 +9,8 @@ plan is applied by tagging nodes before it runs:
 - **swap** -> ``MUST_SAVE`` plus ``should_offload``: PyTorch's activation-offloading pass moves the saved
   tensor to the host after its last forward use and back before its first backward use, on a side
   stream with prefetch (CUDA only);
+- **compress** -> ``MUST_SAVE`` on the node whose value the backward reads; after the partition the forward
+  encodes it after its last read and saves the encoding's token instead (:mod:`hybridmem.compile.compressed`);
 - **keep** -> no tag: the partitioner keeps its own choice, which never saves more than keeping does;
 - what PyTorch's partition of the untagged graph recomputes (:mod:`hybridmem.compile.defaults`), which the
   plan counted as recomputed -> ``MUST_RECOMPUTE``, so that the plan's tags do not make it saved.
@@ -77,6 +79,8 @@ def apply_plan(jg: JointGraph, d: Decisions) -> list[tuple[fx.Node, str]]:
     for tid in d.recompute:
         for n in jg.forward_nodes_of(tid):
             tag(n, TAG, CheckpointPolicy.MUST_RECOMPUTE)
+    for n in jg.compressed.values():     # saved as it is: the partition's rewrite encodes it
+        tag(n, TAG, CheckpointPolicy.MUST_SAVE)
     for tid in d.swap:
         for n in jg.forward_nodes_of(tid):
             tag(n, TAG, CheckpointPolicy.MUST_SAVE)
