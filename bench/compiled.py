@@ -3,10 +3,13 @@ and hybridmem's compile backend, at equal real peak.
 
     python -m bench.compiled --models resnet50,gpt --size small --ratios 0.5,0.2 --rounds 10 --json out.json
     python -m bench.compiled --from-json out.json --plot docs/img/compiled.png     # table and plot again
+    python -m bench.compiled --models bench.models:relu_mlp --policies "recompute;compress;recompute,compress"
 
 For each model: the step compiled by Inductor unmanaged, then with
 ``torch._functorch.config.activation_memory_budget`` at each ratio (PyTorch's recompute knapsack), then
-with ``hybridmem.compile_backend`` whose budget is the real peak that ratio reached. Every variant is
+with ``hybridmem.compile_backend`` whose budget is the real peak that ratio reached (once per policy set of
+``--policies``, ``;``-separated; default: the backend's own). A model is a zoo name or ``MODULE:FACTORY``
+(:func:`hybridmem.factory.load_model`). Every variant is
 compiled once (its first step, timed, Inductor's caches off so each compile is a cold one), checked
 against the unmanaged losses and gradients, and its real peak measured as acceptance does (the training
 state alive at the step's start + the CPU allocator's peak during the step, torch.profiler events).
@@ -47,6 +50,7 @@ class CompiledResult:
     max_grad_diff: float = 0.0        # largest gradient difference to the unmanaged compiled step
     bit_identical: bool = True
     recomputed: int = 0
+    compressed: int = 0
     note: str = ""
 
 
@@ -117,16 +121,33 @@ def _measure_peak(v: _Variant, args: tuple, kwargs: dict, loss_fn: Any) -> int:
     return state + alloc_peak(lambda: _step(v, args, kwargs, loss_fn))
 
 
+def _entry(name: str, size: str) -> Any:
+    """A zoo model, or ``MODULE:FACTORY``'s, as the zoo's entries are: ``model``, ``loss_fn``, ``args_kwargs()``."""
+    if ":" not in name:
+        from hybridmem.zoo import build
+        return build(name, size)
+    from hybridmem.factory import load_model
+
+    spec = load_model(name, size=size)
+    inputs = spec.inputs if isinstance(spec.inputs, tuple) else (spec.inputs,)
+    return types.SimpleNamespace(model=spec.model, loss_fn=spec.loss_fn, args_kwargs=lambda: (inputs, {}))
+
+
+def _label(policies: tuple[str, ...] | None, ratio: float) -> str:
+    return f"hybridmem{'' if policies is None else '[' + ','.join(policies) + ']'}@amb={ratio}"
+
+
 def compare(name: str, size: str = "small", ratios: tuple[float, ...] = (0.5,), rounds: int = 10,
-            log: Callable[[str], None] = print) -> list[CompiledResult]:
-    """The variants of one zoo model (see the module docstring)."""
+            log: Callable[[str], None] = print,
+            policies: tuple[tuple[str, ...] | None, ...] = (None,)) -> list[CompiledResult]:
+    """The variants of one model (see the module docstring); ``policies``: one hybridmem variant per policy
+    set at each ratio (None: the backend's default)."""
     import torch._inductor.config as iconfig
     from torch._functorch import config as fconfig
 
     from hybridmem.compile import compile_backend
-    from hybridmem.zoo import build
 
-    entry = build(name, size)
+    entry = _entry(name, size)
     args, kwargs = entry.args_kwargs()
     variants: list[_Variant] = []
     with iconfig.patch(fx_graph_cache=False), fconfig.patch(enable_autograd_cache=False):
@@ -140,24 +161,28 @@ def compare(name: str, size: str = "small", ratios: tuple[float, ...] = (0.5,), 
             variants.append(amb)
             log(f"{name}: amb={r} compiled in {amb.result.compile_s:.1f} s, real peak {amb.result.real_peak_bytes}")
             budget = amb.result.real_peak_bytes
-            backend = compile_backend(budget, hold_outputs=False)   # _step drops the outputs before backward
-            try:
-                hm = _prepare(name, entry, f"hybridmem@amb={r}", backend, None, args, kwargs)
-            except Exception as e:     # a budget below what a plan can reach: reported, not hidden
-                # Dynamo wraps the backend's error: its first line names the backend, the cause follows
-                why = next((ln for ln in str(e).splitlines() if "Error:" in ln), str(e).splitlines()[0])[:400]
-                log(f"{name}: hybridmem at {budget} B: {why}")
-                variants.append(_Variant(f"hybridmem@amb={r}", None, None, None,  # type: ignore[arg-type]
-                                         CompiledResult(name, f"hybridmem@amb={r}", budget_bytes=budget, note=why)))
-                continue
-            st = backend.stats()
-            hm.result.budget_bytes = budget
-            hm.result.plan_s = st.plan_seconds
-            hm.result.recomputed = sum(x.recomputed for x in st.regions)
-            hm.result.real_peak_bytes = _measure_peak(hm, args, kwargs, entry.loss_fn)
-            variants.append(hm)
-            log(f"{name}: hybridmem@{budget} compiled in {hm.result.compile_s:.1f} s (planning {hm.result.plan_s:.1f} s), "
-                f"real peak {hm.result.real_peak_bytes}\n{st}")
+            for pol in policies:
+                label = _label(pol, r)
+                extra = {} if pol is None else {"policies": pol}
+                backend = compile_backend(budget, hold_outputs=False, **extra)   # _step drops the outputs
+                try:
+                    hm = _prepare(name, entry, label, backend, None, args, kwargs)
+                except Exception as e:     # a budget below what a plan can reach: reported, not hidden
+                    # Dynamo wraps the backend's error: its first line names the backend, the cause follows
+                    why = next((ln for ln in str(e).splitlines() if "Error:" in ln), str(e).splitlines()[0])[:400]
+                    log(f"{name}: {label} at {budget} B: {why}")
+                    variants.append(_Variant(label, None, None, None,  # type: ignore[arg-type]
+                                             CompiledResult(name, label, budget_bytes=budget, note=why)))
+                    continue
+                st = backend.stats()
+                hm.result.budget_bytes = budget
+                hm.result.plan_s = st.plan_seconds
+                hm.result.recomputed = sum(x.recomputed for x in st.regions)
+                hm.result.compressed = sum(x.compressed for x in st.regions)
+                hm.result.real_peak_bytes = _measure_peak(hm, args, kwargs, entry.loss_fn)
+                variants.append(hm)
+                log(f"{name}: {label} at {budget} B compiled in {hm.result.compile_s:.1f} s (planning "
+                    f"{hm.result.plan_s:.1f} s), real peak {hm.result.real_peak_bytes}\n{st}")
     live = [v for v in variants if v.compiled is not None]
     # the same step's gradients: each variant against the unmanaged compiled step
     ref = None
@@ -217,7 +242,8 @@ def plot(results: list[CompiledResult], path: str) -> None:
         base = next(r for r in rs if r.variant == "inductor").real_peak_bytes
         for label, pick, marker in (("torch.compile (Inductor)", lambda v: v == "inductor", "s"),
                                     ("activation_memory_budget", lambda v: v.startswith("amb="), "o"),
-                                    ("hybridmem compile backend", lambda v: v.startswith("hybridmem@"), "^")):
+                                    ("hybridmem compile backend", lambda v: v.startswith("hybridmem@"), "^"),
+                                    ("hybridmem, other policies", lambda v: v.startswith("hybridmem["), "v")):
             pts = sorted((r.real_peak_bytes / base, r.step_ratio, r.variant) for r in rs if pick(r.variant))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
@@ -233,6 +259,14 @@ def plot(results: list[CompiledResult], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _policy_sets(text: str | None) -> tuple[tuple[str, ...] | None, ...]:
+    """``--policies`` as policy sets; a bad name is the backend's own error (its accepted names)."""
+    if not text:
+        return (None,)
+    from hybridmem.compile.backend import _policies
+    return tuple(_policies(part) for part in text.split(";") if part.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="resnet50,mobilenet,transformer,gpt")
@@ -242,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="draw step time against real peak here (PNG)")
     p.add_argument("--from-json", default=None, help="tables and plot from a results file, without running")
+    p.add_argument("--policies", default=None,
+                   help="hybridmem variants' policy sets, ';'-separated "
+                        "(e.g. 'recompute;compress;recompute,compress'); default: the backend's own")
     a = p.parse_args(argv)
     if a.from_json:
         with open(a.from_json) as f:
@@ -253,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     results: list[CompiledResult] = []
     for name in a.models.split(","):
-        results += compare(name.strip(), a.size, tuple(float(x) for x in a.ratios.split(",")), a.rounds)
+        results += compare(name.strip(), a.size, tuple(float(x) for x in a.ratios.split(",")), a.rounds,
+                           policies=_policy_sets(a.policies))
         print(table(results), flush=True)
         if a.json:
             with open(a.json, "w") as f:
