@@ -70,8 +70,9 @@ def _feasible(e: Any, budget: int, methods: list[str], plan: Any = None) -> int:
 
 
 def _recompute_plan(name: str, budget: int) -> Any:
-    """A recompute-only plan (Checkmate's MILP) for this CPU's captured graph at ``budget``, priced with the op
-    times measured in that capture (after a warm-up step), or why none. The nominal ``cpu`` model misranks
+    """A recompute-only plan (Checkmate's MILP, recomputes rebuilding gone temporaries first:
+    ``trace_sources``) for this CPU's captured graph at ``budget``, priced with the op times measured in that
+    capture (after a warm-up step), or why none. The nominal ``cpu`` model misranks
     this CPU's ops (MobileNetV2: a training-mode batch norm costs 0.69 of a convolution here and 0.39 in the
     model, an in-place ReLU6 0.12 and 0.53), so a plan priced by it recomputes what is dear."""
     from hybridmem.errors import BudgetInfeasibleError
@@ -82,7 +83,8 @@ def _recompute_plan(name: str, budget: int) -> Any:
 
     g = capture_graph(name, SIZE, "cpu", warm=True)
     try:
-        return plan(g, budget, device=MeasuredCostModel.from_graph(g), solver=PLAN_SOLVER, time_limit=PLAN_S)
+        return plan(g, budget, device=MeasuredCostModel.from_graph(g), solver=PLAN_SOLVER, time_limit=PLAN_S,
+                    trace_sources=True)
     except BudgetInfeasibleError as e:
         return f"no {PLAN_SOLVER} plan at {budget} B: {str(e)[:200]}"
 

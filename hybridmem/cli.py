@@ -125,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="super-stages to coarsen to (default 100; implies --coarsen)")
     p.add_argument("--solver-backend", choices=("cbc", "highs"), default=None,
                    help="MILP backend: cbc (default, bundled) or highs (pip install 'hybridmem[highs]')")
+    p.add_argument("--trace-sources", action="store_true",
+                   help="a recompute may rebuild the forward temporaries its producer read (a layer norm's output), "
+                        "back to what the plan keeps: transformers get recompute-only plans far below the peak")
     p.add_argument("--time-limit", type=float, default=None,
                    help="solver time limit in seconds (default for approx and greedy at one budget: what is left of "
                         f"{COMMAND_S:g} s for the whole command, capture included, at least {MIN_PLAN_S:g} s; "
@@ -248,7 +251,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          "with --budget to save it")
     if args.shapes:
         given = [o for o, v in (("--coarsen/--no-coarsen", args.coarsen), ("--target", args.target),
-                                ("--solver-backend", args.solver_backend), ("--optimizer", args.optimizer))
+                                ("--solver-backend", args.solver_backend), ("--optimizer", args.optimizer),
+                                ("--trace-sources", args.trace_sources or None))
                  if v is not None]
         if given:  # the plan book planner takes no solver options yet: refuse rather than ignore them
             raise ValueError(f"{', '.join(given)} cannot be combined with --shapes (the plan book planner does "
@@ -362,6 +366,8 @@ def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if args.solver_backend:
         options["solver_backend"] = args.solver_backend
+    if getattr(args, "trace_sources", False):
+        options["trace_sources"] = True
     if args.target is not None:
         if args.coarsen is False:
             raise ValueError(f"--target {args.target} asks for super-stages but --no-coarsen forbids them: "

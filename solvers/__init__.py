@@ -43,9 +43,10 @@ Solvers (``SOLVERS``):
   (replay of a greedy online evictor).
 
 Options (``**options``): ``coarsen`` (True/False/None = automatic), ``target`` (super-stages),
-``solver_backend`` (``cbc``/``highs``, MILP solvers), ``min_bytes`` (smaller saved tensors stay resident).
+``solver_backend`` (``cbc``/``highs``, MILP solvers), ``min_bytes`` (smaller saved tensors stay resident),
+``trace_sources`` (a recompute may rebuild the forward temporaries its producer read, back to what the
+plan keeps: :func:`with_chains`; transformers have recompute-only plans far below the peak only so).
 """
-from __future__ import annotations
 from __future__ import annotations
 
 import copy
@@ -112,6 +113,8 @@ def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", sol
     if solver not in SOLVERS:
         raise UnknownNameError("solver", solver, SOLVERS)
     model = get_cost_model(device)
+    if options.pop("trace_sources", False):
+        graph = with_chains(graph)
     if is_min(budget):
         return min_budget(graph, model, solver, time_limit, verbose, **options)
     budget_b = resolve_budget(graph, budget)
@@ -134,6 +137,16 @@ def plan(graph: Graph, budget: int | float | str, device: Any = "h100-80gb", sol
     else:
         out = baselines.run(solver, graph, budget_b, model, time_limit=time_limit, verbose=verbose, **options)
     return _finish(graph, out, model, budget_b, t0)
+
+
+def with_chains(graph: Graph) -> Graph:
+    """``graph`` as the planners see it with ``trace_sources=True``: a candidate's recompute may rebuild
+    the forward temporaries its producer read (a layer norm's output, an attention's scores) from what
+    a plan keeps, however many lie between (:meth:`~hybridmem.graph.ir.Graph.replay_stages`). The same
+    stages and tensors; the plans it gives are plans of ``graph``."""
+    if graph.meta.get("plan_chains"):
+        return graph
+    return Graph(stages=graph.stages, tensors=graph.tensors, meta={**graph.meta, "plan_chains": True})
 
 
 def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: float | None = None,

@@ -261,8 +261,13 @@ def build_problem(graph: Graph, budget: int, device: Any = "h100-80gb", *, min_b
         if not uses:
             continue
         # a recompute replays the producers and the forward stages that wrote the members in place
-        # (Graph.replay_stages, as the simulator charges it); their inputs are its sources
-        prods = sorted({r for x in members for r in graph.replay_stages(x, writers=writers)})
+        # (Graph.replay_stages, as the simulator charges it); their inputs are its sources. The stages that
+        # rebuild sources gone by the backward (a chain of forward temporaries) only with
+        # meta["plan_chains"] (plan(..., trace_sources=True)): one source set serves every read of a
+        # candidate here, and a chain's sources would stand for reads in the forward too, where the
+        # producer's own inputs are still there
+        prods = sorted({r for x in members
+                        for r in graph.replay_stages(x, writers=writers, trace=bool(graph.meta.get("plan_chains")))})
         made = mset.union(*(graph.stages[r].outputs for r in prods))
         src = tuple(dict.fromkeys(j for pr in prods for j in graph.stages[pr].inputs if j not in made))
         nbytes = sum(tensors[x].nbytes for x in members)

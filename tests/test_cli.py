@@ -108,6 +108,7 @@ def test_coarsen_target_plans_on_super_stages(graph_file, capsys):
     (["--target", "40"], {"coarsen": True, "target": 40}),
     (["--coarsen", "--target", "40", "--solver-backend", "highs"],
      {"coarsen": True, "target": 40, "solver_backend": "highs"}),
+    (["--trace-sources"], {"trace_sources": True}),
 ])
 def test_plan_options_reach_the_solver(graph_file, monkeypatch, capsys, flags, options):
     import hybridmem.solvers as solvers
@@ -122,12 +123,14 @@ def test_plan_options_reach_the_solver(graph_file, monkeypatch, capsys, flags, o
 
     monkeypatch.setattr(solvers, "plan", spy)
     assert main(["plan", "--graph", str(graph_file), "--budget", "100%", "--solver", "keep-all", *flags]) == 0
-    assert {k: seen[k] for k in ("coarsen", "target", "solver_backend") if k in seen} == options
+    keys = ("coarsen", "target", "solver_backend", "trace_sources")
+    assert {k: seen[k] for k in keys if k in seen} == options
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--no-coarsen", "--target", "5"], "--no-coarsen forbids them"),
     (["--shapes", "8x16", "--target", "5", "-o", "book"], "cannot be combined with --shapes"),
+    (["--shapes", "8x16", "--trace-sources", "-o", "book"], "--trace-sources cannot be combined with --shapes"),
 ])
 def test_contradictory_plan_options_are_refused(graph_file, capsys, argv, message):
     assert main(["plan", "--graph", str(graph_file), "--budget", "95%", *argv]) == 2

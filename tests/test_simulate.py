@@ -254,12 +254,25 @@ def test_shared_producer_replays_the_union_of_writers_once():
     assert r.feasible and r.recompute_s == pytest.approx(2.0 + 1.0)
 
 
-def test_recompute_input_past_natural_end_rejected():
-    g = make_graph([(1.0, [0], [1]), (1.0, [1], [2]), (1.0, [0], [3]), (1.0, [2, 3], [])],
-                   [(100, -1, None), (1000, 0, 1), (1000, 1, 3), (10, 2, 3)])
-    r = sim(g, [A("free", 2, 1), A("recompute", 2, 3)], strict=False)
-    assert [(v.stage, v.tensor) for v in r.violations] == [(3, 2), (3, 2)]  # the recompute, then the read
-    assert "natural end after stage 1" in r.violations[0].reason
+def _dead_source_graph(**kw) -> Graph:
+    """x -> a = op0(x), read by op1 only (dead after stage 1); b = op1(a), read again by op3."""
+    return make_graph([(1.0, [0], [1]), (1.0, [1], [2]), (1.0, [0], [3]), (1.0, [2, 3], [])],
+                      [(100, -1, None), (1000, 0, 1), (1000, 1, 3), (10, 2, 3)], **kw)
+
+
+def test_recompute_rebuilds_a_source_past_its_natural_end_first():
+    """A recompute whose source nothing holds any more (a temporary past its last read) replays the
+    source's producer first, as the runtime's lineage does: the source is a transient of the replay."""
+    g = _dead_source_graph()
+    assert g.replay_stages(2, before=3) == [0, 1]
+    assert g.replay_stages(2, before=1) == [1]          # a still alive there: op1 alone
+    r = sim(g, [A("free", 2, 1), A("recompute", 2, 3)])
+    assert r.feasible and r.recompute_s == pytest.approx(2.0)
+    assert r.memory[3] == g.memory_profile()[3] + 1000   # a, made again, held while op1 replays
+    # a non-deterministic op on the chain makes it non-recomputable: swap it instead
+    r = sim(_dead_source_graph(nondeterministic=(0,)), [A("free", 2, 1), A("recompute", 2, 3)], strict=False)
+    assert [(v.stage, v.tensor) for v in r.violations][:1] == [(3, 2)]
+    assert "which is not deterministic" in r.violations[0].reason
 
 
 def test_recompute_from_swapped_in_host_checkpoint():

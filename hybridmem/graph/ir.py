@@ -116,22 +116,53 @@ class Graph:
         return out
 
     def replay_stages(self, tensor_id: int, before: int | None = None, *,
-                      writers: dict[int, list[int]] | None = None) -> list[int]:
+                      writers: dict[int, list[int]] | None = None, trace: bool | None = None) -> list[int]:
         """The stages a recompute of ``tensor_id`` replays, in order: its producer, then the forward stages
         that wrote it in place after it (``conv -> bn -> relu_``: regenerating bn's output storage as the
         backward reads it replays bn and ``relu_``). This is what the runtime's lineage replays, and
         what the simulator and the planners charge a recompute.
+
+        A source of those stages that nothing holds any more is rebuilt first, as the runtime's lineage
+        rebuilds it: a forward temporary the backward does not read (not ``saved``: no plan keeps it, and
+        planners free it after its last read) whose last read is before ``before`` (or, with ``before=None``, before the backward: a layer norm's output
+        that only the next matrix product read), its own stages traced the same way; so a recompute of a
+        saved tensor reaches back to tensors a plan can keep, however many such temporaries lie between.
+
+        ``trace=False`` (default: ``graph.meta["trace_sources"]``, else True) leaves the tracing out: a
+        compiled region's joint graph turns it off (its partitioner recomputes what a recompute needs on
+        its own, inside fused kernels), and the planners leave it out of their candidates unless asked
+        (``plan(..., trace_sources=True)``).
 
         ``before``: a recompute issued before stage ``before`` regenerates the content of that moment, so
         only writers earlier than it replay (``None``: all forward writers, as for a backward recompute).
         ``writers``: ``self.writers()``, passed by callers that ask for many tensors. Empty for a tensor
         that exists before the step (nothing to replay).
         """
-        t = self.tensors[tensor_id]
-        if t.producer < 0:
-            return []
-        ws = (self.writers() if writers is None else writers).get(tensor_id, ())
-        return [t.producer, *(w for w in ws if w > t.producer and (before is None or w < before))]
+        ws_all = self.writers() if writers is None else writers
+        n = len(self.stages)
+        if trace is None:
+            trace = bool(self.meta.get("trace_sources", True))
+        # when the replay runs: before stage ``before``, or in the backward (a graph without one: never gone)
+        when = before if before is not None else (self.num_forward if self.num_forward < n else -1)
+        out: set[int] = set()
+
+        def add(tid: int) -> None:
+            t = self.tensors[tid]
+            if t.producer < 0:
+                return
+            own = [t.producer, *(w for w in ws_all.get(tid, ()) if w > t.producer and (before is None or w < before))]
+            for r in own:
+                if r in out:
+                    continue
+                out.add(r)
+                for j in (self.stages[r].inputs if trace else ()):
+                    s = self.tensors[j]
+                    if (j != tid and s.kind == "activation" and s.producer >= 0 and not s.saved
+                            and self.stages[s.producer].phase == "forward"
+                            and max([s.producer, *s.consumers]) < when):
+                        add(j)
+        add(tensor_id)
+        return sorted(out)
 
     @property
     def writes_recorded(self) -> bool:

@@ -11,7 +11,9 @@ Per stage ``t``, in this order (plan.py's timing rules, made exact):
    copy starts when the h2d stream is free *and* the tensor's swap-out has finished (its host copy exists).
 2. ``recompute`` / ``decompress`` run on the compute stream, in list order. A recompute replays
    ``Graph.replay_stages``: the producer stage p, then the forward stages that wrote the tensor in place
-   before t (``bn`` then ``relu_``). It waits for those stages' inputs (stalling on in-flight swap-ins)
+   before t (``bn`` then ``relu_``), and first the stages that make the sources no plan holds by then (a
+   forward temporary past its last read, traced back to what a plan can keep). It waits for those stages'
+   inputs (stalling on in-flight swap-ins)
    and costs their op times. All ``recompute`` actions at stage t whose tensors share a producer are
    served by *one* replay of the union of their stages. While it runs, the largest workspace of those
    stages and all their other outputs count as transient bytes. A decompress holds both forms while it
