@@ -744,7 +744,9 @@ class CompileBackend:
                 + (f" with the other {others} runs' kept tensors" if others else "")
                 + (f", {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
                 + f", {fmt_bytes(outside)} held outside it (the optimizer's state, the regions compiled "
-                f"before" + (", the other runs' inputs, parameters and gradients)" if others else ")"),
+                f"before" + (", the other runs' inputs, parameters and gradients)" if others else ")")
+                + ("" if self._can_evict() else f"; policies {list(self.policies)} evict nothing on {dev} (swap "
+                   "needs CUDA): add recompute or compress"),
                 need) from None
         best = min(planned, key=lambda r: r.time_s)     # the fastest plan; the first (less compressed) on a tie
         if len(variants) > 1:
@@ -835,6 +837,9 @@ class CompileBackend:
             return _Planned(v, jg, None, Decisions(), peak, peak, time_s, 0.0,
                             "the share holds the keep-all peak: PyTorch's own partition"
                             + (" with the compressed tensors" if v.compressed else ""))
+        if not self._can_evict():
+            # nothing but keeping (and the compression this count holds): its keep-all peak is the least
+            raise BudgetInfeasibleError("no plan", peak + others * max(g.saved_bytes() - grads, 0))
         try:
             try:
                 p, predicted = self._plan_runs(g, share - margin, others, grads, model)
@@ -867,6 +872,11 @@ class CompileBackend:
                    else "policies with recompute or compress, or a larger budget, may fit"), None)
         time_s = float(p.predicted_time_s or 0.0)
         return _Planned(v, jg, p, d, peak, predicted, time_s, float(p.info.get("solve_s") or 0.0), "")
+
+    def _can_evict(self) -> bool:
+        """Whether a plan may evict anything: recompute, or swap on CUDA (compression is a count of its own)."""
+        dev = self._dev or torch.device("cpu")
+        return "recompute" in self.policies or ("swap" in self.policies and dev.type == "cuda")
 
     def _region_stats_of(self, r: "_Planned", name: str, least: int, margin: int, share: int,
                          base_s: float) -> RegionStats:

@@ -518,7 +518,10 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
             # the compiled backward owns its tangents (it clears its argument list): each is freed after
             # its last read, as the backward's saved tensors are
             t.freed_after = max([t.producer, *t.consumers])
-    g = Graph(stages=stages, tensors=tensors, meta={"source": "aot-joint", "model": name, "writes_recorded": True})
+    # no tracing of a recompute's gone sources (Graph.replay_stages): the partitioner recomputes them on its
+    # own, inside the kernels Inductor fuses, and the forward's single-reader values are folded above
+    g = Graph(stages=stages, tensors=tensors, meta={"source": "aot-joint", "model": name, "writes_recorded": True,
+                                                     "trace_sources": False})
     if cost_model is not None:
         times = cost_model.op_times(g)
         for s, t in zip(g.stages, times):
