@@ -271,7 +271,8 @@ def dtr(graph: Graph, budget: int, model: Any, **options: Any) -> Plan:
 
 def dtr_plan(p: Problem, budget: int, select: Callable[..., np.ndarray] | None = None) -> Plan:
     inner = budget
-    res = None
+    res = best = None
+    worse = 0
     for _ in range(6):
         actions = _dtr_replay(p, inner, select)
         if actions is None:
@@ -282,8 +283,19 @@ def dtr_plan(p: Problem, budget: int, select: Callable[..., np.ndarray] | None =
             return plan
         if res.violations:        # not a matter of memory: a smaller evictor budget will not help
             break
+        # a smaller evictor budget makes the replay thrash once it is far below what the step can hold
+        # (ResNet-50's joint graph: 20.0, 21.3, 24.0 MB, then the keep-all peak): two rounds without a
+        # lower peak end it, each later round costing more than the last
+        if best is not None and res.peak_bytes >= best.peak_bytes:
+            worse += 1
+            if worse == 2:
+                break
+        else:
+            best, worse = res, 0
         inner -= max(int(res.peak_bytes) - budget, budget // 100) + 1
-    raise _infeasible("dtr", budget, res)
+        if inner <= 0:
+            break
+    raise _infeasible("dtr", budget, best or res)
 
 
 def numpy_victims(costs: np.ndarray, nbytes: np.ndarray, last_access: np.ndarray, now: float, need: int,
