@@ -44,7 +44,7 @@ from .measured import StepPeak
 from .runs import InFlight
 from .partition import Decisions, apply_plan, decisions
 from .realized import realized_peak
-from .scratch import measure_scratch
+from .scratch import inductor_channels_last, measure_scratch
 
 __all__ = ["CompileBackend", "CompileStats", "RegionStats", "compile_backend", "POLICIES", "COMPILERS"]
 
@@ -55,7 +55,7 @@ NO_LINK_BW = 1e-3                     # B/s: the host link of a device that cann
 # buffers live by kernel, not by op, and it orders the backward and the recomputed ops its own way):
 # 0.7-1.6 MiB on ResNet-50 small (4.3-6.4 % of the keep-all peak) at 0.79 of its unmanaged peak, 3.3 % on a
 # ResNet-18-like net (CPU, 2026-12-01), and 2.3 MiB (9.3 %) at 0.76, where a plan recomputes 6-7 MiB
-# (2026-12-03). Its plans leave this share of the keep-all peak free.
+# (2026-12-03). Its plans leave this share of the keep-all peak free (of the lower of the region's two counts).
 INDUCTOR_MARGIN = 0.11
 # Without convolutions (transformers, MLPs) the graph fuses the backward's pointwise chains as Inductor
 # does, and Inductor's step stayed below the count: on the transformer (small, batch 8) at 0.765 of the
@@ -586,6 +586,7 @@ class CompileBackend:
         from .. import solvers
 
         t0 = time.perf_counter()
+        dynamic = _dynamic(gm)       # read on the graph as Dynamo gave it, before the clean-up below rebuilds it
         dev = self._dev or torch.device("cpu")
         can_swap = "swap" in self.policies and dev.type == "cuda"
         model = _cost_model(dev, self.cost_model_name, can_swap)
@@ -625,7 +626,7 @@ class CompileBackend:
         t_scratch = time.perf_counter()
         if self.scratch:
             counts = [j for j in (jg, jg_part) if j is not None]
-            note = measure_scratch(counts, dev)
+            note = measure_scratch(counts, dev, channels_last=fuse and conv and inductor_channels_last(gm))
             for j in counts:
                 j.graph.meta["workspace"] = note
         t_scratch = time.perf_counter() - t_scratch
@@ -634,7 +635,10 @@ class CompileBackend:
         budget = self._budget_bytes(dev)
         outside = self.optimizer_bytes + sum(b for k, b in self._held.items() if k != key)
         share = budget - outside
-        peak = g.peak_bytes()
+        # the margin scales with the step as it runs: the keep-all peak of the partition PyTorch makes where
+        # that count is the lower (MobileNetV2: 40.6 MiB, where the first count's 56 MiB holds every forward
+        # value the backward reads from the forward on)
+        peak = min(g.peak_bytes(), jg_part.graph.peak_bytes() if jg_part is not None else g.peak_bytes())
         margin = int((INDUCTOR_MARGIN if conv else INDUCTOR_MARGIN_NO_CONV) * peak) if self.compiler == "inductor" else 0
         name = f"region {list(self._regions).index(key) + 1 if key in self._regions else len(self._regions) + 1}"
         # each other run in flight (calls_per_step - 1) holds its inputs and parameters, and either what the
@@ -758,6 +762,14 @@ class CompileBackend:
         if notes:
             st.note = "; ".join([*(x for x in [st.note] if x), *notes])
         jg, g = best.jg, best.jg.graph
+        if best.decisions.recompute and self.compiler == "inductor" and dynamic:
+            # torch 2.13.0+cpu: Inductor's backward of such a partition failed to compile ("TypeError: Cannot
+            # convert expression to float", at the first backward) where PyTorch's own partition compiled
+            warnings.warn(f"hybridmem compile: {name} is compiled for dynamic shapes (a batch or sequence length "
+                          "changed between calls) and its plan recomputes: Inductor may fail to compile its "
+                          "backward (TypeError: Cannot convert expression to float). Compile with static shapes "
+                          "(torch.compile(..., dynamic=False), or DataLoader(drop_last=True)): each size then "
+                          "gets a plan of its own", RuntimeWarning, stacklevel=2)
         if best.plan is not None:
             apply_plan(jg, best.decisions)
         elif jg.compressed:
@@ -902,6 +914,17 @@ class CompileBackend:
             solver=p.solver if p is not None else "",
             plan_from=str(p.info.get("plan_from") or "") if p is not None else "",
             note=r.note, decisions=sorted(records, key=lambda x: -x["bytes"]))
+
+
+def _dynamic(gm: fx.GraphModule) -> bool:
+    """Whether the region Dynamo gave has symbolic sizes (compiled for any batch or sequence length)."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            v = n.meta.get("example_value", n.meta.get("val"))
+            if isinstance(v, (torch.Tensor, torch.SymInt)) and free_symbols(v):
+                return True
+    return False
 
 
 def _kept_bytes(g: Any, p: Any) -> int:

@@ -16,6 +16,7 @@ planners may recompute or swap the other saved tensors around it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 from dataclasses import dataclass, field
@@ -232,7 +233,7 @@ def rewrite_partition(fw: fx.GraphModule, bw: fx.GraphModule, chosen: Iterable[C
         with fw.graph.inserting_after(last):
             pack = fw.graph.call_function(torch.ops.hybridmem.pack_saved.default, (node, region, c.size),
                                           name=f"hybridmem_pack_{node.name}")
-        with (fake if fake is not None else _null()):
+        with (fake if fake is not None else contextlib.nullcontext()):
             token = torch.empty((1,), dtype=torch.int64, device="cpu")
         pack.meta["val"] = token
         pack.meta["tensor_meta"] = extract_tensor_metadata(token)
@@ -260,14 +261,6 @@ def rewrite_partition(fw: fx.GraphModule, bw: fx.GraphModule, chosen: Iterable[C
         fw.recompile()
         bw.recompile()
     return [n for n, ok in done.items() if ok]
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _effective_users(node: fx.Node, op_types: Any) -> list[fx.Node]:

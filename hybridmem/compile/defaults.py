@@ -25,13 +25,18 @@ def saved_by_partition(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, 
     checkpoint tags ``gm`` carries (none of a plan: PyTorch's own choice; a plan's:
     :func:`hybridmem.compile.realized.realized_peak`), saves for the backward; None if that partition
     fails (the count then keeps every value the backward reads). ``joint_inputs``, ``kwargs``: what
-    AOTAutograd passes to the partition function."""
+    AOTAutograd passes to the partition function. ``gm`` has been through the partitioner's common
+    subexpression elimination already (the backend runs it first, so that its tags land on the nodes the
+    partition keeps): the copy's partition skips it (a second pass changes nothing, and took a fifth of the
+    partition's time on ResNet-50)."""
+    from torch._functorch import config as fconfig
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     try:
         # the user's own checkpoint tags (torch.utils.checkpoint in the compiled code) stay: the real
         # partition honours them too
-        _, bw = min_cut_rematerialization_partition(copy.deepcopy(gm), joint_inputs, **kwargs)
+        with fconfig.patch(cse=False):
+            _, bw = min_cut_rematerialization_partition(copy.deepcopy(gm), joint_inputs, **kwargs)
     except Exception:   # a partition that fails here fails again, with its own error, when it is run for real
         return None
     names = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
