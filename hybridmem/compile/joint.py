@@ -348,6 +348,16 @@ def has_convolution(nodes: Iterable[fx.Node]) -> bool:
                for n in nodes)
 
 
+def concatenates_feature_maps(nodes: Iterable[fx.Node]) -> bool:
+    """Whether a joint graph concatenates 4-D tensors (a U-Net's skips joined to its upsampled path, a
+    DenseNet's features): where it also convolves, Inductor's layout optimization copies more there."""
+    def maps(n: fx.Node) -> bool:
+        v = n.meta.get("val")
+        return isinstance(v, torch.Tensor) and v.dim() == 4
+    return any(n.op == "call_function" and getattr(n.target, "overloadpacket", None) is torch.ops.aten.cat
+               and maps(n) for n in nodes)
+
+
 _CONVOLUTIONS = (torch.ops.aten.convolution, torch.ops.aten.convolution_backward, torch.ops.aten.cudnn_convolution,
                  torch.ops.aten.mkldnn_convolution, torch.ops.aten._convolution)
 
