@@ -644,7 +644,7 @@ class CompileBackend:
         # the margin scales with the step as it runs: the keep-all peak of the partition PyTorch makes where
         # that count is the lower (MobileNetV2: 40.6 MiB, where the first count's 56 MiB holds every forward
         # value the backward reads from the forward on)
-        peak = min(g.peak_bytes(), jg_part.graph.peak_bytes() if jg_part is not None else g.peak_bytes())
+        peak = min(j.graph.peak_bytes() for j in (jg, jg_part) if j is not None)
         share_free = (INDUCTOR_MARGIN_CONCAT if conv and concatenates_feature_maps(gm.graph.nodes)
                       else INDUCTOR_MARGIN if conv else INDUCTOR_MARGIN_NO_CONV)
         margin = int(share_free * peak) if self.compiler == "inductor" else 0
