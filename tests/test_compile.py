@@ -98,8 +98,9 @@ def test_zoo_model_trains_bit_identical_within_the_budget(name: str) -> None:
     b = compile_backend(budget, compiler="eager")
     peaks, grads, losses = _train(copy.deepcopy(base), args, kwargs, e.loss_fn, b)
     st = b.stats()
-    assert st.regions[0].recomputed > 0, st
-    assert len(st.regions[0].decisions) == st.regions[0].recomputed
+    r = st.regions[0]
+    assert r.recomputed > 0, st
+    assert len(r.decisions) == r.recomputed + r.swapped + r.compressed       # one record per evicted tensor
     assert "recompute" in st.report()
     assert all(p <= budget for p in peaks), (peaks, budget, str(st))
     assert max(peaks) < ref_peaks[-1]
