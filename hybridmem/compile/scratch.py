@@ -26,7 +26,9 @@ from .joint import JointGraph
 __all__ = ["inductor_channels_last", "measure_scratch"]
 
 
-_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+# the ops whose inputs Inductor's convolution lowerings require channels-last under its layout optimization
+# (joint.has_convolution's wider set names every convolution op, for the margin)
+_CHANNELS_LAST_OPS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 
 
 def inductor_channels_last(gm: fx.GraphModule) -> bool:
@@ -116,7 +118,7 @@ def measure_scratch(jgs: Iterable[JointGraph], device: torch.device, channels_la
             key = _signature(node)
             if key not in seen:
                 try:
-                    args, kwargs = _args(node, device, channels_last and node.target in _CONVOLUTIONS)
+                    args, kwargs = _args(node, device, channels_last and node.target in _CHANNELS_LAST_OPS)
                 except _Symbolic:
                     seen[key] = 0
                     continue
