@@ -90,7 +90,8 @@ def _state(gp: relax.GapPlanner) -> tuple:
     return [(g.kind, g.q) for g in gp.gaps], list(gp.out)
 
 
-@pytest.mark.parametrize("seed,share", [(18, 0.5), (12, 0.6), (3, 0.35), (5, 0.4)])
+# (5, 0.4): its exchanges run about 35 s on 2 cores, six times the others: with -m slow
+@pytest.mark.parametrize("seed,share", [(18, 0.5), (12, 0.6), (3, 0.35), pytest.param(5, 0.4, marks=pytest.mark.slow)])
 def test_the_passes_make_the_same_moves_as_with_full_realisations(monkeypatch: pytest.MonkeyPatch, seed: int,
                                                                    share: float) -> None:
     """Capuchin's construction, the repair, the improvement and the exchanges end in the same choices and

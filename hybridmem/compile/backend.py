@@ -42,6 +42,7 @@ from . import compressed as compressed_mod
 from .compressed import rewrite_partition
 from .measured import StepPeak
 from .runs import InFlight
+from .sizes import PlannedSizes, planned_at, planning_at
 from .partition import Decisions, apply_plan, decisions
 from .realized import realized_peak
 from .scratch import inductor_channels_last, measure_scratch
@@ -115,6 +116,11 @@ class RegionStats:
     # what the compress ops did in the steps run so far (None: nothing compressed)
     codec: codec_ops.CodecStats | None = None
     codec_region: int = 0             # the compress ops' region id (0: none)
+    # compiled for dynamic shapes: the sizes (symbol -> value) the plan was made at, and the largest values
+    # calls had above them (the step then holds more than the plan counted)
+    planned_sizes: dict[str, int] = field(default_factory=dict)
+    compiled_sizes: dict[str, int] = field(default_factory=dict)   # ... the sizes of the call that compiled it
+    sizes_above_plan: dict[str, int] = field(default_factory=dict)
     # one record per evicted tensor: the node that makes it, its op, bytes and policy, largest first
     decisions: list[dict[str, Any]] = field(default_factory=list)
 
@@ -172,6 +178,11 @@ class CompileStats:
                 + (f"; {r.runs_in_flight} runs were in flight (calls_per_step={r.runs_in_flight} plans for them)"
                    if r.runs_in_flight > r.runs_planned else "")
                 + (f"; {r.note}" if r.note else "")
+                + (f"; compiled for dynamic shapes, planned at {_sizes(r.planned_sizes)}"
+                   + (f" (the largest compiled for; this compile's call had {_sizes(r.compiled_sizes)})"
+                      if r.compiled_sizes != r.planned_sizes else "") if r.planned_sizes else "")
+                + (f"; calls had {_sizes(r.sizes_above_plan)}: the step held more than the plan counted"
+                   if r.sizes_above_plan else "")
                 + (f"\n    {r.name}: compressed {_codec_line(r.codec)}"
                    if r.codec is not None and r.codec.packed else ""))
         return "\n".join(lines)
@@ -268,6 +279,10 @@ def _codec_line(c: codec_ops.CodecStats) -> str:
             "the region compiled)") if c.over_plan_bytes else ""
     return (f"{c.packed} saved tensor(s) in the steps so far ({codecs}{raw}): {fmt_bytes(c.bytes_in)} to "
             f"{fmt_bytes(c.bytes_out)}, encode {c.encode_s * 1e3:.1f} ms, decode {c.decode_s * 1e3:.1f} ms{over}")
+
+
+def _sizes(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -407,6 +422,8 @@ class CompileBackend:
                              "outputs through the backward) or False (it drops them before calling backward)")
         self.hold_outputs = hold_outputs
         self._runs: dict[tuple[str, ...], InFlight] = {}
+        self._sizes: dict[tuple[str, ...], PlannedSizes] = {}    # regions compiled for dynamic shapes
+        self._largest: dict[tuple[str, ...], dict[tuple[str, int], int]] = {}  # region -> (input, dim) -> size
         self.peak = StepPeak()
         self._held: dict[tuple[str, ...], int] = {}      # region key -> bytes it keeps through its backward
         self._regions: dict[tuple[str, ...], RegionStats] = {}
@@ -418,8 +435,14 @@ class CompileBackend:
     # ---- torch.compile calls this ----------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         # a region's identity across recompiles (new shapes, guards): the names of its tensor inputs
-        self._current = tuple(str(n.target) for n, x in zip(
-            (n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs) if isinstance(x, torch.Tensor))
+        # (the example inputs are real tensors: the symbols stand in the placeholders' fake values)
+        tensors = [(str(n.target), v if isinstance(v := n.meta.get("example_value"), torch.Tensor) else x)
+                   for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)
+                   if isinstance(x, torch.Tensor)]
+        self._current = key = tuple(name for name, _ in tensors)
+        # compiled for any size: planned at the largest sizes compiled for before (the full batch, where a
+        # smaller last batch made Dynamo compile the region again), which later calls are likely to bring
+        at = planned_at(tensors, self._largest.setdefault(key, {}))
         if self._dev is None:
             self._dev = _device_of(example_inputs)
         if self.measure:
@@ -427,15 +450,30 @@ class CompileBackend:
         self.peak.compiling()
         self._examples = example_inputs     # what the compress probe measures on; held while compiling only
         try:
-            compiled = self._compile(gm, example_inputs)
+            with planning_at(at):
+                compiled = self._compile(gm, example_inputs)
+                sizes = PlannedSizes(example_inputs, lambda above: self._larger(key, above))
         finally:
             self._examples = None
             self.peak.compiled()
-        key = self._current
         runs = self._runs.get(key)
         if runs is None:  # a recompile of a region (new shapes, an input that needs no grad) shares its count
             runs = self._runs[key] = InFlight(self.calls_per_step, lambda n: self._more_runs(key, n))
-        return self.peak.wrap(runs.wrap(compiled))
+        if sizes.at:
+            self._sizes[key] = sizes
+        else:
+            self._sizes.pop(key, None)
+        return self.peak.wrap(runs.wrap(sizes.wrap(compiled)))
+
+    def _larger(self, key: tuple[str, ...], above: dict[str, int]) -> None:
+        st = self._regions.get(key)
+        sizes = self._sizes.get(key)
+        planned = _sizes(sizes.planned) if sizes is not None else "the sizes of the call that compiled it"
+        warnings.warn(f"hybridmem compile: {st.name if st is not None else 'a region'} is compiled for dynamic "
+                      f"shapes and was planned at {planned}; this call has {_sizes(above)}, so its step holds more "
+                      "than the plan counted and may exceed the budget. Compile with static shapes "
+                      "(torch.compile(..., dynamic=False)): each size then gets a plan of its own",
+                      RuntimeWarning, stacklevel=2)
 
     def _more_runs(self, key: tuple[str, ...], n: int) -> None:
         st = self._regions.get(key)
@@ -477,6 +515,10 @@ class CompileBackend:
         for key, st in self._regions.items():
             runs = self._runs.get(key)
             st.runs_in_flight = runs.most if runs is not None else 0
+            sizes = self._sizes.get(key)
+            if sizes is not None:
+                st.planned_sizes, st.sizes_above_plan = sizes.planned, dict(sizes.largest)
+                st.compiled_sizes = dict(sizes.compiled_at)
             if st.codec_region:
                 now = codec_ops.stats_for(st.codec_region)
                 st.codec = replace(now, codecs=dict(now.codecs))
@@ -592,7 +634,6 @@ class CompileBackend:
         from .. import solvers
 
         t0 = time.perf_counter()
-        dynamic = _dynamic(gm)       # read on the graph as Dynamo gave it, before the clean-up below rebuilds it
         dev = self._dev or torch.device("cpu")
         can_swap = "swap" in self.policies and dev.type == "cuda"
         model = _cost_model(dev, self.cost_model_name, can_swap)
@@ -776,14 +817,6 @@ class CompileBackend:
         if notes:
             st.note = "; ".join([*(x for x in [st.note] if x), *notes])
         jg, g = best.jg, best.jg.graph
-        if best.decisions.recompute and self.compiler == "inductor" and dynamic:
-            # torch 2.13.0+cpu: Inductor's backward of such a partition failed to compile ("TypeError: Cannot
-            # convert expression to float", at the first backward) where PyTorch's own partition compiled
-            warnings.warn(f"hybridmem compile: {name} is compiled for dynamic shapes (a batch or sequence length "
-                          "changed between calls) and its plan recomputes: Inductor may fail to compile its "
-                          "backward (TypeError: Cannot convert expression to float). Compile with static shapes "
-                          "(torch.compile(..., dynamic=False), or DataLoader(drop_last=True)): each size then "
-                          "gets a plan of its own", RuntimeWarning, stacklevel=2)
         if best.plan is not None:
             apply_plan(jg, best.decisions)
         elif jg.compressed:
@@ -931,17 +964,6 @@ class CompileBackend:
             solver=p.solver if p is not None else "",
             plan_from=str(p.info.get("plan_from") or "") if p is not None else "",
             note=r.note, decisions=sorted(records, key=lambda x: -x["bytes"]))
-
-
-def _dynamic(gm: fx.GraphModule) -> bool:
-    """Whether the region Dynamo gave has symbolic sizes (compiled for any batch or sequence length)."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            v = n.meta.get("example_value", n.meta.get("val"))
-            if isinstance(v, (torch.Tensor, torch.SymInt)) and free_symbols(v):
-                return True
-    return False
 
 
 def _kept_bytes(g: Any, p: Any) -> int:

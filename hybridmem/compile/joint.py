@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..graph.flops import op_flops
 from ..graph.ir import Graph, Stage, TensorInfo
+from .sizes import size_hint
 
 __all__ = ["JointGraph", "computes_inputs", "fusible", "joint_graph", "node_nbytes", "reduction"]
 
@@ -64,21 +65,12 @@ def _vals(v: Any) -> list[torch.Tensor]:
     return []
 
 
-def _hint(x: Any) -> int:
-    """An int from a size that may be symbolic (dynamic shapes): its hint."""
-    try:
-        return int(x)
-    except Exception:
-        from torch.fx.experimental.symbolic_shapes import hint_int
-        return int(hint_int(x))
-
-
 def node_nbytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s storage (its whole storage: a view keeps all of it alive)."""
     try:
-        return _hint(t.untyped_storage().nbytes())
+        return size_hint(t.untyped_storage().nbytes())
     except Exception:
-        return _hint(t.numel()) * t.element_size()
+        return size_hint(t.numel()) * t.element_size()
 
 
 def _storage_key(t: torch.Tensor) -> Any:
@@ -95,23 +87,35 @@ def _is_random(node: fx.Node) -> bool:
 
 def _arg_vals(a: Any) -> Any:
     if isinstance(a, fx.Node):
-        return a.meta.get("val")
+        return _concrete(a.meta.get("val"))
     if isinstance(a, (tuple, list)):
         return type(a)(_arg_vals(x) for x in a)
     if isinstance(a, dict):
         return {k: _arg_vals(v) for k, v in a.items()}
-    return a
+    return _concrete(a)
+
+
+def _concrete(v: Any) -> Any:
+    """``v`` with symbolic sizes (dynamic shapes) replaced by their hints: a FLOP formula that compares or
+    converts a symbolic size would add a guard, specializing the region to this call's sizes."""
+    if isinstance(v, torch.SymInt):
+        return size_hint(v)
+    if isinstance(v, torch.SymFloat):
+        hint = v.node.hint
+        return float(hint) if hint is not None else 0.0
+    if isinstance(v, (tuple, list)):
+        return type(v)(_concrete(x) for x in v)
+    if isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride())):
+        return torch.empty_strided([size_hint(s) for s in v.shape], [size_hint(s) for s in v.stride()],
+                                   dtype=v.dtype, device="meta")
+    return v
 
 
 def _flops(node: fx.Node) -> float:
     if not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
-    f = op_flops(node.target, _arg_vals(node.args), _arg_vals(node.kwargs), node.meta.get("val"))
-    try:
-        return float(f)
-    except Exception:       # symbolic sizes (dynamic shapes): the count at the sizes' hints
-        hint = getattr(getattr(f, "node", None), "hint", None)
-        return float(hint) if hint is not None else 0.0
+    return float(op_flops(node.target, _arg_vals(node.args), _arg_vals(node.kwargs),
+                          _concrete(node.meta.get("val"))))
 
 
 # Inductor's random numbers from a seed (``inductor_seeds`` draws the seeds): elementwise, computed inside
@@ -419,7 +423,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
             tid = len(tensors)
             by_storage[key] = tid
             tensors.append(TensorInfo(id=tid, nbytes=node_nbytes(val), dtype=str(val.dtype).replace("torch.", ""),
-                                      shape=tuple(_hint(s) for s in val.shape), kind=kind, producer=producer,
+                                      shape=tuple(size_hint(s) for s in val.shape), kind=kind, producer=producer,
                                       name=node.name))
             jg.producer_node[tid] = op if op is not None else node
         jg.tensor_nodes.setdefault(tid, []).append(node)

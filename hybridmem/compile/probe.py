@@ -20,6 +20,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..plugins.codecs import LOSSLESS, CodecPasses
+from .sizes import size_hint
 
 __all__ = ["measure"]
 
@@ -57,11 +58,13 @@ def measure(gm: fx.GraphModule, forward: Sequence[fx.Node], primals: Sequence[to
     with unset_fake_temporarily(), torch.random.fork_rng(devices=devices), torch.no_grad():
         for ph, v in zip(placeholders, primals):
             meta = ph.meta.get("val")
+            # symbolic sizes (dynamic shapes) compare by their hints: comparing them would add a guard
+            shape = tuple(size_hint(s, planned=False) for s in meta.shape) if isinstance(meta, torch.Tensor) else ()
             if isinstance(meta, torch.Tensor) and (not isinstance(v, torch.Tensor)
-                                                   or tuple(v.shape) != tuple(meta.shape) or v.dtype != meta.dtype):
+                                                   or tuple(v.shape) != shape or v.dtype != meta.dtype):
                 raise ValueError(f"input {ph.name}: the region was given {type(v).__name__} "
-                                 f"{tuple(getattr(v, 'shape', ()))}, its graph reads {tuple(meta.shape)} {meta.dtype}")
-            env[ph] = v.detach() if isinstance(v, torch.Tensor) else v
+                                 f"{tuple(getattr(v, 'shape', ()))}, its graph reads {shape} {meta.dtype}")
+            env[ph] = v.detach() if isinstance(v, torch.Tensor) else size_hint(v, planned=False) if isinstance(v, torch.SymInt) else v
         for i, n in enumerate(forward):
             if n.op != "call_function":
                 continue
