@@ -46,6 +46,8 @@ class CompiledResult:
     real_peak_bytes: int = 0
     compile_s: float = 0.0            # wall seconds of the first step (compile included)
     plan_s: float = 0.0               # of which hybridmem's planning
+    trial_s: float = 0.0              # ... and its run of the compiled step at compile time (verify)
+    replans: int = 0                  # plans made again because that run held more than the share
     step_ratio: float = 1.0           # median per-round step time / unmanaged
     max_grad_diff: float = 0.0        # largest gradient difference to the unmanaged compiled step
     bit_identical: bool = True
@@ -180,6 +182,8 @@ def compare(name: str, size: str = "small", ratios: tuple[float, ...] = (0.5,), 
                 st = backend.stats()
                 hm.result.budget_bytes = budget
                 hm.result.plan_s = st.plan_seconds
+                hm.result.trial_s = sum(x.trial_s for x in st.regions)
+                hm.result.replans = sum(x.replans for x in st.regions)
                 hm.result.recomputed = sum(x.recomputed for x in st.regions)
                 hm.result.compressed = sum(x.compressed for x in st.regions)
                 hm.result.real_peak_bytes = _measure_peak(hm, args, kwargs, entry.loss_fn)

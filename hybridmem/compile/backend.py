@@ -40,9 +40,11 @@ from .joint import concatenates_feature_maps, has_convolution, joint_graph
 from . import codec_ops, probe
 from . import compressed as compressed_mod
 from .compressed import rewrite_partition
+from ..runtime import cpumeter
 from .measured import StepPeak
 from .runs import InFlight
 from .sizes import PlannedSizes, planned_at, planning_at
+from . import trial as trial_mod
 from .partition import Decisions, apply_plan, decisions
 from .realized import realized_peak
 from .scratch import inductor_channels_last, measure_scratch
@@ -75,6 +77,13 @@ REALIZED_PROBES = 4
 REALIZED_HEADROOM = 0.02    # ... only where the first plan's judged peak leaves this share of the budget free
 REALIZED_TIME_SHARE = 2.0   # ... and for at most twice the time the first plan and its judgement took
 
+
+# a compiled region whose step, run once at compile time (hybridmem.compile.trial), holds more than its share is
+# planned again with the margin raised by the excess and this share of its keep-all peak, up to this many times;
+# where the run was stopped at the share (CPU: it would have held more), the excess is only a least, and the
+# share added doubles with each stopped run
+REPLANS = 3
+REPLAN_SLACK = 0.01
 
 # compress a saved tensor only where its lossless encoding, measured on the example inputs, is at most this
 # share of its bytes: a ReLU's output with half its elements zero encodes to 0.53 of a float32 tensor
@@ -112,6 +121,12 @@ class RegionStats:
     probe_s: float = 0.0              # ... partitioning once with no plan (what PyTorch saves on its own)
     solve_s: float = 0.0              # ... in the solver
     codec_probe_s: float = 0.0        # ... measuring what compresses (one forward on the inputs) and its counts
+    # the compiled step run once at compile time on the first call's inputs (hybridmem.compile.trial): its real
+    # peak (with the other runs in flight as counted), the seconds that took, and the plans made before
+    # one fit (each a compile of its own)
+    trial_peak_bytes: int | None = None
+    trial_s: float = 0.0
+    replans: int = 0
     note: str = ""
     # what the compress ops did in the steps run so far (None: nothing compressed)
     codec: codec_ops.CodecStats | None = None
@@ -159,6 +174,8 @@ class CompileStats:
                  + (f" (solver {sum(r.solve_s for r in self.regions):.2f} s, scratch "
                     f"{sum(r.scratch_s for r in self.regions):.2f} s, default partition "
                     f"{sum(r.probe_s for r in self.regions):.2f} s)" if self.regions else "")
+                 + (f", run once when compiled {sum(r.trial_s for r in self.regions):.2f} s"
+                    if any(r.trial_peak_bytes is not None for r in self.regions) else "")
                  + (f", optimizer state {fmt_bytes(self.outside_bytes)}" if self.outside_bytes else "")]
         if self.measured_peak_bytes is not None:
             lines.append(f"  measured peak {fmt_bytes(self.measured_peak_bytes)} ({self.measured}), "
@@ -174,6 +191,9 @@ class CompileStats:
                 + (f", compressed {r.compressed} ({fmt_bytes(r.compressed_bytes)} to "
                    f"{fmt_bytes(r.compressed_to_bytes)})" if r.compressed else "")
                 + f"; predicted +{100 * r.predicted_overhead:.1f} %"
+                + (f"; measured {fmt_bytes(r.trial_peak_bytes)} when compiled"
+                   + (f" (planned {r.replans + 1} times: the first plans' steps held more than the share)"
+                      if r.replans else "") if r.trial_peak_bytes is not None else "")
                 + (f"; planned for {r.runs_planned} runs in flight" if r.runs_planned > 1 else "")
                 + (f"; {r.runs_in_flight} runs were in flight (calls_per_step={r.runs_in_flight} plans for them)"
                    if r.runs_in_flight > r.runs_planned else "")
@@ -259,6 +279,7 @@ class _Planned:
     time_s: float                                 # predicted step time
     solve_s: float
     note: str
+    others_bytes: int = 0                         # of ``predicted``, what the other runs in flight hold
 
 
 @dataclass
@@ -350,11 +371,12 @@ class _Partitioner:
         return fw, bw
 
     def uuid(self) -> str:
-        return self.token
+        # a region planned again (a larger margin) must not get the partition cached for its first plan
+        return f"{self.token}:{self.backend._revision}"
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         # Inductor pickles its config into cache keys: this object stands there as its token
-        return (str, (self.token,))
+        return (str, (self.uuid(),))
 
 
 class CompileBackend:
@@ -379,14 +401,17 @@ class CompileBackend:
     (default: the training loop may hold them through the backward, as ``logits, loss = model(x)`` does);
     ``False`` for a loop that drops them before calling backward (``loss = model(x)[1]``): their bytes
     then count only until the forward ends, and a loop that holds them after all holds that much more
-    than the plan counted.
+    than the plan counted. ``verify``: run each compiled region once when it compiles, forward and backward
+    on the first call's inputs (:mod:`hybridmem.compile.trial`; the user's random stream, buffers and
+    ``.grad`` are left as they were), and where its real peak exceeds the region's share, plan it again
+    with that much more left free and compile it again (up to :data:`REPLANS` times; default on).
     """
 
     def __init__(self, budget: int | str, device: str | torch.device | None = None,
                  policies: Sequence[str] | str = POLICIES, solver: str = "approx",
                  time_limit: float | None = None, optimizer: Any = None, cost_model: str | None = None,
                  compiler: str = "inductor", scratch: bool = True, calls_per_step: int = 1,
-                 measure: bool = True, hold_outputs: bool = True) -> None:
+                 measure: bool = True, hold_outputs: bool = True, verify: bool = True) -> None:
         from .. import solvers
         self.policies = _policies(policies)
         if solver not in solvers.SOLVERS:
@@ -421,6 +446,13 @@ class CompileBackend:
             raise ValueError(f"hold_outputs {hold_outputs!r}: expected True (the loop may hold the compiled forward's "
                              "outputs through the backward) or False (it drops them before calling backward)")
         self.hold_outputs = hold_outputs
+        if not isinstance(verify, bool):
+            raise ValueError(f"verify {verify!r}: expected True (run each compiled region once when it compiles and "
+                             "plan it again where its real peak exceeds its share) or False")
+        self.verify = verify
+        self._revision = 0                           # plans made again after a trial (partition cache keys)
+        self._extra: dict[tuple[str, ...], int] = {}  # region -> bytes more its margin leaves free (trials)
+        self._planned_now: _Planned | None = None     # the plan of the compile in progress
         self._runs: dict[tuple[str, ...], InFlight] = {}
         self._sizes: dict[tuple[str, ...], PlannedSizes] = {}    # regions compiled for dynamic shapes
         self._largest: dict[tuple[str, ...], dict[tuple[str, int], int]] = {}  # region -> (input, dim) -> size
@@ -451,8 +483,8 @@ class CompileBackend:
         self._examples = example_inputs     # what the compress probe measures on; held while compiling only
         try:
             with planning_at(at):
-                compiled = self._compile(gm, example_inputs)
                 sizes = PlannedSizes(example_inputs, lambda above: self._larger(key, above))
+                compiled = self._compile_checked(key, gm, example_inputs, sizes)
         finally:
             self._examples = None
             self.peak.compiled()
@@ -485,14 +517,129 @@ class CompileBackend:
                       f"and may exceed the budget: compile_backend(calls_per_step={n}) plans for them",
                       RuntimeWarning, stacklevel=2)
 
+    def _compile_checked(self, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any],
+                         sizes: PlannedSizes) -> Any:
+        """Compile the region and, with ``verify``, run it once (:mod:`hybridmem.compile.trial`); where its real
+        peak exceeds its share, plan and compile it again with the excess (and :data:`REPLAN_SLACK` of its
+        keep-all peak) more left free, up to :data:`REPLANS` times; where that leaves the count no plan, once
+        more with the count's least plan."""
+        self._extra[key] = 0
+        dev = self._dev or torch.device("cpu")
+        native = cpumeter.load() if dev.type == "cpu" else None
+        level = native.current_bytes if native is not None and native.installed else None   # before compiling
+        runs: list[trial_mod.Trial] = []        # the runs of the plans tried, their real peaks with the other runs'
+        compiled: Any = None
+        st: RegionStats | None = None
+        before = others = 0                      # the extra margin of the plan tried last; its other runs' bytes
+        earlier_s = 0.0                          # the planning seconds of the plans made before this one
+        least_tried = False
+        while True:
+            self._planned_now = None
+            if st is not None:
+                earlier_s = st.plan_s           # the last plan's, which holds those before it
+            try:
+                compiled = self._compile(gm, example_inputs)
+            except BudgetInfeasibleError:
+                if not runs or st is None:
+                    raise
+                room = self._budget_bytes(dev) - st.min_budget_bytes   # above the least, with the last margin
+                if not least_tried and room > 0:
+                    # more left free than the count allows: its least plan, the one that recomputes most
+                    least_tried = True
+                    self._extra[key] = before + room
+                    self._revision += 1
+                    continue
+                raise self._no_fit(st, key, dev, runs, compiled, example_inputs, level, others) from None
+            st, planned = self._regions.get(key), self._planned_now
+            if st is not None and earlier_s:
+                st.plan_s += earlier_s          # every plan made for this compile counts as its planning
+            if planned is None or st is None or not self.verify:
+                return compiled          # no joint graph was planned (an inference region), or not asked
+            if sizes.planned != sizes.compiled_at:
+                st.note = "; ".join(x for x in (st.note, "not run at compile time (planned at larger sizes than "
+                                                "the call that compiled it)") if x)
+                return compiled
+            mutated = trial_mod.mutated_inputs(len(example_inputs))
+            try:
+                got = trial_mod.run(compiled, example_inputs, dev, mutated, cap_bytes=st.budget_bytes - planned.others_bytes,
+                                    level=level, hold_outputs=self.hold_outputs)
+            except Exception as e:      # a region that cannot run here: its plan stands as counted
+                reason = str(e) if isinstance(e, trial_mod.NotMeasurable) else f"{type(e).__name__}: {str(e)[:160]}"
+                st.note = "; ".join(x for x in (st.note, f"not run at compile time ({reason})") if x)
+                warnings.warn(f"hybridmem compile: {st.name}: its compiled step could not be run once to measure its "
+                              f"real peak ({reason}); the plan stands as counted, and the step may exceed the "
+                              "budget by what Inductor holds beyond the count", RuntimeWarning, stacklevel=3)
+                return compiled
+            if st.codec_region:
+                codec_ops.reset_stats(st.codec_region)     # a run at compile time is not a step
+            others = planned.others_bytes
+            got = replace(got, peak_bytes=got.peak_bytes + others)
+            runs.append(got)
+            st.replans = len(runs) - 1
+            st.trial_peak_bytes, st.trial_s = got.peak_bytes, sum(r.seconds for r in runs)
+            if got.peak_bytes <= st.budget_bytes:
+                return compiled
+            if len(runs) > REPLANS:
+                break
+            before = self._extra[key]
+            stopped = sum(r.refused for r in runs[:-1])
+            slack = REPLAN_SLACK * (2 ** stopped if got.refused else 1)
+            self._extra[key] += got.peak_bytes - st.budget_bytes + int(slack * st.keep_all_peak_bytes)
+            self._revision += 1
+        over = got.peak_bytes - st.budget_bytes
+        st.note = "; ".join(x for x in (st.note, f"its compiled step held {'more than ' if got.refused else ''}"
+                                        f"{fmt_bytes(got.peak_bytes)}, more than its share {fmt_bytes(st.budget_bytes)}, "
+                                        f"after {len(runs)} plans") if x)
+        warnings.warn(f"hybridmem compile: {st.name}'s compiled step, run once when it compiled, held "
+                      f"{'more than ' if got.refused else ''}{fmt_bytes(got.peak_bytes)}, more than its share of the "
+                      f"budget ({fmt_bytes(st.budget_bytes)}), after {len(runs)} plans each with more left free for "
+                      f"Inductor's buffers: the steps will exceed the budget by {'more than ' if got.refused else ''}"
+                      f"{fmt_bytes(over)}; a larger budget fits", RuntimeWarning, stacklevel=3)
+        return compiled
+
+    def _no_fit(self, st: RegionStats, key: tuple[str, ...], dev: torch.device, runs: list[Any], compiled: Any,
+                example_inputs: list[Any], level: int | None, others: int) -> BudgetInfeasibleError:
+        """The error for a region whose plans each held more than its share when run, and that has no plan
+        with more left free. It names a budget a plan was measured to fit: the least a run held, with what is
+        held outside the region; where every run was stopped at the share, the last plan's run to its end
+        (at compile time, more than the budget: no step follows) says it."""
+        budget = self._budget_bytes(dev)
+        outside = budget - st.budget_bytes
+        measured = [r.peak_bytes for r in runs if not r.refused]
+        if not measured and compiled is not None:
+            try:
+                got = trial_mod.run(compiled, example_inputs, dev, trial_mod.mutated_inputs(len(example_inputs)),
+                                    level=level, hold_outputs=self.hold_outputs)
+                measured.append(got.peak_bytes + others)
+            except Exception:     # the error then names the least the stopped runs needed
+                pass
+        lowest = min(r.peak_bytes for r in runs)
+        if measured:
+            need = min(measured) + outside
+            says = f"A budget of {fmt_bytes(need)} ({need} B) fits: the least a plan held, with what is held outside it"
+        else:
+            need = lowest + outside
+            says = (f"Its plans' runs were stopped at the share: a budget of at least {fmt_bytes(need)} ({need} B) "
+                    "is needed")
+        return BudgetInfeasibleError(
+            f"hybridmem compile: {st.name} does not fit the budget {fmt_bytes(budget)} ({budget} B) as Inductor "
+            f"compiles it: run once when it compiled, its plans' steps held {fmt_bytes(lowest)} at least (the last "
+            f"plan counted {fmt_bytes(st.predicted_peak_bytes)} of the region's {fmt_bytes(st.budget_bytes)} share), "
+            f"and with {fmt_bytes(self._extra[key])} more left free for Inductor's buffers it has no plan. "
+            f"{says}", need)
+
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
-        if self.compiler == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-            return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner})
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._dynamo.backends.debugging import boxed_nop
-        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=self.partitioner,
-                            keep_inference_input_mutations=True)(gm, example_inputs)
+        from torch._functorch import config as fconfig
+        # the backward compiled with the forward (AOTAutograd compiles it at its first call otherwise): a trial
+        # run (verify) then measures the step, not the compile, and runs outside the compile's bookkeeping
+        with fconfig.patch(force_non_lazy_backward_lowering=True):
+            if self.compiler == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+                return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": self.partitioner})
+            from torch._dynamo.backends.common import aot_autograd
+            from torch._dynamo.backends.debugging import boxed_nop
+            return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=self.partitioner,
+                                keep_inference_input_mutations=True)(gm, example_inputs)
 
     def reset_stats(self) -> None:
         """Restart the measured peak at the current level (the regions' plan figures stay)."""
@@ -688,7 +835,8 @@ class CompileBackend:
         peak = min(j.graph.peak_bytes() for j in (jg, jg_part) if j is not None)
         share_free = (INDUCTOR_MARGIN_CONCAT if conv and concatenates_feature_maps(gm.graph.nodes)
                       else INDUCTOR_MARGIN if conv else INDUCTOR_MARGIN_NO_CONV)
-        margin = int(share_free * peak) if self.compiler == "inductor" else 0
+        # and what a trial run of an earlier plan of this compile held beyond its share (_compile_checked)
+        margin = (int(share_free * peak) if self.compiler == "inductor" else 0) + self._extra.get(key, 0)
         name = f"region {list(self._regions).index(key) + 1 if key in self._regions else len(self._regions) + 1}"
         # each other run in flight (calls_per_step - 1) holds its inputs and parameters, and either what the
         # plan keeps for its backward (before it) or the gradients that backward made (after it)
@@ -833,6 +981,7 @@ class CompileBackend:
         region = codec_ops.new_region() if best.variant.compressed else 0
         st.codec_region = region
         self._regions[key] = st
+        self._planned_now = best
         return _Prepared(offload=bool(best.decisions.swap), region=region, stats=st,
                          compressed=[best.variant.compressed[n.name] for n in jg.compressed.values()])
 
@@ -896,7 +1045,8 @@ class CompileBackend:
             time_s = float(simulate(g, None, model, budget=None, check_hash=False).time_s)
             return _Planned(v, jg, None, Decisions(), peak, peak, time_s, 0.0,
                             "the share holds the keep-all peak: PyTorch's own partition"
-                            + (" with the compressed tensors" if v.compressed else ""))
+                            + (" with the compressed tensors" if v.compressed else ""),
+                            others * max(g.saved_bytes() - grads, 0))
         if not self._can_evict():
             # nothing but keeping (and the compression this count holds): its keep-all peak is the least
             raise BudgetInfeasibleError("no plan", peak + others * max(g.saved_bytes() - grads, 0))
@@ -933,7 +1083,8 @@ class CompileBackend:
                 + ("a larger budget lets recompute alone fit" if "recompute" in self.policies
                    else "policies with recompute or compress, or a larger budget, may fit"), None)
         time_s = float(p.predicted_time_s or 0.0)
-        return _Planned(v, jg, p, d, peak, predicted, time_s, float(p.info.get("solve_s") or 0.0), "")
+        return _Planned(v, jg, p, d, peak, predicted, time_s, float(p.info.get("solve_s") or 0.0), "",
+                        others * max(_kept_bytes(g, p) - grads, 0))
 
     def _can_evict(self) -> bool:
         """Whether a plan may evict anything: recompute, or swap on CUDA (compression is a count of its own)."""

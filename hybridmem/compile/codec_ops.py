@@ -29,7 +29,7 @@ import torch
 
 from ..plugins.codecs import LOSSLESS, CodecPasses, Encoded
 
-__all__ = ["CodecStats", "dense", "live_payloads", "new_region", "register", "stats_for"]
+__all__ = ["CodecStats", "dense", "live_payloads", "new_region", "register", "reset_stats", "stats_for"]
 
 CODECS = tuple(LOSSLESS.values())
 
@@ -76,6 +76,12 @@ def new_region() -> int:
 
 def stats_for(region: int) -> CodecStats:
     return _REGIONS.setdefault(region, CodecStats())
+
+
+def reset_stats(region: int) -> None:
+    """Forget what the ops of ``region`` did so far (a run at compile time is not a step)."""
+    with _LOCK:
+        _REGIONS[region] = CodecStats()
 
 
 def live_payloads() -> int:
