@@ -139,6 +139,10 @@ class RegionStats:
     # one record per evicted tensor: the node that makes it, its op, bytes and policy, largest first
     decisions: list[dict[str, Any]] = field(default_factory=list)
 
+    def add_note(self, text: str) -> None:
+        """Append ``text`` to the region's note."""
+        self.note = "; ".join(x for x in (self.note, text) if x)
+
 
 @dataclass
 class CompileStats:
@@ -362,9 +366,8 @@ class _Partitioner:
                 st.compressed_bytes -= sum(c.nbytes for c in missed)
                 st.compressed_to_bytes -= sum(c.size for c in missed)
                 st.decisions = [d for d in st.decisions if not (d["policy"] == "compress" and d["node"] in gone)]
-                st.note = "; ".join(x for x in (st.note, (
-                    f"{len(missed)} tensor(s) the plan compressed were not saved as planned and stay "
-                    f"uncompressed ({fmt_bytes(lost)} more than the plan counted)")) if x)
+                st.add_note(f"{len(missed)} tensor(s) the plan compressed were not saved as planned and stay "
+                            f"uncompressed ({fmt_bytes(lost)} more than the plan counted)")
                 warnings.warn(f"hybridmem compile: {prep.stats.name}: {len(missed)} tensor(s) the plan compressed were "
                               f"not saved as planned: the step may hold {fmt_bytes(lost)} more than the plan counted",
                               RuntimeWarning, stacklevel=2)
@@ -556,8 +559,7 @@ class CompileBackend:
             if planned is None or st is None or not self.verify:
                 return compiled          # no joint graph was planned (an inference region), or not asked
             if sizes.planned != sizes.compiled_at:
-                st.note = "; ".join(x for x in (st.note, "not run at compile time (planned at larger sizes than "
-                                                "the call that compiled it)") if x)
+                st.add_note("not run at compile time (planned at larger sizes than the call that compiled it)")
                 return compiled
             mutated = trial_mod.mutated_inputs(len(example_inputs))
             try:
@@ -565,7 +567,7 @@ class CompileBackend:
                                     level=level, hold_outputs=self.hold_outputs)
             except Exception as e:      # a region that cannot run here: its plan stands as counted
                 reason = str(e) if isinstance(e, trial_mod.NotMeasurable) else f"{type(e).__name__}: {str(e)[:160]}"
-                st.note = "; ".join(x for x in (st.note, f"not run at compile time ({reason})") if x)
+                st.add_note(f"not run at compile time ({reason})")
                 warnings.warn(f"hybridmem compile: {st.name}: its compiled step could not be run once to measure its "
                               f"real peak ({reason}); the plan stands as counted, and the step may exceed the "
                               "budget by what Inductor holds beyond the count", RuntimeWarning, stacklevel=3)
@@ -587,9 +589,8 @@ class CompileBackend:
             self._extra[key] += got.peak_bytes - st.budget_bytes + int(slack * st.keep_all_peak_bytes)
             self._revision += 1
         over = got.peak_bytes - st.budget_bytes
-        st.note = "; ".join(x for x in (st.note, f"its compiled step held {'more than ' if got.refused else ''}"
-                                        f"{fmt_bytes(got.peak_bytes)}, more than its share {fmt_bytes(st.budget_bytes)}, "
-                                        f"after {len(runs)} plans") if x)
+        st.add_note(f"its compiled step held {'more than ' if got.refused else ''}{fmt_bytes(got.peak_bytes)}, more "
+                    f"than its share {fmt_bytes(st.budget_bytes)}, after {len(runs)} plans")
         warnings.warn(f"hybridmem compile: {st.name}'s compiled step, run once when it compiled, held "
                       f"{'more than ' if got.refused else ''}{fmt_bytes(got.peak_bytes)}, more than its share of the "
                       f"budget ({fmt_bytes(st.budget_bytes)}), after {len(runs)} plans each with more left free for "
