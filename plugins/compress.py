@@ -101,6 +101,7 @@ class CompressPolicy:
         self.stats: dict[str, float] = {
             "evictions": 0, "regenerations": 0, "prefetches": 0, "bytes_in": 0, "bytes_out": 0,
             "encode_s": 0.0, "decode_s": 0.0, "exposed_s": 0.0, "analyses": 0, "analyze_s": 0.0,
+            "analyses_refused": 0,
         }
         self.codec_counts: dict[str, int] = {}
 
@@ -114,8 +115,16 @@ class CompressPolicy:
         if cached is not None and cached.stamp is not None and cached.stamp.matches(entry):
             return cached if cached.codec is not None else None
         t0 = time.perf_counter()
-        choice = self._decide(t, Stamp.of(entry))
-        self.stats["analyze_s"] += time.perf_counter() - t0
+        try:
+            choice = self._decide(t, Stamp.of(entry))
+        except torch.OutOfMemoryError:
+            # The analysis needs scratch on the tensor's device (CUDA: torch kernels), and it runs when the
+            # runtime is making room, at the cap. Not compressible for now, decided again next time asked;
+            # the other policies evict meanwhile.
+            self.stats["analyses_refused"] += 1
+            return None
+        finally:
+            self.stats["analyze_s"] += time.perf_counter() - t0
         self.stats["analyses"] += 1
         self._choices[entry] = choice
         return choice if choice.codec is not None else None
@@ -297,7 +306,9 @@ def compressible_share(model: torch.nn.Module, loss_of: Any, exclude: Iterable[t
         st = t.untyped_storage()
         if st._cdata not in fixed and st._cdata not in saved:
             saved[st._cdata] = torch.empty(0, dtype=t.dtype, device=t.device).set_(st)  # the whole storage
-        return t
+        # detached: an op's own output saved as itself would hold its node, which holds it (a reference cycle
+        # through C++ that Python's collector cannot free: the model copy and every activation leaked)
+        return t.detach()
 
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):

@@ -132,3 +132,15 @@ def test_docs_speak_of_the_software_not_of_its_making() -> None:
     found = [f"{f.name}:{i}: {line.strip()}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1)
              if MAKING.search(line)]
     assert found == []
+
+
+def test_every_subpackage_is_in_the_wheel() -> None:
+    """pyproject lists the packages a wheel holds by name: each one on disk must be there (a missing one
+    installs fine and fails at import, e.g. ``hybridmem.compile`` for ``torch.compile(backend=...)``)."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    dirs = {f"hybridmem.{k.split('.', 1)[1]}": v for k, v in cfg["package-dir"].items()}
+    on_disk = {"hybridmem." + ".".join(p.parent.relative_to(ROOT / "hybridmem").parts)
+               for p in (ROOT / "hybridmem").rglob("__init__.py") if p.parent != ROOT / "hybridmem"}
+    on_disk |= {"hybridmem"} | {name for name, d in dirs.items() if (ROOT / d / "__init__.py").is_file()}
+    assert on_disk <= listed, f"not in pyproject's [tool.setuptools] packages: {sorted(on_disk - listed)}"

@@ -575,6 +575,14 @@ class CompileBackend:
             if st.codec_region:
                 codec_ops.reset_stats(st.codec_region)     # a run at compile time is not a step
             others = planned.others_bytes
+            if got.device_other_bytes and not any(k != key for k in self._held):
+                # CUDA, the first region: the budget caps the allocator's bytes, and what it held besides this
+                # region's inputs (library workspaces, other tensors) is in every step's peak. (A later region
+                # runs beside the earlier ones' saved tensors, which its share already leaves out.)
+                others += got.device_other_bytes
+                if not runs:
+                    st.add_note(f"the device held {fmt_bytes(got.device_other_bytes)} besides its inputs when it "
+                                f"ran (CUDA workspaces, other tensors): counted in its peak")
             got = replace(got, peak_bytes=got.peak_bytes + others)
             runs.append(got)
             st.replans = len(runs) - 1

@@ -40,6 +40,9 @@ class Trial:
     peak_bytes: int          # its inputs' storages plus the most the run allocated beyond what was live before
     seconds: float
     refused: bool = False    # the run passed its cap and stopped there: ``peak_bytes`` is the least it needed
+    # CUDA: what the device's allocator held besides the inputs when the run began (cuBLAS and cuDNN
+    # workspaces, the program's other tensors): in every step's max_memory_allocated, in no count
+    device_other_bytes: int = 0
 
 
 class NotMeasurable(Exception):
@@ -121,7 +124,8 @@ def run(compiled: Callable[..., Any], example_inputs: Sequence[Any], device: tor
     if needed is not None:
         gc.collect()     # the stopped run's tensors, held by the exception's frames
         return Trial(peak_bytes=fixed + max(peak, needed), seconds=seconds, refused=True)
-    return Trial(peak_bytes=fixed + peak, seconds=seconds)
+    other = max(window.base - fixed, 0) if device.type == "cuda" else 0
+    return Trial(peak_bytes=fixed + peak, seconds=seconds, device_other_bytes=other)
 
 
 @contextlib.contextmanager

@@ -78,7 +78,8 @@ def cost_model_for(device: torch.device, name: str | None = None) -> Any:
     return get_cost_model(name or "cpu")
 
 
-RUNTIME_EXTRA = ("cost_model", "cuda_cap", "light", "steady")  # keys of the 'plugins' section that are not policies
+# keys of the 'plugins' section that are not policies
+RUNTIME_EXTRA = ("cost_model", "cuda_cap", "light", "steady", "steady_cuda", "verify")
 
 
 def check_extra(cfg: Config) -> None:
@@ -90,8 +91,8 @@ def check_extra(cfg: Config) -> None:
         if key not in RUNTIME_EXTRA and key not in policies:
             raise ValueError(f"{cfg.source('extra')}: unknown key {key!r}; accepted: the policies {policies} "
                              f"(each a mapping of its options) and {list(RUNTIME_EXTRA)}")
-        if key == "steady" and not isinstance(value, bool):
-            raise ValueError(f"{cfg.source('extra')}: steady: expected true or false, got {value!r}")
+        if key in ("steady", "steady_cuda", "verify") and not isinstance(value, bool):
+            raise ValueError(f"{cfg.source('extra')}: {key}: expected true or false, got {value!r}")
         if key in policies and value is not None and not isinstance(value, dict):
             raise ValueError(f"{cfg.source('extra')}: {key}: expected a mapping of the policy's options, "
                              f"got {value!r}")
@@ -153,6 +154,8 @@ class Runtime:
         self.store = SavedStore(self.device, self.produced, self.stats, self.clock)
         self.policies = self._make_policies(cfg)
         self.residency = Residency(self.store, self.policies, self.meter, self.stats, self.budget)
+        if cfg.extra.get("verify", False):
+            self.residency.verify = {}
         book = PlanBook.load(cfg.plan) if plan is None and is_book(cfg.plan) else None
         manages = self.budget is not None or plan is not None or book is not None
         self.recorder: Recorder | None = None
@@ -207,6 +210,14 @@ class Runtime:
         # and compressions need the dispatch mode (the recorded step's evictions by them refuse the program).
         self.steady_possible = (self.native is not None and self.buckets is None
                                 and self.prefetcher is None and cfg.extra.get("steady", True))
+        if self.steady_possible and self.device.type == "cuda" and not cfg.extra.get("steady_cuda", False):
+            # The CUDA allocator caps reserved bytes, and its free-memory callback (the hook) learns neither
+            # the request nor its cache's fragmentation: on an H200 (2026-12-04) steps without the dispatch
+            # mode were refused 2 MiB with 16 MiB of the cap free in fragments. Ops stay under the mode,
+            # which evicts and retries a refused op.
+            self.steady_possible = False
+            self.stats.note("steady state: off on CUDA (each op stays under the dispatch mode, which retries "
+                            "an allocation the capped caching allocator refuses)")
         self._registrable = self.store.registrable  # the allocator's order without a plan (runtime.device)
         self.plan_recomputes: set[Any] = set()      # program nodes a followed plan recomputes (steady state)
         self.program: StepProgram | None = None

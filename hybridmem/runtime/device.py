@@ -26,6 +26,7 @@ import torch
 
 from .cpumeter import cuda_note, load, unavailable_reason
 from .entry import Entry
+from .meter import cap_cuda
 
 if TYPE_CHECKING:
     from .core import Runtime
@@ -45,9 +46,8 @@ class NativeDevice:
         rt, native = self.rt, self.native
         if self.cuda:
             native.set_cuda_budget(rt.device.index or 0, rt.budget, rt.residency.slack)
-            total = torch.cuda.get_device_properties(rt.device).total_memory
             # The backstop: the caching allocator itself refuses memory past the budget (reserved bytes).
-            torch.cuda.set_per_process_memory_fraction(min(1.0, (rt.budget or total) / total), rt.device)
+            cap_cuda(rt.device, rt.budget)
         else:
             native.install()
             rt.meter.attach_native(native)

@@ -69,9 +69,29 @@ PressureHook = Callable[[int], int]
 __all__ = ["Meter", "MeterMode", "StorageRef", "profiler_peak"]
 
 _TRIED = re.compile(r"[Tt]ried to allocate\s+([0-9.]+\s*[KMGT]?i?B)")
-# hybridmem's native allocator device names the exact bytes requested and held at the refusal
 _RETRIES = 8  # an op refused this often after evictions freed memory each time is out of memory
+# hybridmem's native allocator device names the exact bytes requested and held at the refusal
 _REFUSED = re.compile(r"Tried to allocate [^(]*\((\d+) bytes\) with [^(]*\((\d+) bytes\) held")
+
+
+def _requested(e: BaseException) -> int:
+    """The bytes an allocator's OOM message says it tried to allocate (1 where it names none)."""
+    exact = _REFUSED.search(str(e))
+    m = _TRIED.search(str(e))
+    return int(exact.group(1)) if exact else parse_bytes(m.group(1).replace(" ", "")) if m else 1
+
+
+def cap_cuda(device: torch.device, budget: int) -> None:
+    """Make the CUDA caching allocator refuse reserved bytes beyond ``budget``, from now on.
+
+    ``set_per_process_memory_fraction`` is checked only when the allocator asks the driver for a new
+    segment: blocks it cached earlier (an unmanaged step before, a previous budget) would serve
+    allocations past the budget unchecked, and its free-memory callbacks (hybridmem's hook) run only on
+    a cache miss. Emptying the cache makes every byte past what is allocated now go through both."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    torch.cuda.synchronize(device)  # blocks freed on side streams are released once their work is done
+    torch.cuda.empty_cache()
 
 
 class StorageRef(weakref.ref):
@@ -330,11 +350,14 @@ class Meter:
             try:
                 return fn(*args, **kwargs)
             except torch.OutOfMemoryError as e:
-                if self.on_pressure is None or self._relieving or attempt == _RETRIES - 1:
+                if self.on_pressure is None or self._relieving:
                     raise
+                if attempt == _RETRIES - 1:  # evicting freed memory each time and it still did not fit
+                    if self.on_exhausted is not None:
+                        raise self.on_exhausted(_requested(e), f"op {getattr(fn, '__name__', fn)}", None) from e
+                    raise
+                needed = _requested(e)
                 exact = _REFUSED.search(str(e))
-                m = _TRIED.search(str(e))
-                needed = int(exact.group(1)) if exact else parse_bytes(m.group(1).replace(" ", "")) if m else 1
                 held = int(exact.group(2)) if exact else None
                 # What the op had allocated when it was refused is free again now, and the retry
                 # allocates it once more: ask for room for that too.
@@ -352,8 +375,7 @@ class Meter:
         included), so that a real allocation fails where a device of the budget's size would."""
         if self.simulated or self.budget_bytes is None:
             return
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total), self.device)
+        cap_cuda(self.device, self.budget_bytes)
 
     # ---- context manager -----------------------------------------------------------------------
     def __enter__(self) -> "Meter":

@@ -12,6 +12,7 @@ meters and caps one by one.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Iterable, Protocol
@@ -72,6 +73,8 @@ class Residency:
         store.changed = self.forget_offers
         store.dropped = self.dropped
         self.on_evicted: Callable[[Entry], None] | None = None  # the steady state's recording step listens
+        # plugins: {verify: true}: each evicted entry's bytes are hashed and checked when it is regenerated
+        self.verify: dict[int, tuple[bytes, str]] | None = None
 
     # ---- eviction ------------------------------------------------------------------------------
     def evict(self, e: Entry, policy: Policy) -> int:
@@ -80,6 +83,9 @@ class Residency:
         if e.registered and not self.store.claim(e):
             return 0  # the allocator freed it meanwhile: evicted by recompute already
         before = self.meter.current_bytes
+        if self.verify is not None and not getattr(policy, "lossy_codecs", None):
+            with self.mode.quiet():
+                self.verify[e.uid] = (digest(e.tensor), policy.name)
         self.store.before_evict(e)
         try:
             with self.mode.quiet():
@@ -127,6 +133,8 @@ class Residency:
     def discard(self, e: Entry) -> None:
         """A once-evicted entry died: let policies free what they keep for it (host checkpoints)."""
         self._offer_cache.pop(e.uid, None)
+        if self.verify is not None:
+            self.verify.pop(e.uid, None)  # evicted and never read again
         if self._touched.pop(e.uid, None) is None:
             return
         with self.mode.quiet():
@@ -139,16 +147,18 @@ class Residency:
         store = self.store
         return [e for e in store.resident.values() if not e.pinned and store.sole_owner(e)]
 
-    def relieve(self, need: int, extra: int = 0, slack: int = 0) -> int:
+    def relieve(self, need: int, extra: int = 0, slack: int = 0, min_bytes: int = 0) -> int:
         """Evict until ``need`` bytes are freed or nothing more can go; returns the bytes freed.
         ``extra``: bytes about to be allocated (for the minimum-budget bound). ``slack``: evict up to
-        this much more if it comes with the same victims' order (spares the next ops a scoring pass)."""
+        this much more if it comes with the same victims' order (spares the next ops a scoring pass).
+        ``min_bytes``: only entries at least this large (a block the refused allocation fits in)."""
         need_min, need = need, need + slack
         freed = 0
         self.store.drain()  # entries the allocator freed are no candidates
         while freed < need:
-            pairs, costs, saves, last, best = self._score_inputs()
-            self._raise_floor(self.meter.current_bytes - best + extra)
+            pairs, costs, saves, last, best = self._score_inputs(min_bytes)
+            if not min_bytes:
+                self._raise_floor(self.meter.current_bytes - best + extra)
             if not pairs:
                 break
             picks = select_victims(costs, saves, last, float(self.store.clock.now), need - freed)
@@ -177,10 +187,23 @@ class Residency:
             return self.relieve(max(need, 1), need)
         over = self.meter.current_bytes + need - self.budget
         if over <= 0:
+            if self._fragmented():
+                # The CUDA allocator caps its reserved bytes, and they hold free blocks too small for the
+                # request (a new segment of up to 20 MiB does not fit under the cap): free a block it fits
+                # in, else any, which coalesces with free neighbours or empties a segment it gives back.
+                return self.relieve(need, need, 0, min_bytes=need) or self.relieve(need, need, self.slack)
             return 1
         return self.relieve(over + self.reserve, need, self.slack)
 
-    def _score_inputs(self) -> tuple[list[tuple[Entry, Policy]], np.ndarray, np.ndarray, np.ndarray, int]:
+    def _fragmented(self) -> bool:
+        """A real CUDA device whose allocator holds more than it has allocated (cached free blocks)."""
+        m = self.meter
+        if m.simulated or m.native is not None or m.device.type != "cuda":
+            return False
+        return torch.cuda.memory_reserved(m.device) > torch.cuda.memory_allocated(m.device)
+
+    def _score_inputs(self, min_bytes: int = 0) -> tuple[list[tuple[Entry, Policy]], np.ndarray, np.ndarray,
+                                                         np.ndarray, int]:
         """Candidates' (entry, policy) pairs, costs, savings and last accesses, plus the sum over
         candidate entries of their best savings (for the floor), in one pass."""
         pairs: list[tuple[Entry, Policy]] = []
@@ -189,6 +212,8 @@ class Residency:
         last: list[float] = []
         best_total = 0
         for e in self.candidates():
+            if e.nbytes < min_bytes:
+                continue
             best = 0
             for p, cost, save in self._offers(e):
                 pairs.append((e, p))
@@ -300,21 +325,40 @@ class Residency:
                     t = policy.regenerate(e)
             else:
                 with self.mode.quiet():
-                    t = policy.regenerate(e)
+                    # the policy's own allocation (a swap-in buffer, a decoded copy) is refused by a real
+                    # allocator like an op's: evict and retry (it allocates before it changes anything)
+                    t = self.meter.retry_oom(policy.regenerate, e)
                 self.meter.track(t)
         finally:
             self._ensuring.discard(e.uid)
         t2 = time.perf_counter()
         if e.uid not in self.store.resident:  # recompute hands its result back itself (adopt)
             self.store.adopt(e, t)
+        if self.verify is not None:
+            self._check(e)
         self.stats.regenerated(name, e.nbytes, t2 - t1, t2 - t0)
         if self.stats.tensor_log is not None:
             self.stats.tensor_log.regenerated(e, t2 - t1, t2 - t0)
+
+    def _check(self, e: Entry) -> None:
+        """``plugins: {verify: true}``: the regenerated bytes are the evicted ones, else raise naming them."""
+        got = self.verify.pop(e.uid, None) if self.verify is not None else None
+        if got is None or e.tensor is None:
+            return
+        with self.mode.quiet():
+            now = digest(e.tensor)
+        if now != got[0]:
+            raise RegenerationMismatch(
+                f"hybridmem (verify): a saved {str(e.dtype).removeprefix('torch.')} tensor of "
+                f"{fmt_bytes(e.nbytes)}{f' from {e.origin}' if e.origin else ''}, evicted by {got[1]}, came back "
+                f"with other bytes than it was evicted with: the gradients of this step would be wrong")
 
     def adopt_replayed(self, e: Entry, t: Tensor) -> None:
         """A recompute chain rebuilt ``e`` on its way (``Replayer.adopt``): resident again, counted."""
         name = e.policy or "recompute"
         self.store.adopt(e, t)
+        if self.verify is not None:
+            self._check(e)
         if e.uid not in self._ensuring:  # the entry ensure() asked for is counted there, with its time
             self.stats.regenerated(name, e.nbytes, 0.0, 0.0)  # its time is in the outer regeneration's
 
@@ -333,8 +377,21 @@ class Residency:
                 continue
             if self.budget is not None and self.meter.current_bytes + e.nbytes > self.budget:
                 continue
-            with self.mode.quiet():
-                policy.prefetch(e)
+            try:
+                with self.mode.quiet():
+                    policy.prefetch(e)
+            except torch.OutOfMemoryError:
+                return  # the allocator had no room after all (its cache's free blocks too small): read on demand
+
+
+class RegenerationMismatch(RuntimeError):
+    """``plugins: {verify: true}`` found a regenerated saved tensor whose bytes differ from the evicted ones."""
+
+
+def digest(t: Tensor) -> bytes:
+    """A hash of ``t``'s bytes, computed on the host (no device memory: it runs at the cap)."""
+    flat = t.detach().reshape(-1).cpu()
+    return hashlib.blake2b(flat.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
 
 
 def _tensors_in(obj: Any, device: torch.device, depth: int = 3) -> list[Tensor]:
