@@ -84,6 +84,9 @@ REALIZED_TIME_SHARE = 2.0   # ... and for at most twice the time the first plan 
 # share added doubles with each stopped run
 REPLANS = 3
 REPLAN_SLACK = 0.01
+# where no plan fits with the margin but the least budget named is within it, the region is planned with the
+# margin lowered by the difference (its run at compile time checks it), at most this many times
+SHRINKS = 3
 
 # compress a saved tensor only where its lossless encoding, measured on the example inputs, is at most this
 # share of its bytes: a ReLU's output with half its elements zero encodes to 0.53 of a float32 tensor
@@ -454,6 +457,7 @@ class CompileBackend:
                              "plan it again where its real peak exceeds its share) or False")
         self.verify = verify
         self._revision = 0                           # plans made again after a trial (partition cache keys)
+        self._margin_now = 0                         # what the last plan left free for Inductor's buffers
         self._extra: dict[tuple[str, ...], int] = {}  # region -> bytes more its margin leaves free (trials)
         self._planned_now: _Planned | None = None     # the plan of the compile in progress
         self._runs: dict[tuple[str, ...], InFlight] = {}
@@ -536,14 +540,29 @@ class CompileBackend:
         before = others = 0                      # the extra margin of the plan tried last; its other runs' bytes
         earlier_s = 0.0                          # the planning seconds of the plans made before this one
         least_tried = False
+        shrunk = shrinks = 0                     # bytes the margin was lowered by to find a plan (the run checks it)
+        unshrunk: BudgetInfeasibleError | None = None   # the error with the whole margin, raised where unchecked
         while True:
             self._planned_now = None
             if st is not None:
                 earlier_s = st.plan_s           # the last plan's, which holds those before it
             try:
                 compiled = self._compile(gm, example_inputs)
-            except BudgetInfeasibleError:
+            except BudgetInfeasibleError as e:
+                short = (e.minimum_bytes or 0) - self._budget_bytes(dev)
+                if not runs and self.verify and shrinks < SHRINKS and e.minimum_bytes is not None \
+                        and 0 < short <= self._margin_now:
+                    # a plan may fit with less left free for Inductor's buffers than the margin (a guess): plan
+                    # with what the budget leaves (the least named is a bound: again with what the next error
+                    # names, a few times); the run below measures the step and plans again where it holds more
+                    shrinks += 1
+                    shrunk, unshrunk = shrunk + short, unshrunk or e
+                    self._extra[key] -= short
+                    self._revision += 1
+                    continue
                 if not runs or st is None:
+                    if unshrunk is not None:
+                        raise unshrunk from None
                     raise
                 room = self._budget_bytes(dev) - st.min_budget_bytes   # above the least, with the last margin
                 if not least_tried and room > 0:
@@ -556,9 +575,14 @@ class CompileBackend:
             st, planned = self._regions.get(key), self._planned_now
             if st is not None and earlier_s:
                 st.plan_s += earlier_s          # every plan made for this compile counts as its planning
+            if st is not None and shrunk and not runs:
+                st.add_note(f"planned with {fmt_bytes(shrunk)} less left for Inductor's buffers than the margin "
+                            f"(the budget leaves no more), checked by its run when compiled")
             if planned is None or st is None or not self.verify:
                 return compiled          # no joint graph was planned (an inference region), or not asked
             if sizes.planned != sizes.compiled_at:
+                if unshrunk is not None:
+                    raise unshrunk         # a plan with less than the margin stands only where its run checks it
                 st.add_note("not run at compile time (planned at larger sizes than the call that compiled it)")
                 return compiled
             mutated = trial_mod.mutated_inputs(len(example_inputs))
@@ -566,6 +590,8 @@ class CompileBackend:
                 got = trial_mod.run(compiled, example_inputs, dev, mutated, cap_bytes=st.budget_bytes - planned.others_bytes,
                                     level=level, hold_outputs=self.hold_outputs)
             except Exception as e:      # a region that cannot run here: its plan stands as counted
+                if unshrunk is not None:
+                    raise unshrunk from e
                 reason = str(e) if isinstance(e, trial_mod.NotMeasurable) else f"{type(e).__name__}: {str(e)[:160]}"
                 st.add_note(f"not run at compile time ({reason})")
                 warnings.warn(f"hybridmem compile: {st.name}: its compiled step could not be run once to measure its "
@@ -846,6 +872,7 @@ class CompileBackend:
                       else INDUCTOR_MARGIN if conv else INDUCTOR_MARGIN_NO_CONV)
         # and what a trial run of an earlier plan of this compile held beyond its share (_compile_checked)
         margin = (int(share_free * peak) if self.compiler == "inductor" else 0) + self._extra.get(key, 0)
+        self._margin_now = margin
         name = f"region {list(self._regions).index(key) + 1 if key in self._regions else len(self._regions) + 1}"
         # each other run in flight (calls_per_step - 1) holds its inputs and parameters, and either what the
         # plan keeps for its backward (before it) or the gradients that backward made (after it)
