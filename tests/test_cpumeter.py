@@ -51,8 +51,7 @@ def _left_uninstalled() -> Iterator[None]:
 def meter(native: cpumeter.CpuAllocatorMeter) -> Iterator[cpumeter.CpuAllocatorMeter]:
     """The meter, installed for the test and uninstalled after it (also when the test fails). The tests
     read exact deltas of every allocation of the process: garbage earlier tests left in reference cycles
-    is collected first, and the collector does not run during the test (a cycle of an earlier test freed
-    mid-test once took 4096 bytes off a delta)."""
+    is collected first, and the collector does not run during the test."""
     gc.collect()
     gc.disable()
     native.install()
@@ -185,16 +184,22 @@ def test_convolution_uses_raw_interface_cleanly(meter):
 
 
 def test_resize_and_lazy_clone(meter):
-    c0 = meter.current_bytes
-    t = torch.empty(10)
-    t.resize_(1000)  # reallocates through the storage's allocator: the meter
-    assert meter.current_bytes - c0 == 4000 and meter.lookup(base(t))[0] == 4000
-    c = torch._lazy_clone(t)  # copy-on-write: meter DataPtrs are simple (context == data)
-    assert meter.current_bytes - c0 == 4000
-    c.add_(1)  # the write materializes a copy
-    assert meter.current_bytes - c0 == 8000
-    del t, c
-    assert meter.current_bytes == c0
+    def deltas() -> list[int]:
+        c0 = meter.current_bytes
+        t = torch.empty(10)
+        t.resize_(1000)  # reallocates through the storage's allocator: the meter
+        got = [meter.current_bytes - c0, meter.lookup(base(t))[0]]
+        c = torch._lazy_clone(t)  # copy-on-write: meter DataPtrs are simple (context == data)
+        got.append(meter.current_bytes - c0)
+        c.add_(1)  # the write materializes a copy
+        got.append(meter.current_bytes - c0)
+        del t, c
+        return got + [meter.current_bytes - c0]
+
+    # The process's total moves with every thread's allocations: CI saw another thread free 4096 bytes
+    # during this test (twice, at different lines, the collector off). Exact deltas in one of three tries.
+    tries = [deltas() for _ in range(3)]
+    assert [4000, 4000, 4000, 8000, 0] in tries, tries
 
 
 def test_other_threads_are_counted(meter):
