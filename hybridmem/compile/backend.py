@@ -1077,15 +1077,15 @@ class CompileBackend:
         if jg_part is not None and not others and share >= jg_part.graph.peak_bytes() + margin:
             jg, g = jg_part, jg_part.graph     # PyTorch's own partition fits, as it runs
         peak = g.peak_bytes()
-        if share >= peak + margin + others * max(g.saved_bytes() - grads, 0):
+        others_keep_all = others * max(g.saved_bytes() - grads, 0)   # the other runs' bytes, keeping all
+        if share >= peak + margin + others_keep_all:
             time_s = float(simulate(g, None, model, budget=None, check_hash=False).time_s)
             return _Planned(v, jg, None, Decisions(), peak, peak, time_s, 0.0,
                             "the share holds the keep-all peak: PyTorch's own partition"
-                            + (" with the compressed tensors" if v.compressed else ""),
-                            others * max(g.saved_bytes() - grads, 0))
+                            + (" with the compressed tensors" if v.compressed else ""), others_keep_all)
         if not self._can_evict():
             # nothing but keeping (and the compression this count holds): its keep-all peak is the least
-            raise BudgetInfeasibleError("no plan", peak + others * max(g.saved_bytes() - grads, 0))
+            raise BudgetInfeasibleError("no plan", peak + others_keep_all)
         try:
             try:
                 p, predicted = self._plan_runs(g, share - margin, others, grads, model)

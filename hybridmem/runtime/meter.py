@@ -74,11 +74,14 @@ _RETRIES = 8  # an op refused this often after evictions freed memory each time 
 _REFUSED = re.compile(r"Tried to allocate [^(]*\((\d+) bytes\) with [^(]*\((\d+) bytes\) held")
 
 
-def _requested(e: BaseException) -> int:
-    """The bytes an allocator's OOM message says it tried to allocate (1 where it names none)."""
+def _refusal(e: BaseException) -> tuple[int, int | None]:
+    """What an allocator's OOM message says: the bytes it tried to allocate (1 where it names none), and
+    the bytes held then where it names them (hybridmem's native device), else None."""
     exact = _REFUSED.search(str(e))
+    if exact:
+        return int(exact.group(1)), int(exact.group(2))
     m = _TRIED.search(str(e))
-    return int(exact.group(1)) if exact else parse_bytes(m.group(1).replace(" ", "")) if m else 1
+    return (parse_bytes(m.group(1).replace(" ", "")) if m else 1), None
 
 
 def cap_cuda(device: torch.device, budget: int) -> None:
@@ -352,13 +355,11 @@ class Meter:
             except torch.OutOfMemoryError as e:
                 if self.on_pressure is None or self._relieving:
                     raise
+                needed, held = _refusal(e)
                 if attempt == _RETRIES - 1:  # evicting freed memory each time and it still did not fit
                     if self.on_exhausted is not None:
-                        raise self.on_exhausted(_requested(e), f"op {getattr(fn, '__name__', fn)}", None) from e
+                        raise self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", None) from e
                     raise
-                needed = _requested(e)
-                exact = _REFUSED.search(str(e))
-                held = int(exact.group(2)) if exact else None
                 # What the op had allocated when it was refused is free again now, and the retry
                 # allocates it once more: ask for room for that too.
                 room = needed if held is None else needed + max(0, held - self.current_bytes)
