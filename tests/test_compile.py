@@ -565,6 +565,53 @@ def test_compile_mode_settings() -> None:
     assert not hybridmem.enabled()
 
 
+def test_deterministic_mode_times_the_reloads_by_the_cost_model() -> None:
+    """torch.use_deterministic_algorithms sets Inductor's deterministic mode, which forbids PyTorch's offloading
+    pass to time the backward's nodes on the device (it raised on an H200): the cost model times them."""
+    from torch._functorch._activation_offloading import activation_offloading as ao
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hybridmem.compile.backend import _reload_timing
+    from hybridmem.graph.costs import get_cost_model
+
+    gm = make_fx(lambda a, b: torch.relu(a @ b), tracing_mode="fake")(torch.randn(256, 128), torch.randn(128, 64))
+    mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    model = get_cost_model("h100")
+    timed = ao.benchmark_node
+    with _reload_timing(model) as note:          # not deterministic: PyTorch's own timing stays
+        assert note is None and ao.benchmark_node is timed
+    with torch._inductor.config.patch(deterministic=True), _reload_timing(model) as note:
+        assert "deterministic" in note and ao.benchmark_node is not timed
+        flops, nbytes = 2 * 256 * 128 * 64, 4 * (256 * 128 + 128 * 64 + 256 * 64)
+        want = max(flops / (model.peak("float32") * model.efficiency),
+                   nbytes / (model.hbm_bw * model.hbm_efficiency)) + model.launch_s
+        assert ao.benchmark_node(mm) == pytest.approx(want * 1e3)
+    assert ao.benchmark_node is timed
+
+
+def test_stream_ops_that_do_not_trace_are_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's streams::record_stream traced with another op's fake implementation (a TypeError inside
+    Inductor): the offloading then copies on the compute stream instead of failing the compile."""
+    import types
+
+    import torch._dynamo.variables.streams  # noqa: F401
+
+    from hybridmem.compile import backend
+
+    backend._stream_ops_work.cache_clear()
+    try:
+        assert backend._stream_ops_work()            # this torch's op traces
+
+        def broken(wait_event_index: int, src_stream_index: int, to_dealloc: torch.Tensor) -> None:
+            return None
+        monkeypatch.setattr(torch.ops.streams, "record_stream", types.SimpleNamespace(default=broken))
+        backend._stream_ops_work.cache_clear()
+        assert not backend._stream_ops_work()
+    finally:
+        monkeypatch.undo()
+        backend._stream_ops_work.cache_clear()
+
+
 def test_graph_breaks_share_the_budget() -> None:
     model, args, kwargs, loss_fn = _basic_case(breaks=True)
     ref_peaks, ref_grads, _ = _train(copy.deepcopy(model), args, kwargs, loss_fn, "aot_eager")

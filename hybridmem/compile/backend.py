@@ -21,11 +21,12 @@ they are first compiled: a region plans for what the regions before it keep thro
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import fx
@@ -33,6 +34,7 @@ from torch import fx
 from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import DeviceModel, get_cost_model
 from ..graph.units import fmt_bytes, parse_bytes
+from ..plugins.codecs import LOSSLESS
 from ..plugins.compress import codec_seconds
 from ..runtime.core import cost_model_for, resolve_device
 from .defaults import saved_by_partition
@@ -262,6 +264,11 @@ class _Codecs:
         picks = self.counts[id(j)][1]
         return sum(sum(codec_seconds(picks[t].codec, picks[t].nbytes, self.device_type)) for t in tids)
 
+    def freed(self, j: Any, tids: list[int]) -> int:
+        """Bytes compressing ``tids`` of count ``j`` frees (their bytes less their encodings')."""
+        picks = self.counts[id(j)][1]
+        return sum(picks[t].nbytes - picks[t].size for t in tids)
+
     def half(self, j: Any, order: list[int]) -> list[int]:
         """The most worth it of ``order`` that save half the bytes all of them would."""
         _, picks, _ = self.counts[id(j)]
@@ -273,6 +280,34 @@ class _Codecs:
             out.append(t)
             saved += picks[t].nbytes - picks[t].size
         return out
+
+
+def _codecs_could_pay(first: "_Planned", model: Any, device_type: str) -> bool:
+    """Whether compressing what a plan keeps could spare any of its recomputes at a profit, before measuring
+    anything (the probe runs the forward eagerly, and a second plan may be solved: seconds on ResNet-50): a
+    recompute is spared by freeing its bytes, and no lossless codec frees a byte for less than its encode and
+    decode time of that byte. A plan that swaps is not judged here."""
+    d, g = first.decisions, first.jg.graph
+    if d.swap:
+        return True
+    per_byte = min(sum(codec_seconds(name, 1 << 30, device_type)) for name in LOSSLESS) / (1 << 30)
+    return any(model.op_time(g.stages[g.tensors[t].producer]) > per_byte * g.tensors[t].nbytes for t in d.recompute)
+
+
+def _recompute_left_s(first: "_Planned", model: Any, freed: int) -> float:
+    """The least recompute time a plan that frees ``freed`` more bytes by compression still pays beside
+    ``first``'s: its recomputes' bytes beyond ``freed``, the cheapest per byte first (their producers' times;
+    a bound: bytes freed anywhere are counted as if freed at the peak)."""
+    d, g = first.decisions, first.jg.graph
+    left = sum(g.tensors[t].nbytes for t in d.recompute) - freed
+    seconds = 0.0
+    for rate, nbytes in sorted((model.op_time(g.stages[g.tensors[t].producer]) / max(g.tensors[t].nbytes, 1),
+                                g.tensors[t].nbytes) for t in d.recompute):
+        if left <= 0:
+            break
+        seconds += rate * min(nbytes, left)
+        left -= nbytes
+    return seconds
 
 
 @dataclass
@@ -339,6 +374,80 @@ def _optimizer_bytes(optimizer: Any) -> int:
     return sum(s.nbytes for s in states if s.on_device)
 
 
+@functools.cache
+def _stream_ops_work() -> bool:
+    """Whether PyTorch's stream ops, which its offloading pass inserts to copy beside the compute stream, trace
+    under fake tensors: torch 2.11's ``streams::record_stream`` has another op's fake implementation (Inductor
+    raised "missing 1 required positional argument: 'to_dealloc'" on an H200)."""
+    try:
+        import torch._dynamo.variables.streams  # noqa: F401  (registers the ops)
+        op = torch.ops.streams.record_stream.default
+    except (ImportError, AttributeError, RuntimeError):
+        return True             # no such op: the pass does not insert it
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    try:
+        with FakeTensorMode():
+            op(torch.empty(1), 0)
+    except TypeError:
+        return False
+    except Exception:           # noqa: BLE001  (anything else is not this fault: let the compile say)
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _reload_timing(model: Any) -> Iterator[str | None]:
+    """PyTorch's offloading pass places each reload early enough to overlap the backward's compute, timing that
+    compute by running its nodes on the device; Inductor's deterministic mode (``torch.use_deterministic_algorithms``)
+    forbids such runs and the compile would fail. There, the nodes are timed by the plan's cost model ``model``
+    instead (:func:`_node_ms`: nothing runs); yields the note saying so, else None."""
+    from torch._inductor import config as iconfig
+    if not iconfig.deterministic:
+        yield None
+        return
+    try:
+        from torch._functorch._activation_offloading import activation_offloading as ao
+    except ImportError:
+        ao = None
+    timed = getattr(ao, "benchmark_node", None)
+    if timed is None:          # another layout of PyTorch's pass: its reloads wait at their first use
+        from torch._functorch import config as fconfig
+        with fconfig.patch(activation_reload_prefetch=False):
+            yield ("reloads not prefetched: Inductor's deterministic mode forbids timing the backward's nodes "
+                   "on the device, and this PyTorch's offloading pass cannot be given estimates")
+        return
+    ao.benchmark_node = _node_ms(model)
+    try:
+        yield ("reloads ordered by the cost model's estimate of the backward's nodes (Inductor's deterministic "
+               "mode forbids timing them on the device)")
+    finally:
+        ao.benchmark_node = timed
+
+
+def _node_ms(model: Any) -> Any:
+    """Milliseconds of one graph node by ``model`` (a :class:`DeviceModel`): its FLOPs (torch's formulas) or
+    the bytes it reads and writes, whichever bounds it, as the plan priced its ops."""
+    from torch.utils import _pytree as pytree
+    from ..graph.flops import op_flops
+
+    if not isinstance(model, DeviceModel):
+        model = get_cost_model("cpu")
+
+    def ms(node: fx.Node) -> float:
+        val = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
+        args, kwargs = fx.node.map_arg(node.args, val), fx.node.map_arg(node.kwargs, val)
+        out = node.meta.get("val")
+        tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        flops = op_flops(node.target, args, kwargs, out)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
+        seconds = max(flops / (model.peak(dtype) * model.efficiency),
+                      nbytes / (model.hbm_bw * model.hbm_efficiency)) + model.launch_s
+        return seconds * 1e3
+
+    return ms
+
+
 class _Partitioner:
     """The partition function AOTAutograd (or Inductor) calls with each region's joint graph."""
 
@@ -352,10 +461,21 @@ class _Partitioner:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         prep = self.backend._prepare(gm, joint_inputs, kwargs)
-        patch = fconfig.patch(enable_activation_offloading=True, activation_offload_separate_stream=True,
-                              activation_offload_sink_wait=True, activation_reload_prefetch=True) \
-            if prep.offload else contextlib.nullcontext()
-        with patch:
+        with contextlib.ExitStack() as stack:
+            if prep.offload and _stream_ops_work():
+                stack.enter_context(fconfig.patch(
+                    enable_activation_offloading=True, activation_offload_separate_stream=True,
+                    activation_offload_sink_wait=True, activation_reload_prefetch=True))
+                dev = self.backend._dev or torch.device("cpu")
+                note = stack.enter_context(_reload_timing(_cost_model(dev, self.backend.cost_model_name, True)))
+                if note and prep.stats is not None:
+                    prep.stats.add_note(note)
+            elif prep.offload:
+                stack.enter_context(fconfig.patch(enable_activation_offloading=True,
+                                                  activation_offload_separate_stream=False))
+                if prep.stats is not None:
+                    prep.stats.add_note(f"swaps copy on the compute stream, not beside it (torch {torch.__version__}: "
+                                        "its stream ops fail under Inductor): their copy time is not hidden")
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         if prep.compressed:
             done = set(rewrite_partition(fw, bw, prep.compressed, prep.region))
@@ -953,21 +1073,28 @@ class CompileBackend:
 
         # below the floor of the count without compression no plan of it fits: only compression may
         first = attempt(plain) if budget >= least_plain else None
-        if (first is None or first.plan is not None) and codecs() is not None:
+        hopeless = first is not None and first.plan is not None and not _codecs_could_pay(first, model, dev.type)
+        if hopeless and "compress" in self.policies:
+            notes.append("compression not tried: no recompute of the plan costs more per byte than the fastest "
+                         "lossless codec would to free it")
+        elif (first is None or first.plan is not None) and codecs() is not None:
             if first is not None:
                 # hold compressed what that plan keeps, but the sources its recomputes replay from: the same
                 # recomputes still fit, and the bytes compression frees may spare some of them. Not where the
-                # codecs alone cost more than all that plan adds to the step (it could not be faster)
+                # codecs and the recomputes those bytes cannot spare cost more than that plan adds (it could
+                # not be faster)
                 d, ga = first.decisions, first.jg.graph
                 sources = {x for t in d.recompute for x in ga.stages[ga.tensors[t].producer].inputs}
                 evicted = set(d.recompute) | set(d.swap) | sources
                 pick = lazy["codecs"].pick(first.jg, lambda order: [t for t in order if t not in evicted])
-                if pick and lazy["codecs"].seconds(first.jg, pick) < first.time_s - base_s:
+                if pick and lazy["codecs"].seconds(first.jg, pick) + _recompute_left_s(
+                        first, model, lazy["codecs"].freed(first.jg, pick)) < first.time_s - base_s:
                     # the first plan stands if this one has none: no least budget to find for an error
                     attempt(lazy["codecs"].variant("compress what it keeps", first.jg, None, lambda j, order: pick),
                             least=False)
                 elif pick:
-                    notes.append("compression not tried: its codecs alone would cost more than the recompute plan adds")
+                    notes.append("compression not tried: its codecs, with the recomputes the bytes they free cannot "
+                                 "spare, would cost more than the recompute plan adds")
             else:
                 attempt(every())
                 # the most worth it, for about half the bytes compressing all would save: the plan recomputes
