@@ -26,7 +26,8 @@ and registered; each row shows how often the caching allocator called it and wha
 rows the copy time hidden behind compute vs exposed (stall), and ``steady`` the steps that ran without the
 dispatch mode. A row whose run raised says where
 (the whole traceback goes to stderr) and the next rows still run; ``--verify`` checks every regenerated
-saved tensor against the bytes it was evicted with. Exit status 1 if a row fails.
+saved tensor against the bytes it was evicted with. No model starts after ``--deadline`` seconds (default
+420; those left are listed), so that the check ends within a device session. Exit status 1 if a row fails.
 """
 from __future__ import annotations
 
@@ -379,7 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exact", default="resnet50",
                     help="CUDA: models run again with cuDNN off after the table ('-cuDNN' rows), where no "
                          "convolution plan depends on free memory: bit-identical or failed ('' to skip)")
+    ap.add_argument("--deadline", type=float, default=420.0,
+                    help="seconds after which no further model starts (those left are listed), so that the "
+                         "check ends within a device session's time (default 420)")
     args = ap.parse_args(argv)
+    started = time.perf_counter()
     device = torch.device(args.device)
     if args.no_cudnn:
         torch.backends.cudnn.enabled = False
@@ -414,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(m, False) for m in args.models.split(",")]
     if device.type == "cuda" and torch.backends.cudnn.enabled:
         runs += [(m, True) for m in filter(None, args.exact.split(","))]
+    skipped = []
     for model, no_cudnn in runs:
+        if time.perf_counter() - started > args.deadline:
+            skipped.append(f"{model} -cuDNN" if no_cudnn else model)
+            continue
         _leftover(device, model)
         torch.backends.cudnn.enabled = not (no_cudnn or args.no_cudnn)
         try:
@@ -442,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     print("cuDNN+: differs after cuDNN was refused workspace in this model's rows: it ran and cached another "
           "convolution plan, which rounds differently (the unmanaged run, short of memory, does the same); "
           "not counted as failed. '-cuDNN' rows (--exact) run with cuDNN off, where every row must be bit-identical")
+    if skipped:
+        print(f"# not run, past the --deadline of {args.deadline:.0f} s: {', '.join(skipped)}")
     print(f"{failed} row(s) failed")
     return 1 if failed else 0
 

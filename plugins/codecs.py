@@ -265,6 +265,12 @@ _K_NARROW_DEC = lazy_njit(_nb_narrow_decode, lambda: (np.zeros(2, np.int16), np.
 _K_SP_DEC = lazy_njit(_nb_sparse_decode, lambda: (np.zeros(2, np.uint8), _i32(17), _i32()), **_OPTS)
 
 
+def load_analysis_kernel() -> bool:
+    """Load the compiled CPU analysis kernel now (Numba: 0.3-0.5 s a process, from its on-disk cache), e.g. from
+    a background thread while other work goes on; True where it works. Runs no torch op."""
+    return _K_ANALYZE.compiled() is not None
+
+
 def _numba(kernel: lazy_njit, t: torch.Tensor, force_torch: bool) -> Any:
     """The compiled kernel when ``t`` is a CPU tensor and Numba works, else None (use torch)."""
     if force_torch or t.device.type != "cpu":

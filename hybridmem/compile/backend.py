@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -380,9 +381,12 @@ def _stream_ops_work() -> bool:
     under fake tensors: torch 2.11's ``streams::record_stream`` has another op's fake implementation (Inductor
     raised "missing 1 required positional argument: 'to_dealloc'" on an H200)."""
     try:
-        import torch._dynamo.variables.streams  # noqa: F401  (registers the ops)
+        import torch._dynamo.variables.streams  # noqa: F401  (registers the ops, where this module holds them)
+    except ImportError:
+        pass
+    try:
         op = torch.ops.streams.record_stream.default
-    except (ImportError, AttributeError, RuntimeError):
+    except (AttributeError, RuntimeError):
         return True             # no such op: the pass does not insert it
     from torch._subclasses.fake_tensor import FakeTensorMode
     try:
@@ -590,6 +594,11 @@ class CompileBackend:
         self._dev: torch.device | None = self.device
         self._examples: list[Any] | None = None
         self.partitioner = _make_partitioner(self)
+        if "compress" in self.policies and (self.device is None or self.device.type == "cpu"):
+            # the compression probe analyses on the CPU with a Numba kernel: it loads while Dynamo and
+            # AOTAutograd trace (ctypes calls into LLVM release the GIL), not inside the planning
+            from ..plugins.codecs import load_analysis_kernel
+            threading.Thread(target=load_analysis_kernel, name="hybridmem-codec-load", daemon=True).start()
 
     # ---- torch.compile calls this ----------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:

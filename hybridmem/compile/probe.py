@@ -91,10 +91,9 @@ def _smallest(v: torch.Tensor) -> tuple[str, int] | None:
         return None
     flat = v.as_strided((v.numel(),), (1,), v.storage_offset())
     nbytes = v.numel() * v.element_size()
-    # torch's kernels, not Numba's: loading those takes 0.3-1.2 s a process, for a few hundred analyses that
-    # take 0.15 s (ResNet-50) with torch's; the statistics, and so the sizes, are the same
-    passes = CodecPasses(v.dtype, nbytes, lambda vdt: flat.view(vdt), force_torch=True)
-    best = passes.smallest(LOSSLESS.values(), nbytes - 1)
+    # Numba's kernels where they work (on the CPU): torch's would allocate temporaries in the device's
+    # allocator at compile time, beyond what the budget leaves (the first step then holds more than it)
+    best = CodecPasses(v.dtype, nbytes, lambda vdt: flat.view(vdt)).smallest(LOSSLESS.values(), nbytes - 1)
     return None if best is None else (best[1].name, int(best[0]))
 
 
