@@ -91,8 +91,8 @@ def _smallest(v: torch.Tensor) -> tuple[str, int] | None:
         return None
     flat = v.as_strided((v.numel(),), (1,), v.storage_offset())
     nbytes = v.numel() * v.element_size()
-    # Numba's kernels where they work (on the CPU): torch's would allocate temporaries in the device's
-    # allocator at compile time, beyond what the budget leaves (the first step then holds more than it)
+    # on the CPU, Numba's kernels where Numba works (the backend loads them while Dynamo traces): torch's,
+    # the fallback, allocate temporaries at compile time, which the first step's real peak then holds
     best = CodecPasses(v.dtype, nbytes, lambda vdt: flat.view(vdt)).smallest(LOSSLESS.values(), nbytes - 1)
     return None if best is None else (best[1].name, int(best[0]))
 
