@@ -177,3 +177,19 @@ def test_candidates_below_the_request_are_not_offered(monkeypatch) -> None:
     assert [e for e, _ in pairs] == [large]
     pairs, *_ = res._score_inputs()
     assert [e for e, _ in pairs] == [small, large]
+
+
+def test_a_refusal_the_budget_holds_by_count_is_named_fragmentation(monkeypatch) -> None:
+    """CUDA: the allocator refused 2 MiB with 14 MiB of the budget unallocated (MobileNetV2 compress on an H200,
+    2026-12-04): the error says the cache's blocks were too small, not that nothing could be evicted."""
+    res = _residency(budget=100 << 20, current=86 << 20)
+    res.stats = SimpleNamespace(min_budget_bytes=0)
+    res.store = SimpleNamespace(resident_bytes=lambda: 0)
+    monkeypatch.setattr(res, "_evictable_bytes", lambda: 0)
+    monkeypatch.setattr(res, "_resident_summary", lambda: ("no saved tensors", "0 in use", "0 shared"))
+    err = res.out_of_memory(2 << 20, "op cudnn_batch_norm.default", held=86 << 20)
+    assert "holds by count (14.00 MiB of it unallocated)" in str(err) and "expandable_segments" in str(err)
+    assert "nothing more can be evicted" not in str(err)
+    assert err.min_budget_bytes == (100 << 20) + 1          # above this budget: all that is known
+    err = res.out_of_memory(20 << 20, "op convolution.default")   # over the budget by count
+    assert "nothing more can be evicted" in str(err) and "by count" not in str(err)

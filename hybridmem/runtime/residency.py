@@ -273,10 +273,18 @@ class Residency:
         floor = max(self.stats.min_budget_bytes, live + extra - self._evictable_bytes(), budget + 1)
         self.stats.min_budget_bytes = floor
         held, pinned, shared = self._resident_summary()
+        if budget and live + extra <= budget:
+            # refused with room by count: the CUDA allocator caps reserved bytes, its cache's free blocks
+            # included, and none of those (nor any eviction) gave a block this large
+            why = (f"which the budget holds by count ({fmt_bytes(budget - live)} of it unallocated), but the "
+                   "allocator refused it: its cache's free blocks are too small for it and evicting made none "
+                   "large enough (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True fragments less)")
+        else:
+            why = "and nothing more can be evicted"
         err = torch.OutOfMemoryError(
             f"hybridmem: the budget of {fmt_bytes(budget)} ({budget} bytes) is too small: {what} needs "
-            f"{fmt_bytes(extra)} ({extra} bytes) more with {fmt_bytes(live)} ({live} bytes) live, and nothing "
-            f"more can be evicted. Smallest budget that could work: at least {fmt_bytes(floor)} ({floor} bytes) "
+            f"{fmt_bytes(extra)} ({extra} bytes) more with {fmt_bytes(live)} ({live} bytes) live, {why}. "
+            f"Smallest budget that could work: at least {fmt_bytes(floor)} ({floor} bytes) "
             f"(a lower bound: the bytes no policy could evict at the tightest op seen so far plus that op's "
             f"new outputs; later ops of the step may need more). Resident: {held}; {pinned}; {shared}; the rest "
             f"({fmt_bytes(max(live - self.store.resident_bytes(), 0))}) is parameters, buffers, inputs, "
