@@ -18,7 +18,8 @@ step), the allocator's own number. The ``(monitor only)`` row is the runtime wat
 cuDNN runs a convolution with the plan it cached for that shape; where the cap refuses the plan's
 workspace it runs the next plan and caches that one for the rest of the process, so a model's rows from
 the first refusal on may round differently from its unmanaged run: ``cuDNN+``, counted apart from the
-failures (``refused`` shows the allocations refused). The ``--exact`` models then run again with cuDNN off
+failures (``refused`` counts the allocations refused; the largest one's size is printed under the row,
+the room a workspace needed). The ``--exact`` models then run again with cuDNN off
 (``-cuDNN`` rows), where no kernel depends on free memory and every row must be bit-identical.
 
 The first lines say whether the CUDA caching-allocator hook (hybridmem's free-memory callback) was built
@@ -80,6 +81,7 @@ class Row:
     refused: int = 0  # CUDA: allocations the caching allocator refused during the run (num_ooms), caught by the
     #                  runtime or by a library that then does without (cuDNN: another convolution algorithm)
     cudnn: bool = False  # differs, and cuDNN was refused workspace in this model's rows so far (check_model)
+    refused_max: int = 0  # CUDA: the largest allocation refused during the run (bytes)
 
     @property
     def peak(self) -> int:
@@ -142,6 +144,17 @@ def _first_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
 
 def _ooms(device: torch.device) -> int:
     return torch.cuda.memory_stats(device).get("num_ooms", 0) if device.type == "cuda" else 0
+
+
+_REFUSED_SIZES: list[int] = []  # CUDA: the size of each allocation the caching allocator refused
+
+
+def _watch_refusals(device: torch.device) -> None:
+    """Record the size of every allocation the caching allocator refuses (its OOM observer): the largest a
+    row saw is the room a library's workspace needed beside the budget's count (cuDNN's, mostly)."""
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if device.type == "cuda" and attach is not None:
+        attach(lambda dev, alloc, allocated, free: _REFUSED_SIZES.append(int(alloc)))
 
 
 def _identical(a: tuple[list, dict], b: tuple[list, dict], exact: bool = True) -> bool:
@@ -215,7 +228,7 @@ def check_model(name: str, size: str, device: torch.device, verify: bool = False
         budget = int(monitor.peak_bytes - CUT * cut)
         native = _native()
         calls0, freed0 = (native.cuda_calls, native.cuda_freed_bytes) if native is not None else (0, 0)
-        ooms0 = _ooms(device)
+        ooms0, sizes0 = _ooms(device), len(_REFUSED_SIZES)
         try:
             run = _managed(entry, device, budget, policies, verify)
         except Exception as e:  # noqa: BLE001  (the row says what ended it; the next rows still run)
@@ -244,7 +257,8 @@ def check_model(name: str, size: str, device: torch.device, verify: bool = False
                         (native.cuda_calls - calls0) if native is not None else 0,
                         (native.cuda_freed_bytes - freed0) if native is not None else 0, hidden * 1e3,
                         st.steady_steps, repeatable=repeatable, worst=worst,
-                        first_diff=first, refused=refused, cudnn=not same and plans_changed))
+                        first_diff=first, refused=refused, cudnn=not same and plans_changed,
+                        refused_max=max(_REFUSED_SIZES[sizes0:], default=0)))
     return rows
 
 
@@ -396,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)  # kernels with no deterministic version warn
         torch.backends.cudnn.benchmark = False
+        _watch_refusals(device)
         warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (simulated device)"
     print(f"# hybridmem gpu_check  {time.strftime('%Y-%m-%d %H:%M')}  {name}  torch {torch.__version__}"
@@ -441,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'ok' if r.ok else 'FAIL'}")
             if r.error:
                 print(f"    error: {r.error}")
+            if r.refused_max:
+                print(f"    largest allocation refused: {r.refused_max / 2**20:.2f} MiB")
             if not r.identical and r.worst:
                 where = f"from step {r.first_diff}'s loss" if r.first_diff else "in the last step's gradients only"
                 print(f"    differs from the unmanaged run {where}; by up to {r.worst:.1e} of a tensor's largest value "
