@@ -179,10 +179,14 @@ def compressible_bytes(entry) -> int:
     return sum(per_codec.values())
 
 
+WORKSPACE: str | None = None  # --workspace: plugins: {workspace: ...} in every managed run
+
+
 def _managed(entry, device: torch.device, budget: int, policies: tuple[str, ...], verify: bool = False):
     """Train under ``budget`` (raised to the minimum an OOM names + 1 %, at most TRIES times): the session,
     the budget it ran at, each step's peak, losses, state and ms per step; else the last OOM's message."""
-    config = {"plugins": {"verify": True}} if verify else None
+    plugins = {**({"verify": True} if verify else {}), **({"workspace": WORKSPACE} if WORKSPACE else {})}
+    config = {"plugins": plugins} if plugins else None
     for _ in range(TRIES):
         gc.collect()  # what earlier runs left in reference cycles is memory the allocator holds
         peaks: list[int] = []
@@ -397,8 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=420.0,
                     help="seconds after which no further model starts (those left are listed), so that the "
                          "check ends within a device session's time (default 420)")
+    ap.add_argument("--workspace", default=None,
+                    help="plugins: {workspace: ...} in every managed run (e.g. 64MiB): room kept free beside the "
+                         "count at each op, so that the cap leaves cuDNN the workspace of the plan it cached")
     args = ap.parse_args(argv)
     started = time.perf_counter()
+    global WORKSPACE
+    WORKSPACE = args.workspace
     device = torch.device(args.device)
     if args.no_cudnn:
         torch.backends.cudnn.enabled = False
@@ -414,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (simulated device)"
     print(f"# hybridmem gpu_check  {time.strftime('%Y-%m-%d %H:%M')}  {name}  torch {torch.__version__}"
-          + ("  expandable segments" if args.expandable else "") + ("  cuDNN off" if args.no_cudnn else ""))
+          + ("  expandable segments" if args.expandable else "") + ("  cuDNN off" if args.no_cudnn else "")
+          + (f"  workspace room {args.workspace}" if args.workspace else ""))
     for line in hook_lines(device):
         print(line)
     failed = 0

@@ -25,6 +25,7 @@ from .distributed import FsdpStorageSync
 from ..errors import UnknownNameError
 from .meter import Meter
 from ..graph.costs import get_cost_model
+from ..graph.units import fmt_bytes, parse_bytes
 from ..graph.outputs import storage_of
 from ..graph.plan import Plan
 from .ledger import TensorLog
@@ -79,7 +80,7 @@ def cost_model_for(device: torch.device, name: str | None = None) -> Any:
 
 
 # keys of the 'plugins' section that are not policies
-RUNTIME_EXTRA = ("cost_model", "cuda_cap", "light", "steady", "steady_cuda", "verify")
+RUNTIME_EXTRA = ("cost_model", "cuda_cap", "light", "steady", "steady_cuda", "verify", "workspace")
 
 
 def check_extra(cfg: Config) -> None:
@@ -93,6 +94,8 @@ def check_extra(cfg: Config) -> None:
                              f"(each a mapping of its options) and {list(RUNTIME_EXTRA)}")
         if key in ("steady", "steady_cuda", "verify") and not isinstance(value, bool):
             raise ValueError(f"{cfg.source('extra')}: {key}: expected true or false, got {value!r}")
+        if key == "workspace":
+            parse_bytes(value, what=f"{cfg.source('extra')}: workspace")   # bytes, e.g. 64MiB
         if key in policies and value is not None and not isinstance(value, dict):
             raise ValueError(f"{cfg.source('extra')}: {key}: expected a mapping of the policy's options, "
                              f"got {value!r}")
@@ -156,6 +159,15 @@ class Runtime:
         self.residency = Residency(self.store, self.policies, self.meter, self.stats, self.budget)
         if cfg.extra.get("verify", False):
             self.residency.verify = {}
+        room = parse_bytes(cfg.extra.get("workspace") or 0, what="plugins: workspace")
+        if room and self.budget is not None:
+            if room >= self.budget:
+                raise ValueError(f"plugins: workspace {fmt_bytes(room)}: expected less than the budget "
+                                 f"({fmt_bytes(self.budget)}); it is the room kept free beside the count")
+            # kernels allocate workspaces inside an op, where the count does not see them: cuDNN runs a
+            # convolution with another plan (rounding differently) where the cap refuses its plan's workspace
+            self.residency.reserve += room
+            self.stats.note(f"{fmt_bytes(room)} kept free beside the count at each op for kernels' workspaces")
         book = PlanBook.load(cfg.plan) if plan is None and is_book(cfg.plan) else None
         manages = self.budget is not None or plan is not None or book is not None
         self.recorder: Recorder | None = None
