@@ -167,6 +167,7 @@ class Runtime:
             # kernels allocate workspaces inside an op, where the count does not see them: cuDNN runs a
             # convolution with another plan (rounding differently) where the cap refuses its plan's workspace
             self.residency.reserve += room
+            self.residency.workspace = room
             self.stats.note(f"{fmt_bytes(room)} kept free beside the count at each op for kernels' workspaces")
         book = PlanBook.load(cfg.plan) if plan is None and is_book(cfg.plan) else None
         manages = self.budget is not None or plan is not None or book is not None

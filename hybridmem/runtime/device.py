@@ -45,7 +45,9 @@ class NativeDevice:
     def install(self) -> None:
         rt, native = self.rt, self.native
         if self.cuda:
-            native.set_cuda_budget(rt.device.index or 0, rt.budget, rt.residency.slack)
+            # a cache miss frees down to the budget less this: the slack, and the room kept for a workspace
+            # (the miss may be one: the hook does not see the request's size)
+            native.set_cuda_budget(rt.device.index or 0, rt.budget, rt.residency.slack + rt.residency.workspace)
             # The backstop: the caching allocator itself refuses memory past the budget (reserved bytes).
             cap_cuda(rt.device, rt.budget)
         else:

@@ -63,6 +63,7 @@ class Residency:
         # cap: keep this much free when making room, so that it can (not enforced when nothing can go).
         allocating = any(getattr(p, "allocates_to_evict", False) for p in policies.values())
         self.reserve = budget // 32 if budget is not None and allocating else 0
+        self.workspace = 0   # of ``reserve``: room for kernels' workspaces (``plugins: {workspace: N}``)
         self.mode: Contexts = NoMode()
         self._order = list(policies.values())
         self._touched: dict[int, None] = {}   # uids of entries ever evicted (policies may keep state)
