@@ -179,13 +179,10 @@ def compressible_bytes(entry) -> int:
     return sum(per_codec.values())
 
 
-WORKSPACE: str | None = None  # --workspace: plugins: {workspace: ...} in every managed run
-
-
-def _managed(entry, device: torch.device, budget: int, policies: tuple[str, ...], verify: bool = False):
+def _managed(entry, device: torch.device, budget: int, policies: tuple[str, ...], plugins: dict | None = None):
     """Train under ``budget`` (raised to the minimum an OOM names + 1 %, at most TRIES times): the session,
-    the budget it ran at, each step's peak, losses, state and ms per step; else the last OOM's message."""
-    plugins = {**({"verify": True} if verify else {}), **({"workspace": WORKSPACE} if WORKSPACE else {})}
+    the budget it ran at, each step's peak, losses, state and ms per step; else the last OOM's message.
+    ``plugins``: the session's ``plugins`` config (``--verify``, ``--workspace``)."""
     config = {"plugins": plugins} if plugins else None
     for _ in range(TRIES):
         gc.collect()  # what earlier runs left in reference cycles is memory the allocator holds
@@ -204,7 +201,7 @@ def _managed(entry, device: torch.device, budget: int, policies: tuple[str, ...]
     return last
 
 
-def check_model(name: str, size: str, device: torch.device, verify: bool = False) -> list[Row]:
+def check_model(name: str, size: str, device: torch.device, plugins: dict | None = None) -> list[Row]:
     entry = build(name, size, device=device)
     base_losses, base_state, base_ms = _train(entry, device)
     # a device whose kernels do not repeat bit for bit (atomics in some backward kernels on CUDA, even with
@@ -234,7 +231,7 @@ def check_model(name: str, size: str, device: torch.device, verify: bool = False
         calls0, freed0 = (native.cuda_calls, native.cuda_freed_bytes) if native is not None else (0, 0)
         ooms0, sizes0 = _ooms(device), len(_REFUSED_SIZES)
         try:
-            run = _managed(entry, device, budget, policies, verify)
+            run = _managed(entry, device, budget, policies, plugins)
         except Exception as e:  # noqa: BLE001  (the row says what ended it; the next rows still run)
             rows.append(Row(name, "+".join(policies), budget, [0], False, 0.0, base_ms, 0.0, 0.0, error=_err(e)))
             gc.collect()
@@ -406,8 +403,6 @@ def main(argv: list[str] | None = None) -> int:
                          "count at each op, so that the cap leaves cuDNN the workspace of the plan it cached")
     args = ap.parse_args(argv)
     started = time.perf_counter()
-    global WORKSPACE
-    WORKSPACE = args.workspace
     device = torch.device(args.device)
     if args.no_cudnn:
         torch.backends.cudnn.enabled = False
@@ -441,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':12s} {'policies':26s} {'budget MiB':>10s} {'peak MiB (per step)':>22s} {'bit-equal':>9s} "
           f"{'step ms':>8s} {'base ms':>8s} {'regen ms':>9s} {'stall ms':>9s} {'hidden ms':>9s} "
           f"{'hook calls':>10s} {'hook MiB':>8s} {'refused':>7s} {'steady':>6s}  ok")
+    plugins = {**({"verify": True} if args.verify else {}),
+               **({"workspace": args.workspace} if args.workspace else {})}
     runs = [(m, False) for m in args.models.split(",")]
     if device.type == "cuda" and torch.backends.cudnn.enabled:
         runs += [(m, True) for m in filter(None, args.exact.split(","))]
@@ -452,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         _leftover(device, model)
         torch.backends.cudnn.enabled = not (no_cudnn or args.no_cudnn)
         try:
-            rows = check_model(model, args.size, device, args.verify)
+            rows = check_model(model, args.size, device, plugins)
         except Exception as e:  # noqa: BLE001  (one table for all models: a model's error is its row)
             rows = [Row(model, "(unmanaged/monitor)", 0, [0], False, 0.0, 0.0, 0.0, 0.0, error=_err(e))]
         for r in rows:

@@ -39,7 +39,7 @@ from ..plugins.codecs import LOSSLESS
 from ..plugins.compress import codec_seconds
 from ..runtime.core import cost_model_for, resolve_device
 from .defaults import saved_by_partition
-from .joint import concatenates_feature_maps, has_convolution, joint_graph
+from .joint import concatenates_feature_maps, has_convolution, joint_graph, node_flops, node_nbytes, tensor_vals
 from . import codec_ops, probe
 from . import compressed as compressed_mod
 from .compressed import rewrite_partition
@@ -273,7 +273,7 @@ class _Codecs:
     def half(self, j: Any, order: list[int]) -> list[int]:
         """The most worth it of ``order`` that save half the bytes all of them would."""
         _, picks, _ = self.counts[id(j)]
-        total = sum(picks[t].nbytes - picks[t].size for t in order)
+        total = self.freed(j, order)
         out, saved = [], 0
         for t in order:
             if saved >= total / 2:
@@ -283,27 +283,31 @@ class _Codecs:
         return out
 
 
+def _recompute_costs(first: "_Planned", model: Any) -> list[tuple[float, int]]:
+    """(seconds, bytes) of each tensor ``first``'s plan recomputes: its producer's time, its bytes."""
+    g = first.jg.graph
+    return [(model.op_time(g.stages[g.tensors[t].producer]), g.tensors[t].nbytes) for t in first.decisions.recompute]
+
+
 def _codecs_could_pay(first: "_Planned", model: Any, device_type: str) -> bool:
     """Whether compressing what a plan keeps could spare any of its recomputes at a profit, before measuring
     anything (the probe runs the forward eagerly, and a second plan may be solved: seconds on ResNet-50): a
     recompute is spared by freeing its bytes, and no lossless codec frees a byte for less than its encode and
     decode time of that byte. A plan that swaps is not judged here."""
-    d, g = first.decisions, first.jg.graph
-    if d.swap:
+    if first.decisions.swap:
         return True
     per_byte = min(sum(codec_seconds(name, 1 << 30, device_type)) for name in LOSSLESS) / (1 << 30)
-    return any(model.op_time(g.stages[g.tensors[t].producer]) > per_byte * g.tensors[t].nbytes for t in d.recompute)
+    return any(seconds > per_byte * nbytes for seconds, nbytes in _recompute_costs(first, model))
 
 
 def _recompute_left_s(first: "_Planned", model: Any, freed: int) -> float:
     """The least recompute time a plan that frees ``freed`` more bytes by compression still pays beside
     ``first``'s: its recomputes' bytes beyond ``freed``, the cheapest per byte first (their producers' times;
     a bound: bytes freed anywhere are counted as if freed at the peak)."""
-    d, g = first.decisions, first.jg.graph
-    left = sum(g.tensors[t].nbytes for t in d.recompute) - freed
+    costs = _recompute_costs(first, model)
+    left = sum(nbytes for _, nbytes in costs) - freed
     seconds = 0.0
-    for rate, nbytes in sorted((model.op_time(g.stages[g.tensors[t].producer]) / max(g.tensors[t].nbytes, 1),
-                                g.tensors[t].nbytes) for t in d.recompute):
+    for rate, nbytes in sorted((s / max(n, 1), n) for s, n in costs):
         if left <= 0:
             break
         seconds += rate * min(nbytes, left)
@@ -333,6 +337,7 @@ class _Prepared:
     compressed: list[compressed_mod.Compressed] = field(default_factory=list)
     region: int = 0
     stats: RegionStats | None = None
+    model: Any = None            # the cost model the region was planned with (times the offloading's reloads)
 
 
 def _codec_line(c: codec_ops.CodecStats) -> str:
@@ -429,25 +434,16 @@ def _reload_timing(model: Any) -> Iterator[str | None]:
 
 
 def _node_ms(model: Any) -> Any:
-    """Milliseconds of one graph node by ``model`` (a :class:`DeviceModel`): its FLOPs (torch's formulas) or
-    the bytes it reads and writes, whichever bounds it, as the plan priced its ops."""
-    from torch.utils import _pytree as pytree
-    from ..graph.flops import op_flops
-
+    """Milliseconds of one graph node by ``model`` (a :class:`DeviceModel`): its FLOPs or the bytes it reads and
+    writes, whichever bounds it, counted as the joint graph counts a stage's (:mod:`hybridmem.compile.joint`)."""
     if not isinstance(model, DeviceModel):
         model = get_cost_model("cpu")
 
     def ms(node: fx.Node) -> float:
-        val = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
-        args, kwargs = fx.node.map_arg(node.args, val), fx.node.map_arg(node.kwargs, val)
-        out = node.meta.get("val")
-        tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        flops = op_flops(node.target, args, kwargs, out)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        tensors = [t for v in (*(a.meta.get("val") for a in node.all_input_nodes), node.meta.get("val"))
+                   for t in tensor_vals(v)]
         dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
-        seconds = max(flops / (model.peak(dtype) * model.efficiency),
-                      nbytes / (model.hbm_bw * model.hbm_efficiency)) + model.launch_s
-        return seconds * 1e3
+        return model.roofline(node_flops(node), sum(node_nbytes(t) for t in tensors), dtype) * 1e3
 
     return ms
 
@@ -470,8 +466,7 @@ class _Partitioner:
                 stack.enter_context(fconfig.patch(
                     enable_activation_offloading=True, activation_offload_separate_stream=True,
                     activation_offload_sink_wait=True, activation_reload_prefetch=True))
-                dev = self.backend._dev or torch.device("cpu")
-                note = stack.enter_context(_reload_timing(_cost_model(dev, self.backend.cost_model_name, True)))
+                note = stack.enter_context(_reload_timing(prep.model))
                 if note and prep.stats is not None:
                     prep.stats.add_note(note)
             elif prep.offload:
@@ -1154,7 +1149,7 @@ class CompileBackend:
         st.codec_region = region
         self._regions[key] = st
         self._planned_now = best
-        return _Prepared(offload=bool(best.decisions.swap), region=region, stats=st,
+        return _Prepared(offload=bool(best.decisions.swap), region=region, stats=st, model=model,
                          compressed=[best.variant.compressed[n.name] for n in jg.compressed.values()])
 
     def _codec_choices(self, gm: fx.GraphModule, forward: list[fx.Node], jg: Any, jg_part: Any, model: Any,

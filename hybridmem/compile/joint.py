@@ -57,7 +57,8 @@ class JointGraph:
                 *(n for n in self.tensor_nodes.get(tensor_id, ()) if n.target is operator.getitem)]
 
 
-def _vals(v: Any) -> list[torch.Tensor]:
+def tensor_vals(v: Any) -> list[torch.Tensor]:
+    """The tensors of a node's value (a tensor, or a tuple or list holding some)."""
     if isinstance(v, torch.Tensor):
         return [v]
     if isinstance(v, (tuple, list)):
@@ -111,7 +112,8 @@ def _concrete(v: Any) -> Any:
     return v
 
 
-def _flops(node: fx.Node) -> float:
+def node_flops(node: fx.Node) -> float:
+    """FLOPs of one aten node of the joint graph (0 for anything else), its symbolic sizes read as hints."""
     if not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
     return float(op_flops(node.target, _arg_vals(node.args), _arg_vals(node.kwargs),
@@ -308,13 +310,13 @@ def materialized(members: list[fx.Node]) -> list[torch.Tensor]:
     while the stage runs: those of members but the last that are neither pointwise, layout nor reduction
     ops (which Inductor computes inside the kernel that reads them), a matrix product's output folded into
     its reader's stage, say; a value that is the storage of the stage's own output is not counted twice."""
-    own = {_storage_key(v) for v in _vals(members[-1].meta.get("val"))}
+    own = {_storage_key(v) for v in tensor_vals(members[-1].meta.get("val"))}
     out: list[torch.Tensor] = []
     seen: set[Any] = set()
     for m in members[:-1]:
         if computes_inputs(m) or m.target is operator.getitem:
             continue
-        for v in _vals(m.meta.get("val")):
+        for v in tensor_vals(m.meta.get("val")):
             k = _storage_key(v)
             if k not in own and k not in seen:
                 seen.add(k)
@@ -431,7 +433,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
 
     for n in nodes:
         if n.op == "placeholder":
-            node_tensor[n] = [tensor_of(v, n, -1, "param" if n in static else "input") for v in _vals(n.meta.get("val"))]
+            node_tensor[n] = [tensor_of(v, n, -1, "param" if n in static else "input") for v in tensor_vals(n.meta.get("val"))]
 
     tangents = [n for n in nodes if is_tangent(n) and node_tensor.get(n)]
     tangent_ids = {tid for t in tangents for tid in node_tensor[t]}
@@ -452,7 +454,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
             # a view in the backward (a ReLU's ``detach`` of its output, a ``t`` for a weight's gradient) is no
             # kernel: it takes place where its readers run. As a stage of its own at the backward's start (where
             # AOTAutograd traces a ReLU's detach) it would hold its base resident from there on
-            tids = [by_storage.get(_storage_key(v)) for v in _vals(n.meta.get("val"))]
+            tids = [by_storage.get(_storage_key(v)) for v in tensor_vals(n.meta.get("val"))]
             if tids and None not in tids:
                 node_tensor[n] = tids              # type: ignore[assignment]
                 for tid in tids:
@@ -471,12 +473,12 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
                         if tid not in ins:
                             ins.append(tid)
         outs: list[int] = []
-        vals = _vals(n.meta.get("val"))
+        vals = tensor_vals(n.meta.get("val"))
         getitems = [u for u in n.users if u.target is operator.getitem]
         if getitems and not isinstance(n.meta.get("val"), torch.Tensor):
             produced = []
             for g in getitems:
-                gv = _vals(g.meta.get("val"))
+                gv = tensor_vals(g.meta.get("val"))
                 tids = [tensor_of(v, g, idx, "activation", op=n) for v in gv]
                 node_tensor[g] = tids
                 produced += tids
@@ -493,7 +495,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
         # what a fused stage writes to memory inside itself (a folded matrix product's output)
         inner_bytes = sum(node_nbytes(v) for v in materialized(members))
         stages.append(Stage(index=idx, id=f"{phase}/{n.name}", op=op, phase=phase,
-                            flops=sum(_flops(m) for m in members), bytes_accessed=read + wrote, inputs=ins,
+                            flops=sum(node_flops(m) for m in members), bytes_accessed=read + wrote, inputs=ins,
                             outputs=outs, rng=random, deterministic=not random, workspace=inner_bytes,
                             ops=len(members)))
         jg.stage_node.append(n)

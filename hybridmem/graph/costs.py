@@ -151,9 +151,14 @@ class DeviceModel:
 
     def op_time(self, stage: "Stage", dtype: str | None = None) -> float:
         """Roofline seconds of one stage: compute- or memory-bound, plus launch overhead per op."""
-        compute = stage.flops / (self.peak(dtype) * self.efficiency)
-        memory = stage.bytes_accessed / (self.hbm_bw * self.hbm_efficiency)
-        return max(compute, memory) + max(stage.ops, 1) * self.launch_s
+        return self.roofline(stage.flops, stage.bytes_accessed, dtype, stage.ops)
+
+    def roofline(self, flops: float, nbytes: float, dtype: str | None = None, ops: int = 1) -> float:
+        """Seconds of ``ops`` kernels that do ``flops`` and move ``nbytes``: compute- or memory-bound, plus
+        launch overhead per op."""
+        compute = flops / (self.peak(dtype) * self.efficiency)
+        memory = nbytes / (self.hbm_bw * self.hbm_efficiency)
+        return max(compute, memory) + max(ops, 1) * self.launch_s
 
     def op_times(self, graph: "Graph") -> np.ndarray:
         """Seconds of every stage; the compute dtype of a stage is taken from its first output (or input)."""
