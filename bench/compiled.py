@@ -4,6 +4,7 @@ and hybridmem's compile backend, at equal real peak.
     python -m bench.compiled --models resnet50,gpt --size small --ratios 0.5,0.2 --rounds 10 --json out.json
     python -m bench.compiled --from-json out.json --plot docs/img/compiled.png     # table and plot again
     python -m bench.compiled --models bench.models:relu_mlp --policies "recompute;compress;recompute,compress"
+    python -m bench.compiled --models resnet50 --margins 0.11,0.08 --rounds 16    # the margin for Inductor's buffers
 
 For each model: the step compiled by Inductor unmanaged, then with
 ``torch._functorch.config.activation_memory_budget`` at each ratio (PyTorch's recompute knapsack), then
@@ -26,7 +27,8 @@ import statistics
 import time
 import types
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -138,15 +140,35 @@ def _entry(name: str, size: str) -> Any:
     return types.SimpleNamespace(model=spec.model, loss_fn=spec.loss_fn, args_kwargs=lambda: (inputs, {}))
 
 
-def _label(policies: tuple[str, ...] | None, ratio: float) -> str:
-    return f"hybridmem{'' if policies is None else '[' + ','.join(policies) + ']'}@amb={ratio}"
+def _label(policies: tuple[str, ...] | None, ratio: float, margin: float | None = None) -> str:
+    return (f"hybridmem{'' if policies is None else '[' + ','.join(policies) + ']'}@amb={ratio}"
+            + ("" if margin is None else f" margin={margin}"))
+
+
+@contextmanager
+def _margin(share: float | None) -> Iterator[None]:
+    """The compile backend's margin for Inductor's buffers (``INDUCTOR_MARGIN``, a share of the keep-all
+    count) set to ``share`` while a variant compiles; None: the backend's own."""
+    import hybridmem.compile.backend as backend_mod
+
+    saved = backend_mod.INDUCTOR_MARGIN
+    if share is not None:
+        if not 0.0 <= share < 1.0:
+            raise ValueError(f"margin {share}: a share of the keep-all count in [0, 1), e.g. 0.08")
+        backend_mod.INDUCTOR_MARGIN = share
+    try:
+        yield
+    finally:
+        backend_mod.INDUCTOR_MARGIN = saved
 
 
 def compare(name: str, size: str = "small", ratios: tuple[float, ...] = (0.5,), rounds: int = 10,
             log: Callable[[str], None] = print,
-            policies: tuple[tuple[str, ...] | None, ...] = (None,)) -> list[CompiledResult]:
+            policies: tuple[tuple[str, ...] | None, ...] = (None,),
+            margins: tuple[float | None, ...] = (None,)) -> list[CompiledResult]:
     """The variants of one model (see the module docstring); ``policies``: one hybridmem variant per policy
-    set at each ratio (None: the backend's default)."""
+    set at each ratio (None: the backend's default), and of each per margin of ``margins`` (the share of
+    the keep-all count left free for Inductor's buffers on convolutional models; None: the backend's)."""
     import torch._inductor.config as iconfig
     from torch._functorch import config as fconfig
 
@@ -166,12 +188,13 @@ def compare(name: str, size: str = "small", ratios: tuple[float, ...] = (0.5,), 
             variants.append(amb)
             log(f"{name}: amb={r} compiled in {amb.result.compile_s:.1f} s, real peak {amb.result.real_peak_bytes}")
             budget = amb.result.real_peak_bytes
-            for pol in policies:
-                label = _label(pol, r)
+            for pol, share in ((pol, share) for pol in policies for share in margins):
+                label = _label(pol, r, share)
                 extra = {} if pol is None else {"policies": pol}
                 backend = compile_backend(budget, hold_outputs=False, **extra)   # _step drops the outputs
                 try:
-                    hm = _prepare(name, entry, label, backend, None, args, kwargs)
+                    with _margin(share):
+                        hm = _prepare(name, entry, label, backend, None, args, kwargs)
                 except Exception as e:     # a budget below what a plan can reach: reported, not hidden
                     # Dynamo wraps the backend's error: its first line names the backend, the cause follows
                     why = next((ln for ln in str(e).splitlines() if "Error:" in ln), str(e).splitlines()[0])[:400]
@@ -291,6 +314,18 @@ def _policy_sets(text: str | None) -> tuple[tuple[str, ...] | None, ...]:
     return tuple(_policies(part) for part in text.split(";") if part.strip())
 
 
+def _margins(text: str | None) -> tuple[float | None, ...]:
+    if not text:
+        return (None,)
+    try:
+        shares = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        shares = ()
+    if not shares or not all(0.0 <= x < 1.0 for x in shares):
+        raise SystemExit(f"--margins {text!r}: shares of the keep-all count in [0, 1), ','-separated, e.g. 0.11,0.08")
+    return shares
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="resnet50,mobilenet,transformer,gpt")
@@ -303,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default=None,
                    help="hybridmem variants' policy sets, ';'-separated "
                         "(e.g. 'recompute;compress;recompute,compress'); default: the backend's own")
+    p.add_argument("--margins", default=None,
+                   help="hybridmem variants' margins for Inductor's buffers, ','-separated shares of the "
+                        "keep-all count (e.g. '0.11,0.08'); default: the backend's own")
     a = p.parse_args(argv)
     if a.from_json:
         with open(a.from_json) as f:
@@ -315,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[CompiledResult] = []
     for name in a.models.split(","):
         results += compare(name.strip(), a.size, tuple(float(x) for x in a.ratios.split(",")), a.rounds,
-                           policies=_policy_sets(a.policies))
+                           policies=_policy_sets(a.policies), margins=_margins(a.margins))
         print(table(results), flush=True)
         if a.json:
             with open(a.json, "w") as f:

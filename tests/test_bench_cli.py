@@ -419,3 +419,18 @@ def test_rebound_raises_bounds_only_where_higher_and_recomputes_gaps(tmp_path: P
         rebound.rebound(data)
     with pytest.raises(ValueError, match="schema"):
         rebound.rebound({"schema": "other"})
+
+
+def test_compiled_bench_margins_are_checked_and_restored() -> None:
+    import hybridmem.compile.backend as backend_mod
+    from bench import compiled
+
+    assert compiled._margins(None) == (None,) and compiled._margins("0.11,0.08") == (0.11, 0.08)
+    for bad in ("lots", "1.5", ","):
+        with pytest.raises(SystemExit, match=r"--margins .*\[0, 1\)"):
+            compiled._margins(bad)
+    before = backend_mod.INDUCTOR_MARGIN
+    with compiled._margin(0.05):
+        assert backend_mod.INDUCTOR_MARGIN == 0.05
+    assert backend_mod.INDUCTOR_MARGIN == before
+    assert compiled._label(None, 0.5, 0.08) == "hybridmem@amb=0.5 margin=0.08"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hybridmem.compile.joint import MAX_INLINED_USERS, fusion_groups, materialized
+from hybridmem.compile.joint import MAX_INLINED_USERS, fusion_groups, kernels, materialized
 
 
 def _groups(fn, *args) -> tuple[dict[str, list[str]], set[str]]:
@@ -136,3 +136,30 @@ def test_a_folded_matrix_product_is_materialized_inside_its_stage() -> None:
     (root, members), = fusion_groups(nodes, fw, set(out.all_input_nodes)).items()
     stored = materialized([*members, root])
     assert len(stored) == 1 and tuple(stored[0].shape) == (4, 8)
+
+
+def _members(fn, *args) -> list[list[torch.fx.Node]]:
+    gm = make_fx(fn)(*args)
+    nodes = list(gm.graph.nodes)
+    out = next(n for n in nodes if n.op == "output")
+    groups = fusion_groups(nodes, set(), set(out.all_input_nodes), backward=True)
+    return [[*ms, k] for k, ms in groups.items()]
+
+
+def test_a_fused_chain_is_charged_one_launch_and_a_library_op_one_more() -> None:
+    # a BatchNorm's normalize-and-ReLU: nine aten nodes (views among them), one Inductor kernel
+    x, m, r = torch.randn(2, 4, 3, 3), torch.randn(1, 4, 1, 1), torch.randn(1, 4, 1, 1)
+    g, b = torch.randn(4), torch.randn(4)
+
+    def bn_relu(x, m, r, g, b):
+        return torch.relu((x - m) * r * g.unsqueeze(-1).unsqueeze(-1) + b.unsqueeze(-1).unsqueeze(-1)).sum()
+
+    chains = _members(bn_relu, x, m, r, g, b)
+    longest = max(chains, key=len)
+    assert len(longest) >= 5 and kernels(longest) == 1
+
+    def folded(x, w):
+        return torch.softmax(torch.mm(x, w), -1)
+
+    nodes = [n for n in make_fx(folded)(torch.randn(4, 3), torch.randn(3, 6)).graph.nodes if n.op == "call_function"]
+    assert kernels(nodes) == 2      # the matrix product's, and one for the softmax's loops
