@@ -5,8 +5,10 @@
 
 First the ``--compiled`` models (default ResNet-50) under ``torch.compile``: Inductor unmanaged, and
 hybridmem's compile backend at 70 % of the unmanaged steady-state peak with swap and recompute (PyTorch's
-activation offloading for the swaps); they run first, before the eager rows leave the allocator's cache
-and library workspaces behind. Then for each model: 4 SGD steps unmanaged (twice: on CUDA, under
+activation offloading for the swaps), then PyTorch's own recompute knapsack (``activation_memory_budget``
+at the ``--amb`` ratios) beside hybridmem's backend at the peak that knapsack reached, timed interleaved;
+they run first, before the eager rows leave the allocator's cache and library workspaces behind. Then
+for each model: 4 SGD steps unmanaged (twice: on CUDA, under
 ``torch.use_deterministic_algorithms``, to show the device repeats itself), then 4 steps under hybridmem
 per policy set at a budget of the monitor-only peak minus 30 % of the saved-activation bytes (where the
 runtime says that cannot work, the smallest budget it names + 1 %, up to 8 tries). A row passes when the
@@ -36,11 +38,13 @@ import argparse
 import copy
 import gc
 import os
+import statistics
 import sys
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # cuBLAS reads this when it creates its handle: deterministic matrix products (with
 # torch.use_deterministic_algorithms below), so that unmanaged runs repeat bit for bit on CUDA too
@@ -54,6 +58,7 @@ import hybridmem  # noqa: E402
 from hybridmem.zoo import build  # noqa: E402
 
 POLICY_SETS = (("swap",), ("recompute",), ("compress",), ("swap", "recompute", "compress"))
+ROUNDS = 10  # interleaved timing rounds of the compiled variants beside PyTorch's activation budget
 STEPS = 4  # steps 1-2 under the dispatch mode (2 records the program), 3-4 in the steady state where it applies
 CUT = 0.3  # of the saved-activation bytes (compress alone: of what its codecs save)
 TRIES = 8  # budgets tried per row: the first, then the minimum each OOM names + 1 %
@@ -306,28 +311,59 @@ def hook_lines(device: torch.device) -> list[str]:
     return [f"# CUDA caching-allocator hook: built, registered={native.cuda_registered} ({native.path.name})"]
 
 
-def _compiled_steps(model: torch.nn.Module, entry, backend, device: torch.device) -> tuple[list[int], list, float]:
+@dataclass
+class _Compiled:
+    """One compiled variant of a model and what its steps measured."""
+
+    model: torch.nn.Module
+    compiled: Any
+    opt: torch.optim.Optimizer
+    peaks: list[int]                  # each step's peak (CUDA; 0 on the CPU)
+    grads: list[torch.Tensor]         # the last step's gradients
+    ms: float                         # the fastest step after those that may compile, seconds
+
+
+def _one_step(entry, c: _Compiled, device: torch.device, seed: int, args: tuple, kwargs: dict) -> float:
+    torch.manual_seed(seed)           # the same dropout masks in every variant
+    c.opt.zero_grad(set_to_none=True)
+    _sync(device)
+    t0 = time.perf_counter()
+    entry.loss_fn(c.compiled(*args, **kwargs)).backward()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _compiled_steps(model: torch.nn.Module, entry, backend, device: torch.device, label: str) -> _Compiled:
     """4 SGD steps of ``torch.compile(model, backend=backend)``: the peak of each, the last gradients,
-    the mean time of the steps after the first (which compiles)."""
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    the fastest of the steps after the first two (the first compiles, the second may compile again).
+    ``label`` names the variant: each gets code of its own, so that Dynamo neither reuses another variant's
+    compiled step for it nor drops that one's (the variants are timed side by side afterwards)."""
+    from bench.compiled import distinct
+
+    c = _Compiled(model, torch.compile(distinct(model, label), backend=backend),
+                  torch.optim.SGD(model.parameters(), lr=0.01), [], [], 0.0)
     args, kwargs = entry.args_kwargs()
-    peaks, times = [], []
+    times = []
     for step in range(STEPS):
-        torch.manual_seed(step)           # the same dropout masks in both runs
-        opt.zero_grad(set_to_none=True)
-        _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        entry.loss_fn(compiled(*args, **kwargs)).backward()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0)
-        grads = [p.grad.detach().clone() for p in model.parameters()]
-        opt.step()
-    return peaks, grads, min(times[2:] or times)   # steps 1-2 may compile (a recompile after the first)
+        times.append(_one_step(entry, c, device, step, args, kwargs))
+        c.peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0)
+        c.grads = [p.grad.detach().clone() for p in model.parameters()]
+        c.opt.step()
+    c.ms = min(times[2:] or times)
+    return c
+
+
+def _interleaved_ms(entry, runs: list[_Compiled], device: torch.device, rounds: int = ROUNDS) -> list[float]:
+    """Each variant's median step time over ``rounds`` rounds of one step of each in turn (compiled already:
+    no compile in the rounds), so that a busy device slows them alike."""
+    args, kwargs = entry.args_kwargs()
+    times: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for i, c in enumerate(runs):
+            times[i].append(_one_step(entry, c, device, STEPS + r, args, kwargs))
+    return [statistics.median(t) for t in times]
 
 
 def _infeasible(e: BaseException):
@@ -342,38 +378,98 @@ def _infeasible(e: BaseException):
     return None
 
 
-def check_compiled(name: str, size: str, device: torch.device, fraction: float = 0.7) -> list[str]:
+def _ratio(x: float, y: float) -> str:
+    return f"{x / y:.3f}" if y else "-"
+
+
+def check_compiled(name: str, size: str, device: torch.device, fraction: float = 0.7,
+                   ambs: tuple[float, ...] = (0.5,)) -> list[str]:
     """torch.compile (Inductor) unmanaged, then under hybridmem's compile backend at ``fraction`` of its
-    peak with swap and recompute: peaks per step, step time, gradients within rounding."""
+    peak with swap and recompute: peaks per step, step time, gradients within rounding. Then for each ratio
+    of ``ambs``, PyTorch's own recompute knapsack (``activation_memory_budget``) beside hybridmem's backend
+    at the peak that knapsack reached: peaks and interleaved median step times, as ratios to the unmanaged
+    step's (docs/benchmarks.md's compiled table, on this device)."""
+    from torch._dynamo.utils import counters
+    from torch._functorch import config as fconfig
+
     from hybridmem.compile import compile_backend
 
     entry = build(name, size, device=device)
     base = copy.deepcopy(entry.model)
-    peaks0, grads0, ms0 = _compiled_steps(copy.deepcopy(base), entry, "inductor", device)
-    budget = int(fraction * max(peaks0[1:])) if device.type == "cuda" else 1 << 40  # steps after the compiling one
-    lines = []
-    for _ in range(3):   # where the backend says the budget cannot work: the budget it names + 1 %, as a user would
-        backend = compile_backend(budget, device=device)
-        try:
-            peaks, grads, ms = _compiled_steps(copy.deepcopy(base), entry, backend, device)
-            break
-        except Exception as e:  # noqa: BLE001  (torch.compile wraps the backend's error: BackendCompilerFailed)
-            cause = _infeasible(e)
-            if cause is None or not cause.minimum_bytes or cause.minimum_bytes <= budget:
-                return lines + [f"compiled {name:12s} budget {budget / 2**20:.1f} MiB: {_err(e)}  FAIL"]
-            lines.append(f"# compiled {name}: {str(cause).splitlines()[0][:400]}")
-            budget = int(cause.minimum_bytes * 1.01)
-    else:
-        return lines + [f"compiled {name:12s}: no budget found in 3 tries  FAIL"]
-    close = all(torch.allclose(a, b, rtol=1e-3, atol=1e-5) for a, b in zip(grads, grads0))
-    worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(grads, grads0))
-    ok = close and (device.type != "cuda" or max(peaks) <= budget)
-    st = backend.stats()
-    lines += [f"compiled {name:12s} budget {budget / 2**20:8.1f} MiB  peaks {'/'.join(f'{p / 2**20:.1f}' for p in peaks)} "
-             f"(unmanaged {'/'.join(f'{p / 2**20:.1f}' for p in peaks0)})  step {ms * 1e3:.1f} ms (unmanaged {ms0 * 1e3:.1f})  "
-             f"grads {'close' if close else 'DIFFER'} (worst {worst:.1e} of a tensor's largest)  {'ok' if ok else 'FAIL'}"]
-    lines += [f"  {line}" for line in str(st).splitlines()]
+    torch._dynamo.reset()          # nothing compiled before (another model's variants) is kept
+    c0 = _compiled_steps(copy.deepcopy(base), entry, "inductor", device, f"{name}_unmanaged")
+    peaks0, grads0 = c0.peaks, c0.grads
+    cuda = device.type == "cuda"
+    lines: list[str] = []
+
+    def managed(budget: int, label: str) -> tuple[_Compiled | None, Any, int]:
+        """hybridmem's backend at ``budget``; where it says the budget cannot work, the budget it names + 1 %,
+        as a user would (3 tries)."""
+        for _ in range(3):
+            backend = compile_backend(budget, device=device)
+            try:
+                return (_compiled_steps(copy.deepcopy(base), entry, backend, device, f"{label}_hybridmem_{budget}"),
+                        backend, budget)
+            except Exception as e:  # noqa: BLE001  (torch.compile wraps the backend's error: BackendCompilerFailed)
+                cause = _infeasible(e)
+                if cause is None or not cause.minimum_bytes or cause.minimum_bytes <= budget:
+                    lines.append(f"compiled {label:12s} budget {budget / 2**20:.1f} MiB: {_err(e)}  FAIL")
+                    return None, None, budget
+                lines.append(f"# compiled {label}: {str(cause).splitlines()[0][:400]}")
+                budget = int(cause.minimum_bytes * 1.01)
+        lines.append(f"compiled {label:12s}: no budget found in 3 tries  FAIL")
+        return None, None, budget
+
+    def close(c: _Compiled) -> tuple[bool, float]:
+        ok = all(torch.allclose(a, b, rtol=1e-3, atol=1e-5) for a, b in zip(c.grads, grads0))
+        worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(c.grads, grads0))
+        return ok, worst
+
+    budget = int(fraction * max(peaks0[1:])) if cuda else 1 << 40  # steps after the compiling one
+    c, backend, budget = managed(budget, name)
+    if c is None:
+        return lines
+    same, worst = close(c)
+    ok = same and (not cuda or max(c.peaks) <= budget)
+    lines += [f"compiled {name:12s} budget {budget / 2**20:8.1f} MiB  peaks {'/'.join(f'{p / 2**20:.1f}' for p in c.peaks)} "
+              f"(unmanaged {'/'.join(f'{p / 2**20:.1f}' for p in peaks0)})  step {c.ms * 1e3:.1f} ms (unmanaged {c0.ms * 1e3:.1f})  "
+              f"grads {'close' if same else 'DIFFER'} (worst {worst:.1e} of a tensor's largest)  {'ok' if ok else 'FAIL'}"]
+    lines += [f"  {line}" for line in str(backend.stats()).splitlines()]
+    del c, backend
+    top0 = max(peaks0[1:])
+    for r in ambs:
+        with fconfig.patch(activation_memory_budget=r):     # the partition runs at the first call
+            ca = _compiled_steps(copy.deepcopy(base), entry, "inductor", device, f"{name}_amb_{r}")
+        b = max(ca.peaks[1:]) if cuda else 1 << 40
+        label = f"{name} amb={r}"
+        ch, backend, b_used = managed(b, label)
+        if ch is None:
+            continue
+        frames = counters["frames"]["ok"]
+        t0, ta, th = _interleaved_ms(entry, [c0, ca, ch], device)
+        recompiled = counters["frames"]["ok"] - frames     # a variant compiled again would time another step
+        same, worst = close(ch)
+        ok = same and not recompiled and (not cuda or max(ch.peaks) <= b_used)
+        lines += [f"compiled {label:16s} knapsack: peak {max(ca.peaks[1:]) / 2**20:.1f} MiB "
+                  f"({_ratio(max(ca.peaks[1:]), top0)} of unmanaged), step x{_ratio(ta, t0)}  |  hybridmem at "
+                  f"{b_used / 2**20:.1f} MiB: peaks {'/'.join(f'{p / 2**20:.1f}' for p in ch.peaks)} "
+                  f"({_ratio(max(ch.peaks[1:]), top0)}), step x{_ratio(th, t0)}  (unmanaged {t0 * 1e3:.1f} ms, "
+                  f"median of {ROUNDS} interleaved{f', {recompiled} frame(s) compiled again' if recompiled else ''})  "
+                  f"grads {'close' if same else 'DIFFER'} (worst {worst:.1e})  "
+                  f"{'ok' if ok else 'FAIL'}"]
+        lines += [f"  {line}" for line in str(backend.stats()).splitlines()]
+        del ca, ch, backend
     return lines
+
+
+def _ratios(text: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ratios between 0 and 1, ','-separated (e.g. 0.5,0.2)") from None
+    if any(not 0.0 < x <= 1.0 for x in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: each ratio must be in (0, 1]")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="small", help="zoo size (default: small)")
     ap.add_argument("--compiled", default="resnet50",
                     help="zoo models to check under torch.compile with hybridmem's backend ('' to skip)")
+    ap.add_argument("--amb", default="0.5", type=_ratios,
+                    help="--compiled models: PyTorch's activation_memory_budget at these ','-separated ratios beside "
+                         "hybridmem's backend at the peak each reached ('' to skip; default 0.5)")
     ap.add_argument("--expandable", action="store_true",
                     help="CUDA: the caching allocator's expandable segments (a segment grows by 2 MiB pages "
                          "instead of a new 20 MiB one: less of a capped budget lost to its cache)")
@@ -427,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in filter(None, args.compiled.split(",")):
         _leftover(device, f"compiled {model}")
         try:
-            for line in check_compiled(model, args.size, device):
+            for line in check_compiled(model, args.size, device, ambs=args.amb):
                 failed += line.endswith("FAIL")
                 print(line)
         except Exception as e:  # noqa: BLE001
@@ -438,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'hook calls':>10s} {'hook MiB':>8s} {'refused':>7s} {'steady':>6s}  ok")
     plugins = {**({"verify": True} if args.verify else {}),
                **({"workspace": args.workspace} if args.workspace else {})}
-    runs = [(m, False) for m in args.models.split(",")]
+    runs = [(m, False) for m in filter(None, args.models.split(","))]
     if device.type == "cuda" and torch.backends.cudnn.enabled:
         runs += [(m, True) for m in filter(None, args.exact.split(","))]
     skipped = []

@@ -434,3 +434,29 @@ def test_compiled_bench_margins_are_checked_and_restored() -> None:
         assert backend_mod.INDUCTOR_MARGIN == 0.05
     assert backend_mod.INDUCTOR_MARGIN == before
     assert compiled._label(None, 0.5, 0.08) == "hybridmem@amb=0.5 margin=0.08"
+
+
+def test_gpu_check_knapsack_ratios_are_checked() -> None:
+    import argparse
+
+    from bench.gpu_check import _ratios
+
+    assert _ratios("0.5,0.2") == (0.5, 0.2)
+    assert _ratios("") == ()
+    for bad in ("half", "0", "1.5", "0.5,-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="ratio"):
+            _ratios(bad)
+
+
+@pytest.mark.slow
+def test_gpu_check_sets_the_knapsack_beside_the_backend_on_a_dry_run(one_thread) -> None:
+    """bench/gpu_check.py's compiled rows on the CPU (no budget binds there): the knapsack's row and
+    hybridmem's at its peak, timed interleaved, with the gradients compared."""
+    from bench.gpu_check import check_compiled
+
+    lines = [ln for ln in check_compiled("gpt", "tiny", torch.device("cpu"), ambs=(0.5,))
+             if not ln.startswith("  ")]
+    assert len(lines) == 2 and all(ln.endswith("  ok") for ln in lines), lines
+    row = lines[1]
+    assert row.startswith("compiled gpt amb=0.5") and "knapsack: peak" in row and "median of 10 interleaved" in row
+    assert re.search(r"step x\d\.\d{3}  \|", row) and re.search(r"\), step x\d\.\d{3}  \(unmanaged", row), row

@@ -39,6 +39,7 @@ from ..plugins.codecs import LOSSLESS
 from ..plugins.compress import codec_seconds
 from ..runtime.core import cost_model_for, resolve_device
 from .defaults import saved_by_partition
+from .heap import frozen_heap
 from .joint import concatenates_feature_maps, has_convolution, joint_graph, node_flops, node_nbytes, tensor_vals
 from . import codec_ops, probe
 from . import compressed as compressed_mod
@@ -460,8 +461,9 @@ class _Partitioner:
         from torch._functorch import config as fconfig
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        prep = self.backend._prepare(gm, joint_inputs, kwargs)
         with contextlib.ExitStack() as stack:
+            stack.enter_context(frozen_heap())     # planning and the partition: hybridmem.compile.heap
+            prep = self.backend._prepare(gm, joint_inputs, kwargs)
             if prep.offload and _stream_ops_work():
                 stack.enter_context(fconfig.patch(
                     enable_activation_offloading=True, activation_offload_separate_stream=True,
