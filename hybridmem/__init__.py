@@ -40,6 +40,8 @@ _API = {
     "simulate": ("hybridmem.graph.simulate", "simulate"),
     "compile_backend": ("hybridmem.compile.backend", "compile_backend"),
     "CompileBackend": ("hybridmem.compile.backend", "CompileBackend"),
+    "HybridMemError": ("hybridmem.errors", "HybridMemError"),
+    "BudgetInfeasibleError": ("hybridmem.errors", "BudgetInfeasibleError"),
 }
 
 __all__ = sorted([*_API, "plan"]) + ["__version__"]

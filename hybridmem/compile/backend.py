@@ -34,7 +34,7 @@ from torch import fx
 
 from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import DeviceModel, get_cost_model
-from ..graph.units import fmt_bytes, parse_bytes
+from ..graph.units import BUDGET_FORMS, fmt_bytes, parse_budget, parse_bytes
 from ..plugins.codecs import LOSSLESS
 from ..plugins.compress import codec_seconds
 from ..runtime.core import cost_model_for, resolve_device
@@ -189,7 +189,10 @@ class CompileStats:
                     if any(r.trial_peak_bytes is not None for r in self.regions) else "")
                  + (f", optimizer state {fmt_bytes(self.outside_bytes)}" if self.outside_bytes else "")]
         if self.measured_peak_bytes is not None:
-            lines.append(f"  measured peak {fmt_bytes(self.measured_peak_bytes)} ({self.measured}), "
+            # the allocator's peak is the process's: what the loop holds beside the steps (gradients it
+            # copies, an evaluation) counts too, which the line says, as the figure can pass the budget
+            lines.append(f"  measured peak {fmt_bytes(self.measured_peak_bytes)} ({self.measured}: all the process "
+                         f"held while compiled steps ran, the loop's own tensors too), "
                          f"{100 * self.measured_peak_bytes / max(self.budget_bytes, 1):.1f} % of the budget")
         elif self.measured:
             lines.append(f"  measured peak: {self.measured}")
@@ -201,7 +204,7 @@ class CompileStats:
                 f"swapped {r.swapped} ({fmt_bytes(r.swapped_bytes)})"
                 + (f", compressed {r.compressed} ({fmt_bytes(r.compressed_bytes)} to "
                    f"{fmt_bytes(r.compressed_to_bytes)})" if r.compressed else "")
-                + f"; predicted +{100 * r.predicted_overhead:.1f} %"
+                + f"; predicted step time +{100 * r.predicted_overhead:.1f} %"
                 + (f"; measured {fmt_bytes(r.trial_peak_bytes)} when compiled"
                    + (f" (planned {r.replans + 1} times: the first plans' steps held more than the share)"
                       if r.replans else "") if r.trial_peak_bytes is not None else "")
@@ -553,11 +556,17 @@ class CompileBackend:
                              f"got {budget!r}")
         self.budget = budget
         self._budget_b: int | None = None
-        if not (isinstance(budget, str) and budget.strip().endswith("%")):
-            self._budget_b = parse_bytes(budget, what="budget")
+        # the eager runtime's checks (a positive whole number of bytes, a percentage in (0, 100]), but
+        # 'none': a compiled region is planned for a budget or not compiled by this backend
+        parsed = parse_budget(budget, forms=BUDGET_FORMS[:-1])
+        if not isinstance(parsed, str):
+            self._budget_b = parsed
         elif self.device is not None and self.device.type != "cuda":
             raise ValueError(f"budget {budget!r}: a percentage needs a CUDA device (of its memory); "
                              "give bytes on the CPU, e.g. '2GiB'")
+        elif self.device is None and not torch.cuda.is_available():
+            raise ValueError(f"budget {budget!r}: a percentage needs a CUDA device (of its memory), and none is "
+                             "available here; give bytes, e.g. '2GiB'")
         self.solver, self.time_limit, self.compiler, self.scratch = solver, time_limit, compiler, bool(scratch)
         self.cost_model_name = cost_model
         if cost_model is not None:
@@ -837,6 +846,20 @@ class CompileBackend:
         from .. import solvers
         return solvers.plan(g, budget, device=model, solver=self.solver, time_limit=self.time_limit)
 
+    def _least_planned(self, variants: list["_Variant"], model: Any) -> int | None:
+        """The least budget the solver has a plan for on any count of ``variants`` (the region's bytes: no
+        margin, nothing held outside it); None where it finds none."""
+        found = []
+        for v in variants:
+            for j in (v.jg, v.part):
+                if j is None:
+                    continue
+                try:
+                    found.append(int(self._solve(j.graph, "min", model).budget_bytes))
+                except BudgetInfeasibleError:
+                    continue
+        return min(found) if found else None
+
     def _plan_realized(self, g: Any, share: int, model: Any, judge: Any) -> tuple[Any, int]:
         """A plan that fits ``share`` by its count or by its peak as PyTorch's partition runs it (``judge``:
         :func:`~hybridmem.compile.realized.realized_peak`). The partition recomputes some of what a plan
@@ -1044,15 +1067,21 @@ class CompileBackend:
         if budget < least_plain and every() is not None:
             least = min(least, floor(every()) + margin + outside)
         if budget < least:
+            # the floor is a bound no plan goes below; the error names the least budget a plan exists for
+            # (a bisection of solves), so that the budget it names compiles
+            region = None if others else self._least_planned([v for v in (plain, lazy.get("every")) if v], model)
+            named = least if region is None else max(least, region + margin + outside)
             raise BudgetInfeasibleError(
-                f"hybridmem compile: {name} needs a budget of at least {fmt_bytes(least)} ({least} B) with every "
-                "evictable activation "
-                + ("recomputed, swapped or compressed" if lazy.get("every") else "recomputed or swapped")
-                + f" ({fmt_bytes(least - outside)} in the region"
+                f"hybridmem compile: {name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
+                + (f"it needs at least {fmt_bytes(named)} ({named} B) with every evictable activation "
+                   + ("recomputed, swapped or compressed" if lazy.get("every") else "recomputed or swapped")
+                   if region is None else f"the least budget it has a plan for is {fmt_bytes(named)} ({named} B)")
+                + f" ({fmt_bytes(named - outside)} in the region"
                 + (f", of which {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
                 + f"; {fmt_bytes(outside)} held outside it: the optimizer's state, the regions compiled "
                 f"before" + (", the other runs' inputs, parameters and gradients" if others else "")
-                + f"); the budget is {fmt_bytes(budget)} ({budget} B)", least)
+                + "); the compiled step's run at compile time checks that budget and names more where Inductor "
+                "holds more than the plan counts", named)
         planned: list[_Planned] = []
         failures: list[BudgetInfeasibleError] = []
 
@@ -1324,5 +1353,15 @@ def compile_backend(budget: int | str, device: str | torch.device | None = None,
                     policies: Sequence[str] | str = POLICIES, solver: str = "approx", **options: Any) -> CompileBackend:
     """A ``torch.compile`` backend that keeps each compiled training step under ``budget`` bytes
     (:class:`CompileBackend`; ``options``: ``time_limit``, ``optimizer``, ``cost_model``, ``compiler``,
-    ``scratch``, ``calls_per_step``, ``measure``, ``hold_outputs``)."""
+    ``scratch``, ``calls_per_step``, ``measure``, ``hold_outputs``, ``verify``); an unknown option is a
+    TypeError naming those."""
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise TypeError(f"compile_backend: unknown option(s) {', '.join(map(repr, unknown))}; accepted: "
+                        f"{', '.join(sorted(_OPTIONS))} (besides budget, device, policies, solver)")
     return CompileBackend(budget, device=device, policies=policies, solver=solver, **options)
+
+
+# the keyword options compile_backend passes on to CompileBackend
+_OPTIONS = frozenset(("time_limit", "optimizer", "cost_model", "compiler", "scratch", "calls_per_step", "measure",
+                      "hold_outputs", "verify"))

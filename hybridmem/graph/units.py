@@ -57,13 +57,14 @@ BUDGET_FORMS = ("a positive int of bytes", "a string like '512MiB', '8GB', '8GiB
                 "on CUDA a percentage of device memory in (0, 100] like '60%'", "'none' to only measure")
 
 
-def parse_budget(value: object, *, total: int | None = None) -> int | str:
+def parse_budget(value: object, *, total: int | None = None, forms: tuple[str, ...] = BUDGET_FORMS) -> int | str:
     """A runtime budget: a positive whole number of bytes (an int or a size string), or on CUDA a
     percentage in (0, 100], returned as is without ``total`` (the device's memory) and in bytes with it.
     Floats are refused: a budget is counted in whole bytes, and ``3.5`` is more likely a typo for
-    ``"3.5GiB"`` than a budget. Capacity is checked where the device is known (:func:`check_capacity`)."""
+    ``"3.5GiB"`` than a budget. Capacity is checked where the device is known (:func:`check_capacity`).
+    ``forms``: the accepted forms the error lists (the caller's, where it takes fewer)."""
     def reject(why: str) -> ValueError:
-        return ValueError(f"invalid budget {value!r} ({why}): expected {', '.join(BUDGET_FORMS)}")
+        return ValueError(f"invalid budget {value!r} ({why}): expected {', '.join(forms)}")
 
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise reject(f"a {type(value).__name__}")
