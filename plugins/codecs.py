@@ -27,6 +27,13 @@ Kernels: on CPU tensors Numba loops (one pass each, branch-free; torch's boolean
 here), on CUDA and without Numba (``HYBRIDMEM_NUMBA=0``) vectorized torch ops, in chunks so their
 temporaries stay bounded. Both produce the same encoding (element i is bit i % 8 of byte i // 8), so
 either decodes the other's. Encode/decode GB/s above are of original bytes (bench/test_bench_scorer.py).
+
+No kernel here makes the host wait for a device: the torch paths never read a device value on the host
+(no ``.item()``, boolean indexing or ``nonzero``), and the one-pass statistics a codec decides from
+(:class:`Analysis`, :class:`Span`, :class:`AbsMax`) can be computed by queued kernels whose results are
+copied to pinned host memory and read once they have arrived (:class:`DeviceStats`, ``CodecPasses(wait=
+False)``): the compress policy decides on CUDA when the copy is there, never by waiting for it. Codecs
+marked ``reads_bytes = False`` (bitmask, bf16) need no statistics at all.
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ from hybridmem.runtime.scorer import lazy_njit
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 24          # torch path: elements per chunk (bounds its temporary masks and values)
+_SPARSE_CHUNK = 1 << 22   # the sparse torch path keeps an int64 position per element of a chunk
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,9 +315,9 @@ def _torch_unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:n].bool()
 
 
-def _chunks(n: int):
-    for start in range(0, n, _CHUNK):
-        yield start, min(n, start + _CHUNK)
+def _chunks(n: int, size: int = _CHUNK):
+    for start in range(0, n, size):
+        yield start, min(n, start + size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,13 +341,46 @@ class Encoded:
         return sum(p.numel() * p.element_size() for p in self.parts)
 
 
+class DeviceStats:
+    """Statistics computed by queued kernels: their values are copied to pinned host memory behind the kernels,
+    and :meth:`result` reads them once the copy's event has completed, ``None`` until then. Nothing waits
+    for the device. ``finish(values)`` turns the host values (a list) into the statistics object."""
+
+    __slots__ = ("host", "event", "finish")
+
+    def __init__(self, values: torch.Tensor, finish: Callable[[list], Any], event: Any = None):
+        self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda)
+        self.host.copy_(values, non_blocking=values.is_cuda)
+        self.event = event if event is not None else (torch.cuda.Event() if values.is_cuda else _DONE)
+        if values.is_cuda:
+            self.event.record()
+        self.finish = finish
+
+    def result(self) -> Any:
+        """The statistics, or None while the copy has not arrived."""
+        if not self.event.query():
+            return None
+        return self.finish(self.host.tolist())
+
+
+class _Done:
+    """The event of work done on the host (a CPU tensor's statistics): always complete."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 @dataclass(frozen=True)
 class Analysis:
     """Bit statistics of a storage, one pass: drives the lossless codecs' sizes."""
 
     numel: int
     nnz: int
-    const: int
+    const: int                       # the one non-zero value where ``binary`` (else 0)
     binary: bool                     # every element is 0 or ``const``
 
     @classmethod
@@ -348,12 +389,36 @@ class Analysis:
         kernel = _numba(_K_ANALYZE, bits, force_torch)
         if kernel is not None:
             nnz, c, other = kernel(bits.numpy())
-            return cls(n, int(nnz), int(c), other == 0)
-        nnz = int(torch.count_nonzero(bits))
+            return cls(n, int(nnz), int(c) if other == 0 else 0, other == 0)
+        return cls.finish(n, cls.values(bits).tolist())
+
+    @staticmethod
+    def values(bits: torch.Tensor) -> torch.Tensor:
+        """[non-zero count, smallest non-zero, largest non-zero] as one int64 device tensor, by queued
+        kernels in chunks (no host read): every element is 0 or one constant where the two agree."""
+        info = torch.iinfo(bits.dtype)
+        nnz = torch.zeros((), dtype=torch.int64, device=bits.device)
+        lo = torch.full((), info.max, dtype=bits.dtype, device=bits.device)
+        hi = torch.full((), info.min, dtype=bits.dtype, device=bits.device)
+        for s, e in _chunks(bits.numel(), _SPARSE_CHUNK):
+            chunk = bits[s:e]
+            nz = chunk != 0
+            nnz += nz.sum(dtype=torch.int64)
+            lo = torch.minimum(lo, torch.where(nz, chunk, info.max).amin())
+            hi = torch.maximum(hi, torch.where(nz, chunk, info.min).amax())
+        return torch.stack([nnz, lo.to(torch.int64), hi.to(torch.int64)])
+
+    @classmethod
+    def finish(cls, n: int, v: list) -> "Analysis":
+        nnz, lo, hi = v
         if nnz == 0:
             return cls(n, 0, 0, True)
-        first = int(bits[int(torch.argmax((bits != 0).to(torch.uint8)))])
-        return cls(n, nnz, first, int((bits == first).sum()) == nnz)
+        return cls(n, nnz, lo if lo == hi else 0, lo == hi)
+
+    @classmethod
+    def later(cls, bits: torch.Tensor) -> DeviceStats:
+        n = bits.numel()
+        return DeviceStats(cls.values(bits), lambda v: cls.finish(n, v))
 
 
 @dataclass(frozen=True)
@@ -369,20 +434,70 @@ class Span:
         if flat.device.type == "cpu" and not force_torch:
             a = flat.numpy()          # runs no torch op: nothing for a dispatch mode to see or meter
             return cls(a.shape[0], int(a.min()), int(a.max()))
+        lo, hi = cls.values(flat).tolist()
+        return cls(flat.numel(), lo, hi)
+
+    @staticmethod
+    def values(flat: torch.Tensor) -> torch.Tensor:
         lo, hi = torch.aminmax(flat)
-        return cls(flat.numel(), int(lo), int(hi))
+        return torch.stack([lo.to(torch.int64), hi.to(torch.int64)])
+
+    @classmethod
+    def later(cls, flat: torch.Tensor) -> DeviceStats:
+        n = flat.numel()
+        return DeviceStats(cls.values(flat), lambda v: cls(n, v[0], v[1]))
+
+
+@dataclass(frozen=True)
+class AbsMax:
+    """The largest finite magnitude of a float32 storage and whether every element is finite (one pass):
+    drives the lossy codecs that overflow or scale (fp16, int8, fp8)."""
+
+    numel: int
+    finite_max: float
+    all_finite: bool
+
+    @classmethod
+    def of(cls, flat: torch.Tensor, force_torch: bool = False) -> "AbsMax":
+        return cls.finish(flat.numel(), cls.values(flat).tolist())
+
+    @staticmethod
+    def values(flat: torch.Tensor) -> torch.Tensor:
+        if not flat.numel():
+            return torch.tensor([0.0, 1.0], dtype=torch.float64, device=flat.device)
+        finite = torch.isfinite(flat)
+        biggest = torch.where(finite, flat.abs(), 0.0).amax()
+        return torch.stack([biggest.to(torch.float64), finite.all().to(torch.float64)])
+
+    @classmethod
+    def finish(cls, n: int, v: list) -> "AbsMax":
+        return cls(n, float(v[0]), bool(v[1]))
+
+    @classmethod
+    def later(cls, flat: torch.Tensor) -> DeviceStats:
+        n = flat.numel()
+        return DeviceStats(cls.values(flat), lambda v: cls.finish(n, v))
+
+
+_STATS = {"bits": Analysis, "span": Span, "absmax": AbsMax}
 
 
 class Codec:
     """One way to shrink a storage. ``size`` is None when the codec does not apply.
 
     ``needs`` names the one-pass statistics ``size``/``encode`` take as ``info``: ``"bits"`` an
-    :class:`Analysis`, ``"span"`` a :class:`Span`, ``""`` none (``info`` is None)."""
+    :class:`Analysis`, ``"span"`` a :class:`Span`, ``"absmax"`` an :class:`AbsMax`, ``""`` none (``info``
+    is None). ``reads_bytes``: whether deciding needs them (a codec that does not can be chosen for a
+    device tensor without waiting for the device)."""
 
     name: str = ""
     lossless: bool = True
     doc_bound: str = "exact"
     needs: str = ""
+
+    @property
+    def reads_bytes(self) -> bool:
+        return bool(self.needs)
 
     def view_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         return bits_dtype(dtype)
@@ -462,14 +577,18 @@ class SparseCodec(Codec):
                 raise RuntimeError(f"sparse codec: {k} non-zeros, expected {info.nnz}: the tensor "
                                    "changed after analysis without a version-counter bump")
         else:
-            off = 0
-            for s, e in _chunks(n):
-                mask = flat[s:e] != 0
+            # Each non-zero goes to its rank among the non-zeros (a running count kept on the device), each
+            # zero to the spare slot: no host read of the data (boolean indexing would wait for the device).
+            spare = info.nnz
+            off = torch.zeros((), dtype=torch.int64, device=flat.device)
+            for s, e in _chunks(n, _SPARSE_CHUNK):
+                chunk = flat[s:e]
+                mask = chunk != 0
                 packed[s // 8: (e + 7) // 8] = _torch_pack(mask)
-                v = flat[s:e][mask]
-                vals[off: off + v.numel()] = v
-                off += v.numel()
-            vals[off:] = 0
+                pos = torch.cumsum(mask, 0) + (off - 1)
+                off = pos[-1] + 1
+                vals.index_put_((torch.where(mask, pos, spare).clamp_(0, spare),), chunk)
+            vals[spare] = 0
         return Encoded(self.name, n, flat.dtype, (packed, vals), nnz=info.nnz)
 
     def decode(self, enc, out, force_torch=False):
@@ -478,14 +597,14 @@ class SparseCodec(Codec):
         if kernel is not None:
             kernel(packed.numpy(), vals.numpy(), out.numpy())
             return
-        off = 0
-        for s, e in _chunks(enc.numel):
+        # Element i of a chunk takes the value at its non-zero rank where its bit is set: a gather, no host read.
+        off = torch.zeros((), dtype=torch.int64, device=out.device)
+        for s, e in _chunks(enc.numel, _SPARSE_CHUNK):
             mask = _torch_unpack(packed[s // 8: (e + 7) // 8], e - s)
-            k = int(mask.sum())
-            chunk = out[s:e]
-            chunk.zero_()
-            chunk.masked_scatter_(mask, vals[off: off + k])
-            off += k
+            pos = torch.cumsum(mask, 0) + (off - 1)
+            off = pos[-1] + 1
+            got = vals.index_select(0, pos.clamp_(0, enc.nnz))
+            out[s:e] = torch.where(mask, got, torch.zeros((), dtype=got.dtype, device=got.device))
 
 
 _NARROW_SOURCES = (torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
@@ -556,10 +675,8 @@ class _FloatCast(Codec):
         return torch.float32 if dtype == torch.float32 else None
 
     def size(self, flat, info):
-        if self.limit < math.inf:
-            finite_abs = torch.where(torch.isfinite(flat), flat.abs(), 0.0)
-            if flat.numel() and float(finite_abs.amax()) > self.limit:
-                return None
+        if info is not None and info.finite_max > self.limit:
+            return None
         return flat.numel() * 2
 
     def encode(self, flat, info, force_torch=False):
@@ -586,6 +703,7 @@ class FP16Codec(_FloatCast):
     doc_bound = "|err| <= 2^-11 |x| + 2^-25, needs max|x| <= 65504"
     target = torch.float16
     limit = 65504.0
+    needs = "absmax"
 
 
 class Int8Codec(Codec):
@@ -595,17 +713,16 @@ class Int8Codec(Codec):
     name = "int8"
     lossless = False
     doc_bound = "|err| <= absmax/254 + absmax*2^-22"
+    needs = "absmax"
 
     def view_dtype(self, dtype):
         return torch.float32 if dtype == torch.float32 else None
 
     def size(self, flat, info):
-        if flat.numel() and not math.isfinite(float(flat.abs().amax())):
-            return None
-        return flat.numel()
+        return flat.numel() if info is not None and info.all_finite else None
 
     def encode(self, flat, info, force_torch=False):
-        absmax = float(flat.abs().amax()) if flat.numel() else 0.0
+        absmax = info.finite_max  # every element is finite (size): the largest magnitude
         scale = absmax / 127.0 if absmax > 0 else 1.0
         q = torch.round(flat * (1.0 / scale)).clamp_(-127, 127).to(torch.int8)
         return Encoded(self.name, flat.numel(), flat.dtype, (q,), scale=scale)
@@ -623,7 +740,7 @@ class FP8Codec(Int8Codec):
     doc_bound = "|err| <= 2^-4|x| + absmax*2^-10/448 + absmax*2^-22"
 
     def encode(self, flat, info, force_torch=False):
-        absmax = float(flat.abs().amax()) if flat.numel() else 0.0
+        absmax = info.finite_max
         scale = absmax / 448.0 if absmax > 0 else 1.0
         q = (flat * (1.0 / scale)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
         return Encoded(self.name, flat.numel(), flat.dtype, (q,), scale=scale)
@@ -637,11 +754,15 @@ class CodecPasses:
     and shared by the codecs that read it (the compress policy's choice, a compiled graph's saved tensor).
 
     ``view(dtype)`` returns the bytes as a flat 1-D tensor of ``dtype`` (no copy); ``nbytes`` is their size.
+    ``wait``: compute statistics now (the host waits for them: a CPU tensor, or a caller that can afford a
+    device synchronisation) or, where False, queue them (:class:`DeviceStats`): :meth:`smallest` then
+    returns :data:`PENDING` until they have arrived. Ask again later through the same object, after
+    :meth:`rebind` to the tensor's current views (the object keeps no reference to the bytes between).
     """
 
     def __init__(self, dtype: torch.dtype, nbytes: int, view: Callable[[torch.dtype], torch.Tensor],
-                 force_torch: bool = False) -> None:
-        self.dtype, self.nbytes, self._view, self.force_torch = dtype, nbytes, view, force_torch
+                 force_torch: bool = False, wait: bool = True) -> None:
+        self.dtype, self.nbytes, self._view, self.force_torch, self.wait = dtype, nbytes, view, force_torch, wait
         self._flat: dict[torch.dtype, torch.Tensor] = {}
         self._stats: dict[str, Any] = {}
 
@@ -651,28 +772,55 @@ class CodecPasses:
             got = self._flat[vdt] = self._view(vdt)
         return got
 
+    def rebind(self, view: Callable[[torch.dtype], torch.Tensor] | None) -> None:
+        """Views of the tensor from now on (None: drop them, keeping the statistics and those in flight)."""
+        self._flat.clear()
+        self._view = view if view is not None else _no_view
+
     def info(self, needs: str, flat: torch.Tensor) -> Any:
+        """The statistics ``needs`` names, or :data:`PENDING` while queued ones have not arrived."""
         if not needs:
             return None
         got = self._stats.get(needs)
         if got is None:  # codecs that need the same statistics read the same bits (see view_dtype)
-            got = self._stats[needs] = (Analysis.of(flat, self.force_torch) if needs == "bits"
-                                        else Span.of(flat, self.force_torch))
+            kind = _STATS[needs]
+            if self.wait or flat.device.type == "cpu" and not self.force_torch:
+                got = self._stats[needs] = kind.of(flat, self.force_torch)
+                return got
+            got = self._stats[needs] = kind.later(flat)
+        if type(got) is DeviceStats:
+            done = got.result()
+            if done is None:
+                return PENDING
+            got = self._stats[needs] = done
         return got
 
-    def smallest(self, codecs: Iterable[Codec], limit: float) -> tuple[int, Codec, Any] | None:
+    def smallest(self, codecs: Iterable[Codec], limit: float) -> tuple[int, Codec, Any] | None | object:
         """``(size, codec, info)`` of the codec whose encoding is smallest and at most ``limit`` bytes
-        (``info``: the statistics its ``encode`` takes), or None where none applies within it."""
+        (``info``: the statistics its ``encode`` takes), None where none applies within it, or
+        :data:`PENDING` where queued statistics have not arrived yet (every codec's are queued at once)."""
         best: tuple[int, Codec, Any] | None = None
+        pending = False
         for codec in codecs:
             vdt = codec.view_dtype(self.dtype)
             if vdt is None or self.nbytes == 0 or self.nbytes % vdt.itemsize:
                 continue
             flat = self.flat(vdt)
-            size = codec.size(flat, self.info(codec.needs, flat))
+            info = self.info(codec.needs, flat)
+            if info is PENDING:
+                pending = True
+                continue
+            size = codec.size(flat, info)
             if size is not None and size <= limit and (best is None or size < best[0]):
                 best = (size, codec, self._stats.get(codec.needs))
-        return best
+        return PENDING if pending else best
+
+
+PENDING = object()  # CodecPasses: the statistics a codec decides from are queued and have not arrived
+
+
+def _no_view(dtype: torch.dtype) -> torch.Tensor:
+    raise RuntimeError("CodecPasses: the tensor's views were dropped (rebind them before asking again)")
 
 
 def _pack(flat: torch.Tensor, force_torch: bool) -> torch.Tensor:

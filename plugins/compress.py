@@ -10,6 +10,11 @@ per tensor when the encoding is at most ``max_ratio`` of the storage; lossy ones
 Deciding costs one pass over the tensor (bit statistics; for integer tensors also their range); the
 decision is cached per entry and reused while the storage and its version counter are unchanged.
 :meth:`CompressPolicy.estimate` asks the same question without caching or counting anything.
+
+On CUDA the pass is queued and its results copied to pinned host memory behind it (``wait_for_stats``):
+until they have arrived the tensor is not applicable (the runtime evicts another meanwhile), and the
+next time it is asked the decision is read from them. No decision waits for the device; codecs that
+decide without the bytes (``bitmask`` for bool tensors, ``bf16``) decide at once.
 """
 from __future__ import annotations
 
@@ -26,8 +31,8 @@ from hybridmem.graph.costs import get_cost_model
 from hybridmem.runtime.entry import Entry
 
 from .base import EntryView
-from .codecs import (LOSSLESS, LOSSY, Analysis, Codec, CodecPasses, Encoded, Geometry, Span, Stamp, entry_version,
-                     flat_view, supported)
+from .codecs import (LOSSLESS, LOSSY, PENDING, Analysis, Codec, CodecPasses, Encoded, Geometry, Span, Stamp,
+                     entry_version, flat_view, supported)
 
 # Encode/decode throughput in bytes of the original per second, for cost() without a cost model.
 # CPU: best of many rounds on the development machine (2 shared Zen 3 cores, 1 thread, 16 MiB inputs:
@@ -73,13 +78,15 @@ class CompressPolicy:
     wins over a smaller lossy one. ``cost_model``: a :mod:`hybridmem.graph.costs` model or its name
     (``compress_time`` / ``decompress_time(nbytes, codec, ratio)``); default: the measured table above.
     ``force_torch``: use the torch kernels on the CPU too (tests; they are the CUDA kernels).
+    ``wait_for_stats``: whether a decision may wait for its statistics; default: on the CPU (the host
+    computes them), never on CUDA (they are queued and read once arrived: see the module docstring).
     """
 
     name = "compress"
 
     def __init__(self, lossy: Iterable[str] = (), lossless_codecs: Iterable[str] = tuple(LOSSLESS),
                  max_ratio: float = 0.6, prefer_lossless: bool = True, cost_model: Any = None,
-                 force_torch: bool = False):
+                 force_torch: bool = False, wait_for_stats: bool | None = None):
         known = list(LOSSLESS) + list(LOSSY)
         if isinstance(lossy, str):
             lossy = (lossy,) if lossy else ()
@@ -95,13 +102,16 @@ class CompressPolicy:
         self.max_ratio = float(max_ratio)
         self.prefer_lossless = prefer_lossless
         self.force_torch = force_torch          # tests: exercise the torch kernels on CPU
+        self.wait_for_stats = wait_for_stats
         self.cost_model = _resolve_cost_model(cost_model)
         self._choices: weakref.WeakKeyDictionary[EntryView, _Choice] = weakref.WeakKeyDictionary()
         self._handles: weakref.WeakKeyDictionary[EntryView, _Compressed] = weakref.WeakKeyDictionary()
+        # decisions whose statistics are queued on the device: (the bytes they are for, the passes)
+        self._pending: weakref.WeakKeyDictionary[EntryView, tuple[Stamp, CodecPasses]] = weakref.WeakKeyDictionary()
         self.stats: dict[str, float] = {
             "evictions": 0, "regenerations": 0, "prefetches": 0, "bytes_in": 0, "bytes_out": 0,
             "encode_s": 0.0, "decode_s": 0.0, "exposed_s": 0.0, "analyses": 0, "analyze_s": 0.0,
-            "analyses_refused": 0,
+            "analyses_refused": 0, "analyses_pending": 0,
         }
         self.codec_counts: dict[str, int] = {}
 
@@ -114,9 +124,17 @@ class CompressPolicy:
         cached = self._choices.get(entry)
         if cached is not None and cached.stamp is not None and cached.stamp.matches(entry):
             return cached if cached.codec is not None else None
+        pending = self._pending.pop(entry, None)
+        passes = pending[1] if pending is not None and pending[0].matches(entry) else None
         t0 = time.perf_counter()
         try:
-            choice = self._decide(t, Stamp.of(entry))
+            stamp = Stamp.of(entry)
+            choice, passes = self._decide(t, stamp, passes)
+            if choice is None:  # statistics queued on the device, not arrived: not compressible for now
+                passes.rebind(None)  # hold no reference to the bytes meanwhile
+                self._pending[entry] = (stamp, passes)
+                self.stats["analyses_pending"] += 1
+                return None
         except torch.OutOfMemoryError:
             # The analysis needs scratch on the tensor's device (CUDA: torch kernels), and it runs when the
             # runtime is making room, at the cap. Not compressible for now, decided again next time asked;
@@ -129,29 +147,48 @@ class CompressPolicy:
         self._choices[entry] = choice
         return choice if choice.codec is not None else None
 
-    def _decide(self, t: torch.Tensor, stamp: Stamp | None) -> _Choice:
+    def _decide(self, t: torch.Tensor, stamp: Stamp | None, passes: CodecPasses | None = None,
+                wait: bool | None = None) -> tuple[_Choice | None, CodecPasses]:
+        """The choice for ``t``'s bytes, or None while statistics queued on the device have not arrived
+        (ask again with the returned passes). ``passes``: those of an earlier call for the same bytes."""
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         limit = self.max_ratio * nbytes
-        passes = CodecPasses(t.dtype, nbytes, lambda vdt: flat_view(storage, vdt, t.device), self.force_torch)
+        view = lambda vdt: flat_view(storage, vdt, t.device)  # noqa: E731
+        if passes is None:
+            if wait is None:
+                wait = self.wait_for_stats if self.wait_for_stats is not None else t.device.type != "cuda"
+            passes = CodecPasses(t.dtype, nbytes, view, self.force_torch, wait)
+        else:
+            passes.rebind(view)
         best = passes.smallest(self.lossless_codecs, limit)
-        if self.lossy_codecs and (best is None or not self.prefer_lossless):
+        if best is not PENDING and self.lossy_codecs and (best is None or not self.prefer_lossless):
             # a lossy codec wins only where it is strictly smaller (sizes are whole bytes)
             lossy = passes.smallest(self.lossy_codecs, limit if best is None else min(limit, best[0] - 1))
-            best = lossy or best
+            best = lossy if lossy is PENDING else lossy or best
+        if best is PENDING:
+            return None, passes
+        passes.rebind(None)
         if best is None:
-            return _Choice(None, nbytes, stamp, None)
-        return _Choice(best[1], best[0], stamp, best[2])
+            return _Choice(None, nbytes, stamp, None), passes
+        return _Choice(best[1], best[0], stamp, best[2]), passes
+
+    def reads_bytes_to_decide(self, codec: str) -> bool:
+        """Whether choosing ``codec`` for a tensor reads statistics of its bytes (a device wait where they are
+        not queued ahead): True for every codec but ``bitmask`` and ``bf16``, and for an unknown name."""
+        c = LOSSLESS.get(codec) or LOSSY.get(codec)
+        return c is None or c.reads_bytes
 
     def estimate(self, entry: EntryView) -> tuple[str | None, int]:
         """(codec, bytes saved) that evicting ``entry`` now would give: decided afresh, nothing cached
-        or counted, the tensor only read. For budgets and reports (the issue's compress-only budget is
-        the monitor peak minus a share of what this says for the step's saved tensors)."""
+        or counted, the tensor only read (it waits for the statistics: not for a training step). For budgets
+        and reports (a compress-only budget is the monitor peak minus a share of what this says for the
+        step's saved tensors)."""
         t = entry.tensor
         if not supported(t):
             return None, 0
-        choice = self._decide(t, None)
-        if choice.codec is None:
+        choice, _ = self._decide(t, None, wait=True)
+        if choice is None or choice.codec is None:
             return None, 0
         return choice.codec.name, max(0, entry.nbytes - choice.size)
 

@@ -389,6 +389,11 @@ class SwapPolicy:
         return t
 
     # ---- extras for the runtime --------------------------------------------------------------------
+    def in_flight(self, entry: Entry) -> bool:
+        """True when ``entry``'s swap-in was issued already (prefetched): its device buffer is allocated."""
+        copy = self._copies.get(entry)
+        return copy is not None and copy.inflight is not None
+
     def has_checkpoint(self, entry: Entry) -> bool:
         """True when evicting ``entry`` now needs no device-to-host copy."""
         copy = self._copies.get(entry)

@@ -38,11 +38,11 @@ def test_compress_analysis_refused_is_not_compressible_for_now() -> None:
     real = p._decide
     calls = []
 
-    def refused_once(t, stamp):
+    def refused_once(t, stamp, passes=None):
         calls.append(1)
         if len(calls) == 1:
             raise torch.OutOfMemoryError(REFUSED)
-        return real(t, stamp)
+        return real(t, stamp, passes)
 
     p._decide = refused_once
     assert p.choose(e) is None                                   # refused: no codec now ...

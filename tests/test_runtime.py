@@ -123,6 +123,14 @@ def test_budget_below_the_minimum_names_it() -> None:
     with pytest.raises(torch.OutOfMemoryError) as e:
         run(case, steps=1, budget=budget, policies=("recompute",))
     msg = str(e.value)
+    # the step went on uncapped and names what it needed (runtime.survey)
+    m = re.search(r"a budget of .*?\((\d+) bytes\) holds every op of it", msg)
+    assert m, msg
+    assert budget < int(m.group(1)) == e.value.min_budget_bytes <= mon.peak_bytes
+    assert "Resident:" in msg
+    with pytest.raises(torch.OutOfMemoryError) as e:  # without lifting the cap: a lower bound, at the first op
+        run(case, steps=1, budget=budget, policies=("recompute",), config={"plugins": {"survey": False}})
+    msg = str(e.value)
     m = re.search(r"Smallest budget that could work: at least .*?\((\d+) bytes\)", msg)
     assert m, msg
     assert budget < int(m.group(1)) <= mon.peak_bytes

@@ -106,12 +106,16 @@ def test_a_plan_priced_by_measured_op_times_runs_in_the_steady_state(captured: t
     assert stats.policies["recompute"].regenerated > 0
 
 
-def _follow(case: Case, p: Any, registered: list | None = None, **config: Any) -> tuple[list, Any]:
+def _follow(case: Case, p: Any, registered: list | None = None, on_enable: Any = None,
+            **config: Any) -> tuple[list, Any]:
     model = copy.deepcopy(case.model)
     gc.collect()  # the budget counts every live allocation of the process: earlier tests' cycles too
     with hybridmem.session(plan=p, device="cpu", config={"plugins": config}) as s:
         if registered is not None:
             _watch_registrations(registered)
+        if on_enable is not None:
+            from hybridmem.runtime import _current
+            on_enable(_current)
         got = train(case, model, STEPS, "sgd-plain")
     return got, s.stats()
 
@@ -168,14 +172,29 @@ def test_without_the_steady_state_the_plan_is_followed_under_the_dispatch_mode(c
     assert "steady" not in stats.plan_note
 
 
-def test_a_plan_that_swaps_keeps_the_dispatch_mode_and_says_why(captured: tuple) -> None:
+def test_a_plan_that_swaps_runs_in_the_steady_state_swapping_as_it_saves(captured: tuple) -> None:
+    """The recorded step's swaps (the plan's, and the scorer's) become evictions at pack time in the steady
+    steps: bit-identical, within the budget, every step after the recorded one without the dispatch mode."""
     case, g, reference = captured
     p = _plan(g, 0.6, "capuchin")
     assert any(a.kind == "swap_out" for a in p.actions)
-    got, stats = _follow(case, p)
+    early: list[tuple[bool, str]] = []
+
+    def watch(rt: Any) -> None:
+        evict_early = rt.residency.evict_early
+
+        def watched(e: Any, name: str) -> bool:
+            early.append((rt._steady is not None, name))
+            return evict_early(e, name)
+        rt.residency.evict_early = rt._steady_parts.offload = watched
+
+    got, stats = _follow(case, p, on_enable=watch)
     assert got == reference
-    assert stats.plan == "following" and stats.steady_steps == 0
-    assert any("steady state: not used (the recorded step evicted by swap" in n for n in stats.notes), stats.notes
+    assert stats.plan == "following" and stats.steady_steps == STEPS - 2, stats.notes
+    assert stats.peak_bytes <= p.budget_bytes
+    assert early and all(steady for steady, _ in early) and {n for _, n in early} == {"swap"}
+    assert len(early) % (STEPS - 2) == 0  # the same saves in each steady step
+    assert any("evicted by swap as they are saved" in n for n in stats.notes), stats.notes
 
 
 def test_planned_first_orders_the_plans_recomputes_ahead_and_keeps_the_rest() -> None:

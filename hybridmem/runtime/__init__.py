@@ -16,8 +16,9 @@ While enabled, every tensor autograd saves for backward on the managed device go
 saved-tensor hooks pair, and every op through a dispatch mode that meters device bytes. Before an op
 would take the live bytes over the budget, saved activations are evicted (swapped to the host,
 dropped for recomputation, or compressed) and regenerated when backward reads them, bit-identical
-for the lossless policies. ``budget=None`` only measures: on the CPU, by default, through the native
-allocator meter with no dispatch mode (:mod:`.monitor`; ``monitor="ops"`` meters every op). Hooks and
+for the lossless policies. ``budget=None`` only measures: by default through the allocator's counters
+with no dispatch mode (:mod:`.monitor`: CUDA's caching allocator, the native meter on the CPU;
+``monitor="ops"`` meters every op). Hooks and
 the mode are thread-local: enable on the thread that trains (the allocator meter is process-wide); a
 module trained on another thread warns once. A runtime whose thread exited is released by the next
 call here, and a forked child (DataLoader workers, multiprocessing) starts unmanaged. Only the innermost
@@ -28,6 +29,7 @@ tensors are managed (:mod:`.ckpt`).
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -80,8 +82,8 @@ def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFA
     (``policies`` left at its default does not override ``HYBRIDMEM_POLICIES``). ``monitor`` (without a
     budget or plan): ``"allocator"`` reads the allocator's counters, nothing per op (on the CPU the native
     meter of :mod:`hybridmem.runtime.cpumeter`); ``"ops"`` meters every op (the cap's units, stages,
-    ``min_budget_bytes``); ``"auto"`` (default): allocator on the CPU where the native meter builds, else
-    ops. ``compile`` (or ``HYBRIDMEM_COMPILE=1``): instead of the eager runtime, ``torch.compile`` calls
+    ``min_budget_bytes``); ``"auto"`` (default): allocator on CUDA, and on the CPU where the native meter
+    builds, else ops. ``compile`` (or ``HYBRIDMEM_COMPILE=1``): instead of the eager runtime, ``torch.compile`` calls
     that name no backend plan each compiled region under the budget (:mod:`hybridmem.compile.session`);
     ``stats()`` then returns its :class:`~hybridmem.compile.CompileStats`. Raises ValueError on a malformed
     budget or setting, UnknownNameError (a ValueError) on an unknown policy.
@@ -118,6 +120,9 @@ def disable() -> None:
         except Exception:
             _current = rt
             raise
+        err, rt.survey_error = getattr(rt, "survey_error", None), None
+        if err is not None and sys.exc_info()[0] is None:  # a step over the budget, measured (runtime.survey):
+            raise err                                     # reported unless an exception is on its way already
 
 
 def enabled() -> bool:

@@ -40,14 +40,15 @@ from .lineage import OpCost, Recorder
 from .replay import Replayer
 from .rng import rng_state
 from .mode import RuntimeMode
-from .monitor import NOTE as MONITOR_NOTE, AllocatorMonitor
+from .monitor import NOTE as MONITOR_NOTE, NOTE_CUDA as MONITOR_NOTE_CUDA, AllocatorMonitor, CudaAllocatorView
 from .prefetch import Prefetcher
 from .produced import ProducedTable
-from .program import ProgramRecorder, StepProgram, SteadyPack
+from .program import ProgramRecorder, StepProgram
 from .residency import NoMode, Residency
 from .saved import REGISTER_BELOW, Saved, SavedStore
+from .steady import SteadyParts, SteadyStep
 from .stats import Stats, StatsRecorder
-from .steps import FORWARD, Clock, StepTracker
+from .steps import FORWARD, IDLE, Clock, StepTracker
 from .threads import OwnerThread, drop_hooks, leave_mode
 
 
@@ -80,7 +81,8 @@ def cost_model_for(device: torch.device, name: str | None = None) -> Any:
 
 
 # keys of the 'plugins' section that are not policies
-RUNTIME_EXTRA = ("cost_model", "cuda_cap", "light", "steady", "steady_cuda", "verify", "workspace")
+RUNTIME_EXTRA = ("cost_model", "cuda_cap", "expandable", "light", "steady", "steady_cuda", "survey", "verify",
+                 "workspace")
 
 
 def check_extra(cfg: Config) -> None:
@@ -92,7 +94,7 @@ def check_extra(cfg: Config) -> None:
         if key not in RUNTIME_EXTRA and key not in policies:
             raise ValueError(f"{cfg.source('extra')}: unknown key {key!r}; accepted: the policies {policies} "
                              f"(each a mapping of its options) and {list(RUNTIME_EXTRA)}")
-        if key in ("steady", "steady_cuda", "verify") and not isinstance(value, bool):
+        if key in ("expandable", "steady", "steady_cuda", "survey", "verify") and not isinstance(value, bool):
             raise ValueError(f"{cfg.source('extra')}: {key}: expected true or false, got {value!r}")
         if key == "workspace":
             parse_bytes(value, what=f"{cfg.source('extra')}: workspace")   # bytes, e.g. 64MiB
@@ -180,6 +182,7 @@ class Runtime:
                                      self.store.claim, self.store.drain, self.store.register_again,
                                      self.meter.retry_oom)
         self.steps = StepTracker(self._step_started, self._step_ended)
+        self.residency.in_step = lambda: self.steps.phase != IDLE
         self.owner = OwnerThread()
         self.fixed = FixedMarker(self.produced, self.meter, self._module_called)
         self.prefetcher: Prefetcher | None = None
@@ -200,46 +203,57 @@ class Runtime:
                 bind(self)
         self.mode: RuntimeMode | None = None
         self._hooks: Any = None
-        # Monitor-only through the allocator's counters, nothing per op: on CUDA (``monitor="allocator"``
-        # or ``plugins: {light: true}``) only its statistics, no hooks, saved bytes and steps not counted;
-        # on the CPU the native meter with counting hooks (runtime.monitor).
+        # Monitor-only through the allocator's counters with counting hooks, nothing per op (runtime.monitor):
+        # the native meter on the CPU, the caching allocator's counters on CUDA. ``plugins: {light: true}`` on
+        # CUDA: only its statistics, no hooks (saved bytes and steps not counted).
         self.allocator: AllocatorMonitor | None = None
         self.light = False
         kind = self._monitor_kind(cfg, manages)
         if kind == "allocator" and self.device.type == "cuda":
-            self.light = True
+            if cfg.extra.get("light", False):
+                self.light = True
+            else:
+                assert self.meter.cuda is not None
+                self.allocator = AllocatorMonitor(CudaAllocatorView(self.device, self.meter.cuda), self.stats)
+                self.stats.note(MONITOR_NOTE_CUDA)
         elif kind == "allocator":
             self.allocator = AllocatorMonitor(load(), self.stats)  # _monitor_kind checked it loads
             self.stats.note(MONITOR_NOTE)
         # The budget caps what the allocator holds, enforced at allocation time (runtime.device).
         self.native = native_device(self, manages)
+        # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey)
+        if self.budget is not None and cfg.extra.get("survey", True):
+            self.residency.lift_cap = self.native.lift if self.native is not None else _no_cap
+        self.op_peak = self._op_peak()
         # Nothing is ever evicted without a budget or a plan: saved tensors need no entries, only counting.
         self._pack = self.store.pack if manages else self.store.pack_counting
         # torch.utils.checkpoint regions run plainly under the online scorer's budget (runtime.ckpt)
         self.takes_regions = self.budget is not None and plan is None and book is None and not self.light
-        # Steady state (runtime.program): a step like the recorded one runs with the saved-tensor hooks
-        # alone. It needs the allocator to enforce the budget (the native device) and no per-stage work:
-        # a followed plan's recomputes become the allocator's order (Runtime._finish_program); its swaps
-        # and compressions need the dispatch mode (the recorded step's evictions by them refuse the program).
-        self.steady_possible = (self.native is not None and self.buckets is None
-                                and self.prefetcher is None and cfg.extra.get("steady", True))
-        if self.steady_possible and self.device.type == "cuda" and not cfg.extra.get("steady_cuda", False):
-            # The CUDA allocator caps reserved bytes, and its free-memory callback (the hook) learns neither
-            # the request nor its cache's fragmentation: on an H200 (2026-12-04) steps without the dispatch
-            # mode were refused 2 MiB with 16 MiB of the cap free in fragments. Ops stay under the mode,
-            # which evicts and retries a refused op.
+        # Steady state (runtime.program, runtime.steady): a step like the recorded one runs with the
+        # saved-tensor hooks alone. It needs the allocator to enforce the budget (the native device) and no
+        # per-stage work: a followed plan's recomputes become the allocator's order (_finish_program); what
+        # the recorded step evicted by swap or compress is evicted as it is saved.
+        self.steady_possible = (self.native is not None and self.buckets is None and cfg.extra.get("steady", True))
+        if self.steady_possible and self.device.type == "cuda" and not cfg.extra.get("steady_cuda", True):
             self.steady_possible = False
-            self.stats.note("steady state: off on CUDA (each op stays under the dispatch mode, which retries "
-                            "an allocation the capped caching allocator refuses)")
+            self.stats.note("steady state: off on CUDA (plugins: {steady_cuda: false}): each op stays under the "
+                            "dispatch mode")
+        self._steady_parts = SteadyParts(
+            self._pack, self.store.pack_bound, self._bind, self._steady_after, self._diverged, self.store.keep,
+            self._far, self.stats.saved, self.residency.evict_early, self.store.sole_owner,
+            # prefetch pays where copies overlap compute (CUDA side streams); on the simulated CPU device it
+            # is a synchronous regeneration done early, memory spent for nothing
+            self._prefetch_one if self.device.type == "cuda" else None)
         self._registrable = self.store.registrable  # the allocator's order without a plan (runtime.device)
         self.plan_recomputes: set[Any] = set()      # program nodes a followed plan recomputes (steady state)
         self.program: StepProgram | None = None
         self._program_rec: ProgramRecorder | None = None
-        self._steady: SteadyPack | None = None
+        self._steady: SteadyStep | None = None
         self._packfn: Any = self._pack
         self._evicted_before: dict[str, int] = {}
         self._registered_before = 0
         self._refused_before = 0
+        self._rescues_before: dict[str, int] = {}
         self._divergences = 0
         self._calls = 0                      # module calls in this step (random ops' states are read at them)
         self._last_random_call = -1          # the module call after which the last random op ran
@@ -248,6 +262,20 @@ class Runtime:
         if self.recorder is not None:
             self.recorder.on_random = self._random_recorded
         self.mode_on = False  # the dispatch mode is entered (off during steady-state steps)
+        self.survey_error: torch.OutOfMemoryError | None = None  # set by uninstall (runtime.survey)
+
+    def _op_peak(self) -> tuple[Any, Any]:
+        """(start, read): ``read(start())`` after an op is the bytes at its peak (a surveyed step measures each
+        op): the native device's window on the CPU; on CUDA the caching allocator's peak where the op raised
+        it (its own peak, exactly), else the bytes after it; the count after it elsewhere."""
+        meter = self.meter
+        native = self.native.native if self.native is not None else None
+        if meter.cuda is not None:
+            peak, now = meter.cuda.peak, meter.cuda.allocated
+            return peak, lambda before: p if (p := peak()) > before else now()
+        if native is not None:
+            return (lambda: native.window_reset()), (lambda _: native.window_peak)
+        return (lambda: 0), (lambda _: meter.current_bytes)
 
     def _monitor_kind(self, cfg: Config, manages: bool) -> str:
         """``"allocator"`` or ``"ops"`` (see ``Config.monitor``); errors for what cannot be honoured."""
@@ -257,7 +285,7 @@ class Runtime:
                                  "runtime meters every op: use monitor='auto' or 'ops'")
             return "ops"
         if self.device.type == "cuda":
-            return "allocator" if cfg.monitor == "allocator" or cfg.extra.get("light", False) else "ops"
+            return "ops" if cfg.monitor == "ops" else "allocator"
         if cfg.monitor == "ops":
             return "ops"
         if load() is not None:
@@ -335,6 +363,8 @@ class Runtime:
         self._hooks.__exit__(None, None, None)
         if self.mode_on:
             self.mode.__exit__(None, None, None)
+        # a step measured over the budget and not yet reported: disable() raises it once this is undone
+        self.survey_error = self.residency.end_survey()
         self._detach()
 
     def release(self) -> None:
@@ -348,6 +378,7 @@ class Runtime:
         if self.light or self.mode is None:
             return
         self.mode.quiet_depth += 1
+        self.residency.end_survey()
         drop_hooks(self._pack_hook)
         if self.mode_on:
             leave_mode(self.mode)
@@ -378,6 +409,10 @@ class Runtime:
             self.owner.foreign_module_call()
             return
         steps = self.steps
+        survey = self.residency.survey
+        if survey is not None and survey.steps_ended and steps.phase != FORWARD and torch.is_grad_enabled() \
+                and torch._C._current_graph_task_id() == -1:
+            raise self.residency.end_survey()  # a step over the budget was measured: say what it needs
         if self.steady_possible and steps.phase != FORWARD and torch.is_grad_enabled() \
                 and torch._C._current_graph_task_id() == -1:
             self._choose_step()  # a step starts here: with the dispatch mode, or in the steady state
@@ -435,14 +470,25 @@ class Runtime:
         return self._packfn(t)
 
     def _unpack_hook(self, h: Any) -> torch.Tensor:
-        if self._steady is not None:
+        steady = self._steady
+        if steady is not None:
             if not self.steps.in_backward:
                 self.steps.backward_seen()  # no op is observed in the steady state: the first read says it
             if self.store.pending:
                 # backward makes no saves: what the forward left pending, and entries rebuilt since, are
                 # registered here, as the dispatch mode does before an op that nears the budget (mode._cap)
                 self._steady_after()
+            steady.unpacked(h)
+            t = self.store.unpack(h)
+            if self.store.pending:
+                self._steady_after()  # what this read rebuilt: the allocator may free it for the op reading it
+            return t
+        if self._program_rec is not None and type(h) is Saved:
+            self._program_rec.read(h.entry)
         return self.store.unpack(h)
+
+    def _prefetch_one(self, e: Any) -> bool:
+        return bool(self.residency.prefetch_one(e))
 
     def _choose_step(self) -> None:
         """Before a step starts: steady state if a program is ready and the dispatch mode can be left
@@ -459,8 +505,7 @@ class Runtime:
                 mode.__exit__(None, None, None)
                 self.mode_on = False
             prog.start_step()
-            self._steady = SteadyPack(prog, self._pack, self._bind, self._steady_after, self._diverged,
-                                      self.store.keep, self._far, self.stats.saved, self.store.pack_bound)
+            self._steady = SteadyStep(prog, self._steady_parts)
             self._packfn = self._steady
             self._program_rec = None
             return
@@ -481,7 +526,7 @@ class Runtime:
         h = self._pack(t)
         rec = self._program_rec
         if rec is not None:
-            rec.saved(t, h.entry.lineage if type(h) is Saved else None)
+            rec.saved(t, h.entry if type(h) is Saved else None)
         return h
 
     def _bind(self, node: Any, st: torch.UntypedStorage) -> Any:
@@ -522,13 +567,20 @@ class Runtime:
         prog = None
         if rec is not None and not why:
             prog = rec.finish(self._module_state())
-            why = prog.cannot_rebuild(rec.evicted)
+            why = prog.cannot_rebuild(rec.evicted) or self._offload_refusal(prog)
         pressure = self._pressure()
         if prog is None or why:
             self.stats.note(f"steady state: not used ({why})")
             return
         prog.stages, prog.pressure = stages, pressure
         self.program = prog
+        if prog.offload:
+            by = {n: sum(1 for p in prog.offload.values() if p == n) for n in sorted(set(prog.offload.values()))}
+            self.stats.note(f"steady state from step {self.steps.steps + 1}: "
+                            + ", ".join(f"{c} saved tensor(s) evicted by {n}" for n, c in by.items())
+                            + " as they are saved (the recorded step evicted them)"
+                            + ("; swap-ins prefetched in the recorded read order" if "swap" in by
+                               and self._steady_parts.prefetch is not None else ""))
         if self.recorder is not None:
             self.recorder.keep = prog.keep
         follower = self.follower
@@ -548,22 +600,44 @@ class Runtime:
             return "steps start at module calls only"
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return "distributed training keeps the dispatch mode"
-        others = [n for n, p in self.stats.policies.items()
-                  if n != "recompute" and p.evicted > self._evicted_before.get(n, 0)]
-        if others:
-            return f"the recorded step evicted by {', '.join(others)}, which only the dispatch mode drives"
-        refused = self.native.native.refused - self._refused_before if self.native is not None else 0
-        if refused:
+        refused = self._refusals() - self._refused_before
+        rescues = {n: c - self._rescues_before.get(n, 0) for n, c in self.residency.rescues.items()}
+        # what swap or compress evicted to make room is evicted as it is saved in the steady state; what
+        # recompute evicted (or nothing, where the retry fitted) only the dispatch mode would evict again
+        if refused and (rescues.get("recompute", 0) or not any(rescues.values())):
             # the allocator alone (all a steady-state step has) could not free enough there: the dispatch
             # mode evicted the rest around the op it retried
             return f"the allocator alone ran out {refused} time(s) in the recorded step; the dispatch mode made room"
         return ""
 
+    def _refusals(self) -> int:
+        """Allocations refused in ops (or in regenerations) so far that the dispatch mode caught, made room for
+        and retried; not those of the policies' own work at the cap (an encoding refused its buffer), which
+        another policy stood in for."""
+        return self.meter.oom_retries if self.native is not None else 0
+
+    def _offload_refusal(self, prog: StepProgram) -> str:
+        """Why the program cannot evict at pack what its recorded step compressed, or "". On CUDA compress
+        may only use a codec that decides without reading the bytes on the host (a bool mask's bitmask):
+        the others wait for the device. Those saves are swapped instead where swap is a policy."""
+        if self.device.type != "cuda":
+            return ""
+        compress = self.policies.get("compress")
+        for k, policy in list(prog.offload.items()):
+            codec = prog.codecs.get(k, "")
+            if policy != "compress" or compress is None or not compress.reads_bytes_to_decide(codec):
+                continue
+            if "swap" not in self.policies:
+                return (f"the recorded step compressed a tensor with the {codec!r} codec, which decides from the "
+                        "tensor's bytes (on CUDA a host wait for the device in each step); add swap to the "
+                        "policies to have the steady state swap such tensors instead")
+            prog.offload[k] = "swap"
+        return ""
+
     def _pressure(self) -> bool:
         """Whether the step that is ending came near its budget (entries registered or evicted)."""
-        rc = self.stats.policies.get("recompute")
         return (self.store.registrations > self._registered_before
-                or (rc is not None and rc.evicted > self._evicted_before.get("recompute", 0)))
+                or any(p.evicted > self._evicted_before.get(n, 0) for n, p in self.stats.policies.items()))
 
     def _module_state(self) -> set[int]:
         """Storage ids of the parameters and buffers of every module called so far."""
@@ -576,6 +650,10 @@ class Runtime:
 
     def _step_started(self) -> None:
         self._calls, self._last_random_call, self._module = 0, -1, None
+        if self.budget is not None:
+            held = self.residency.held_at_step_start = self.meter.current_bytes
+            if self.residency.survey is not None:
+                self.residency.survey.held_at_start = held
         self.store.epoch += 1
         self.stats.step_started()
         self.estimator.new_step()
@@ -586,13 +664,17 @@ class Runtime:
         if rec is not None:
             self._evicted_before = {n: p.evicted for n, p in self.stats.policies.items()}
             self._registered_before = self.store.registrations
-            self._refused_before = self.native.native.refused if self.native is not None else 0
-            self.residency.on_evicted = lambda e: rec.evicted.append(e.lineage) if e.lineage is not None else None
+            self._refused_before = self._refusals()
+            self._rescues_before = dict(self.residency.rescues)
+            self.residency.on_evicted = rec.evicted_entry
         else:
             self.residency.on_evicted = None
 
     def _step_ended(self, stages: int) -> None:
         self._module = None
+        survey = self.residency.survey
+        if survey is not None:
+            survey.steps_ended += 1
         steady = self._steady
         if steady is not None:
             self._steady = None
@@ -626,6 +708,10 @@ class Runtime:
     def reset_stats(self) -> None:
         (self.allocator if self.allocator is not None else self.meter).reset_peak()
         self.stats.reset()
+
+
+def _no_cap(lifted: bool) -> None:
+    """Lifting the cap where only the dispatch mode enforces it (no native device): nothing to do."""
 
 
 def _first_clause(note: str) -> str:

@@ -42,6 +42,7 @@ The loaded library is never unloaded: deleters of live tensors point into it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shlex
@@ -51,7 +52,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -64,6 +65,7 @@ _METER: CpuAllocatorMeter | None = None
 _REASON: str | None = None
 _LIB_PATH: Path | None = None
 _CUDA_NOTE: str | None = None  # why the library has no CUDA hook (None when it has one or was not built)
+_CUDA_STATS = {"allocated": 0, "peak": 1, "reserved": 2, "ooms": 3}  # hm_cuda_stat's `which`
 
 
 class CpuAllocatorMeter:
@@ -226,6 +228,17 @@ class CpuAllocatorMeter:
     def cuda_freed_bytes(self) -> int:
         """Bytes the callback freed for the CUDA caching allocator so far."""
         return int(self._lib.hm_cuda_freed()) if self.cuda_hook else 0
+
+    def cuda_reader(self, which: str, device: int) -> Callable[[], int]:
+        """A function of no argument reading one caching-allocator counter of CUDA device ``device`` in C
+        (-1 where the allocator cannot answer). ``which``: ``allocated``, ``peak``, ``reserved`` (bytes) or
+        ``ooms`` (refusals). Needs :attr:`cuda_hook`."""
+        if not self.cuda_hook:
+            raise RuntimeError("hybridmem's native library was built without CUDA: " + (_CUDA_NOTE or ""))
+        code = _CUDA_STATS.get(which)
+        if code is None:
+            raise ValueError(f"cuda_reader({which!r}): expected one of {sorted(_CUDA_STATS)}")
+        return functools.partial(self._lib.hm_cuda_stat, int(device), code)
 
     def lookup(self, data_ptr: int) -> tuple[int, int] | None:
         """``(bytes, serial)`` of the live allocation made through the meter whose data pointer is
@@ -442,7 +455,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     if lib.hm_cuda_hook():
         for name, res, args in [("hm_cuda_set_budget", None, [i32, i64, i64]), ("hm_cuda_calls", i64, []),
                                 ("hm_cuda_registered", i32, []),
-                                ("hm_cuda_freed", i64, [])]:
+                                ("hm_cuda_freed", i64, []), ("hm_cuda_stat", i64, [i32, i32])]:
             fn = getattr(lib, name)
             fn.restype = res
             fn.argtypes = args

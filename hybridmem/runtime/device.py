@@ -49,16 +49,31 @@ class NativeDevice:
             # (the miss may be one: the hook does not see the request's size)
             native.set_cuda_budget(rt.device.index or 0, rt.budget, rt.residency.slack + rt.residency.workspace)
             # The backstop: the caching allocator itself refuses memory past the budget (reserved bytes).
-            cap_cuda(rt.device, rt.budget)
+            rt.stats.note(cap_cuda(rt.device, rt.budget, rt.cfg.extra.get("expandable", True)))
         else:
             native.install()
             rt.meter.attach_native(native)
             rt.store.count_external = rt.meter.count_late
             native.set_budget(rt.budget)
         rt.meter.on_pressure = rt.residency.relieve_oom
-        rt.meter.on_exhausted = rt.residency.out_of_memory
+        rt.meter.on_exhausted = rt.residency.exhausted
         rt.store.native = native
         rt.fsdp_sync.on_gather = self._gathered
+
+    def lift(self, lifted: bool) -> None:
+        """Take the cap off (a step the budget could not hold goes on to measure what it needs:
+        runtime.survey), or put it back."""
+        rt, native = self.rt, self.native
+        if self.cuda:
+            idx = rt.device.index or 0
+            if lifted:
+                native.set_cuda_budget(idx, None)
+                torch.cuda.set_per_process_memory_fraction(1.0, rt.device)
+            else:
+                native.set_cuda_budget(idx, rt.budget, rt.residency.slack + rt.residency.workspace)
+                cap_cuda(rt.device, rt.budget, rt.cfg.extra.get("expandable", True))
+        else:
+            native.set_budget(None if lifted else rt.budget)
 
     def _gathered(self, nbytes: int) -> None:
         # FSDP's next unshard allocates this much again by resize_ (no op, no chance to make room then),

@@ -41,6 +41,7 @@ class Entry:
     view: Any = None                # geometry of `tensor` (a runtime View), to recognise saves of it
     registered: bool = False        # in the allocator's registry: it may free the bytes at any allocation
     priority: float = 0.0           # its order in that registry (lower: freed first)
+    written: int = -1               # evicted as it was saved, then written in place: the version seen (else -1)
 
     @property
     def resident(self) -> bool:

@@ -8,7 +8,12 @@ not tensors, also covers views such as the ``weight.t()`` a linear layer saves, 
 
 The same hook hands them to the meter, so the simulated device counts the whole model from the
 first forward (as ``Graph.fixed_bytes`` does), not each parameter from the op that first reads it:
-otherwise a first-seen weight would raise the live bytes in the middle of the cap's arithmetic.
+otherwise a first-seen weight would raise the live bytes in the middle of the cap's arithmetic. The
+parameters' gradients go with them (kept from the step before, as gradient accumulation does, they are
+held through the step), and so does the state of the optimizers that step them
+(:func:`~hybridmem.graph.stepparts.optimizers_of`, once, at the first module call; a global optimizer step
+pre-hook catches an optimizer made later): state made before ``enable()`` is training state the allocator
+never saw.
 """
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ import weakref
 from typing import Any, Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..graph.stepparts import optimizers_of
 from .meter import Meter
 from .produced import ProducedTable
 
@@ -30,15 +37,28 @@ class FixedMarker:
         self.on_call = on_call  # every module call (the step tracker starts steps here)
         # id(module) -> weak reference: a lookup per module call (a WeakSet builds a weakref per test).
         self._seen: dict[int, weakref.ref] = {}
+        self._optimizers: dict[int, weakref.ref] = {}
         self._handle: Any = None
+        self._opt_handle: Any = None
+        self._looked = False  # the optimizers of the first module called were looked for
 
     def install(self) -> None:
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pre)
+        self._opt_handle = register_optimizer_step_pre_hook(self._optimizer_step)
 
     def uninstall(self) -> None:
         if self._handle is not None:
             self._handle.remove()
-            self._handle = None
+            self._opt_handle.remove()
+            self._handle = self._opt_handle = None
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
+        r = self._optimizers.get(id(optimizer))
+        if r is not None and r() is optimizer:
+            return
+        k = id(optimizer)
+        self._optimizers[k] = weakref.ref(optimizer, lambda _: self._optimizers.pop(k, None))
+        self.meter.track(optimizer)
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         self.on_call(module)
@@ -50,13 +70,18 @@ class FixedMarker:
         fixed = []
         for m in module.modules():
             seen[id(m)] = weakref.ref(m, lambda _, k=id(m): self._forget(k))
-            for t in (*m._parameters.values(), *m._buffers.values()):
+            params = m._parameters.values()
+            for t in (*params, *m._buffers.values(), *(p.grad for p in params if p is not None)):
                 if t is not None:
                     fixed.append(t)
                     slot = slots.pop(id(t.untyped_storage()), None)
                     if slot is not None:
                         slot.node = slot.entry = None
         self.meter.track(*fixed)
+        if not self._looked:
+            self._looked = True
+            for o in optimizers_of(module):
+                self._optimizer_step(o)
 
     def modules(self) -> list[torch.nn.Module]:
         """The modules called so far that are still alive."""

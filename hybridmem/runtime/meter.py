@@ -4,8 +4,9 @@
         loss = model(x).sum(); loss.backward()
     m.peak_bytes
 
-**CUDA.** ``current_bytes`` is ``torch.cuda.memory_allocated``, ``peak_bytes`` is
-``torch.cuda.max_memory_allocated`` (reset by ``reset_peak()`` and on entering the meter). To make
+**CUDA.** ``current_bytes`` is the caching allocator's allocated bytes (``torch.cuda.memory_allocated``),
+``peak_bytes`` their peak (``max_memory_allocated``; reset by ``reset_peak()`` and on entering the meter),
+both read in C where hybridmem's native library has its CUDA hook (:mod:`.counters`). To make
 the budget a real cap, call :meth:`Meter.apply_cuda_cap` (the caching allocator then raises
 ``torch.OutOfMemoryError`` beyond it). Allocation failures reach the runtime in two ways: every op
 run under :class:`MeterMode` (entered by the meter when ``on_pressure`` or a budget is set) is retried
@@ -60,6 +61,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..graph.ops import op_info, written_tensors
 from ..graph.outputs import output_tensors, storage_of
+from .allocconf import prefer_expandable_segments
+from .counters import CudaCounters, cuda_counters
 from .distributed import plain_storages
 from ..graph.units import fmt_bytes, parse_bytes
 
@@ -84,17 +87,21 @@ def _refusal(e: BaseException) -> tuple[int, int | None]:
     return (parse_bytes(m.group(1).replace(" ", "")) if m else 1), None
 
 
-def cap_cuda(device: torch.device, budget: int) -> None:
-    """Make the CUDA caching allocator refuse reserved bytes beyond ``budget``, from now on.
+def cap_cuda(device: torch.device, budget: int, expandable: bool = True) -> str:
+    """Make the CUDA caching allocator refuse reserved bytes beyond ``budget``, from now on; returns a note on
+    its segments (``expandable``: make new ones expandable unless the user chose, :mod:`.allocconf`).
 
     ``set_per_process_memory_fraction`` is checked only when the allocator asks the driver for a new
     segment: blocks it cached earlier (an unmanaged step before, a previous budget) would serve
     allocations past the budget unchecked, and its free-memory callbacks (hybridmem's hook) run only on
-    a cache miss. Emptying the cache makes every byte past what is allocated now go through both."""
+    a cache miss. Emptying the cache makes every byte past what is allocated now go through both. Runs
+    once, when a budget is installed (it synchronises the device)."""
+    note = prefer_expandable_segments() if expandable else "CUDA allocator: left as configured (expandable: false)"
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
     torch.cuda.synchronize(device)  # blocks freed on side streams are released once their work is done
     torch.cuda.empty_cache()
+    return note
 
 
 class StorageRef(weakref.ref):
@@ -121,6 +128,9 @@ class Meter:
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.simulated = self.device.type != "cuda"
+        # the allocator's counters, read per op: natively where the library has its CUDA hook
+        self.cuda: CudaCounters | None = None if self.simulated else cuda_counters(self.device)
+        self._cuda_allocated: Callable[[], int] = self.cuda.allocated if self.cuda is not None else int
         self.budget_bytes: int | None = None if budget is None else parse_bytes(budget, what="budget")
         self.raise_on_exceed = raise_on_exceed
         self.on_pressure = on_pressure
@@ -132,14 +142,16 @@ class Meter:
         self._current = 0
         self._peak = 0
         self._relieving = False
+        self.oom_retries = 0  # allocator refusals caught and retried (retry_oom, the mode's ops)
         self._mode: MeterMode | None = None
         self.native: Any = None                  # the native allocator device while attached
         self._frozen: tuple[int, int] | None = None  # its (peak, current) when detached
         self._native_current: Callable[[], int] = int
         self._floor = 0  # the peak before a detach: an inner session may reset the native peak meanwhile
         self._external: dict[int, int] = {}      # id(storage) -> bytes it adds to the device as external
-        # the OOM to raise when nothing more can be freed: (bytes requested, what, bytes held or None)
-        self.on_exhausted: Callable[[int, str, int | None], BaseException] | None = None
+        # the OOM to raise when nothing more can be freed: (bytes requested, what, bytes held or None); None
+        # from it: the cap was lifted (runtime.survey) and the call runs again, uncapped
+        self.on_exhausted: Callable[[int, str, int | None], BaseException | None] | None = None
 
     def attach_native(self, native: Any) -> None:
         """Read bytes from the native allocator device (:class:`hybridmem.runtime.cpumeter.CpuAllocatorMeter`),
@@ -170,7 +182,7 @@ class Meter:
             return self._frozen[1]
         if self.simulated:
             return self._current
-        return torch.cuda.memory_allocated(self.device)
+        return self._cuda_allocated()
 
     @property
     def peak_bytes(self) -> int:
@@ -180,7 +192,7 @@ class Meter:
             return self._frozen[0]
         if self.simulated:
             return self._peak
-        return torch.cuda.max_memory_allocated(self.device)
+        return self.cuda.peak()
 
     @property
     def live_storages(self) -> int:
@@ -355,10 +367,14 @@ class Meter:
             except torch.OutOfMemoryError as e:
                 if self.on_pressure is None or self._relieving:
                     raise
+                self.oom_retries += 1
                 needed, held = _refusal(e)
                 if attempt == _RETRIES - 1:  # evicting freed memory each time and it still did not fit
                     if self.on_exhausted is not None:
-                        raise self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", None) from e
+                        exc = self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", None)
+                        if exc is None:
+                            return fn(*args, **kwargs)
+                        raise exc from e
                     raise
                 # What the op had allocated when it was refused is free again now, and the retry
                 # allocates it once more: ask for room for that too.
@@ -366,7 +382,10 @@ class Meter:
                 freed = self._ask(room)
                 if not freed:
                     if self.on_exhausted is not None:
-                        raise self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", held) from e
+                        exc = self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", held)
+                        if exc is None:
+                            return fn(*args, **kwargs)
+                        raise exc from e
                     raise
         raise AssertionError("unreachable")
 

@@ -366,11 +366,34 @@ class RuntimeMode(MeterMode):
         """Live bytes exceeded the budget after an op (its estimate was too low): evict now."""
         self.stats.cap_overruns += 1
         self.residency.relieve(self.meter.current_bytes - self.budget)
-        if self.meter.current_bytes > self.budget:
-            raise self.residency.out_of_memory(0, f"the output of op {f.name}")
+        if self.meter.current_bytes > self.budget and self.residency.survey is None:
+            self.residency.refuse(0, f"the output of op {f.name}")
+
+    def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        residency = self.residency
+        if residency.survey is None or self.internal:
+            return MeterMode.run_op(self, func, args, kwargs)
+        # a step the budget could not hold, going on uncapped (runtime.survey): what each op needed
+        start, read = self.rt.op_peak
+        mark = start()
+        out = MeterMode.run_op(self, func, args, kwargs)
+        if residency.survey is not None:
+            inputs = {id(st) for t in _tensor_args(args, kwargs) if (st := _storage(t)) is not None}
+            residency.survey_op(read(mark), inputs, f"op {(self._facts or facts(func)).name}")
+        return out
 
 
 _NONE: list = []
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif type(a) is list or type(a) is tuple:
+            out.extend(b for b in a if isinstance(b, Tensor))
+    return out
 
 
 def _generator_states(args: tuple, kwargs: dict) -> dict[int, Any]:

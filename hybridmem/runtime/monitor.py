@@ -1,4 +1,4 @@
-"""Monitor-only on the CPU with nothing per op in Python: the native allocator meter instead of a dispatch mode.
+"""Monitor-only with nothing per op in Python: the allocator's own counters instead of a dispatch mode.
 
 ``enable(budget=None)`` on the CPU measures through :mod:`hybridmem.runtime.cpumeter` (a C++ wrapper around
 PyTorch's CPU allocator) when it builds here: no dispatch mode, so an op costs what it costs without
@@ -13,11 +13,18 @@ hybridmem. What Python still does is per saved tensor and per module call, not p
 - the first unpack of a backward pass queues the engine callback that ends the step.
 
 Semantics (``Stats``): ``peak_bytes``/``current_bytes`` are the bytes PyTorch's CPU allocator handed out
-and still holds (every thread: the allocator is process-wide), plus the module state from before
-``enable()``, counted by the native device as external bytes: the same units a budget caps
-(:mod:`.device`). Unlike the op-level monitor (``monitor="ops"``), this includes scratch memory kernels
-allocate inside an op and not tensors made before ``enable()`` that no module owns; stages and
-``min_budget_bytes`` are not measured (both need every op).
+and still holds (every thread: the allocator is process-wide), plus the training state from before
+``enable()``, counted by the native device as external bytes: the parameters and buffers of the modules
+the step calls, their gradients (kept from the step before, as gradient accumulation does), the state of
+the optimizers that step them, and the batch: the same units a budget caps (:mod:`.device`). Unlike the
+op-level monitor (``monitor="ops"``), this includes scratch memory kernels allocate inside an op and not
+tensors made before ``enable()`` that are no training state; stages and ``min_budget_bytes`` are not
+measured (both need every op).
+
+**CUDA** (:class:`CudaAllocatorView`): the same hooks over the caching allocator's counters, read in C
+(:mod:`.counters`): ``peak_bytes`` is ``torch.cuda.max_memory_allocated`` since ``enable()``, which counts
+everything on the device, so nothing is added as external. Without allocation serials, a saved CUDA tensor
+is an activation unless its storage is module state or the batch (the step's first module call's tensors).
 """
 from __future__ import annotations
 
@@ -25,25 +32,66 @@ import weakref
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .counters import CudaCounters
 from .cpumeter import CpuAllocatorMeter
+from ..graph.stepparts import optimizers_of
 from .distributed import is_parameter_view, is_traceable_wrapper_subclass, plain_storages
 from .saved import Kept, _modified
 from .stats import StatsRecorder
-from .steps import BACKWARD, IDLE, StepTracker, _task_id
+from .steps import BACKWARD, FORWARD, IDLE, StepTracker, _task_id
 from .threads import OwnerThread, drop_hooks
 
 Tensor = torch.Tensor
 NOTE = ("monitor: CPU allocator (native meter, no per-op hook): stages and min_budget_bytes are not "
         "measured; monitor='ops' measures them, per op")
+NOTE_CUDA = ("monitor: CUDA caching allocator's counters (no per-op hook): stages and min_budget_bytes are not "
+             "measured; monitor='ops' measures them, per op")
+
+
+class CudaAllocatorView:
+    """The CUDA caching allocator as the monitor's device: its counters, nothing to install; everything on
+    the device is in its count already (no external bytes), and its allocations carry no serial."""
+
+    serial = 0
+
+    def __init__(self, device: torch.device, counters: CudaCounters):
+        self.device, self.counters = device, counters
+
+    def install(self) -> None:
+        pass
+
+    def uninstall(self) -> None:
+        pass
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.counters.peak()
+
+    @property
+    def current_bytes(self) -> int:
+        return self.counters.allocated()
+
+    def add_external(self, nbytes: int) -> None:
+        pass
+
+    @staticmethod
+    def serial_of_fn(ptr: int) -> int:
+        return -1
 
 
 class AllocatorMonitor:
     """Install/uninstall the native meter, the counting hooks and the step hook (see the module docstring)."""
 
-    def __init__(self, native: CpuAllocatorMeter, stats: StatsRecorder) -> None:
+    def __init__(self, native: CpuAllocatorMeter | CudaAllocatorView, stats: StatsRecorder) -> None:
         self.native = native
         self._serial_of = native.serial_of_fn  # the C function itself: the pack hook's one native call
+        self.cuda: torch.device | None = native.device if isinstance(native, CudaAllocatorView) else None
+        self._static: set[int] = set()   # CUDA: data pointers of module state and of the step's batch
         self.stats = stats
         self.steps = StepTracker(self._step_started, self._step_ended)
         self.step_serial = 0             # allocations with a serial >= this are the current step's
@@ -55,6 +103,8 @@ class AllocatorMonitor:
         self._floor = 0                  # peak before an inner session reset the native peak
         self._hooks: Any = None
         self._handle: Any = None
+        self._opt_handle: Any = None
+        self._optimizers: dict[int, weakref.ref] = {}  # optimizers whose state was looked at
         self.owner = OwnerThread()
 
     # ---- install / uninstall -----------------------------------------------------------------
@@ -70,6 +120,7 @@ class AllocatorMonitor:
         self.step_serial = self.native.serial
         self.native.add_external(self.fixed_bytes)  # module state seen before (a session inside ours)
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
+        self._opt_handle = register_optimizer_step_pre_hook(self._optimizer_step)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
 
@@ -93,7 +144,8 @@ class AllocatorMonitor:
     def _detach(self) -> None:
         self._hooks = None
         self._handle.remove()
-        self._handle = None
+        self._opt_handle.remove()
+        self._handle = self._opt_handle = None
         self._frozen = (self.peak_bytes, self.current_bytes)
         self.native.add_external(-self.fixed_bytes)
         self.native.uninstall()
@@ -133,11 +185,15 @@ class AllocatorMonitor:
         seen = self._seen
         if ptr not in seen:
             seen.add(ptr)  # one look per storage and step
-            serial = self._serial_of(ptr)
-            if t.is_cpu and serial >= self.step_serial and not is_parameter_view(t):
-                self.stats.saved(st.nbytes())
-            elif serial < 0 and t.is_cpu:
-                self._count_fixed(st)  # made before enable() (the first batch): the allocator never saw it
+            if self.cuda is not None:
+                if t.device == self.cuda and ptr not in self._static and not is_parameter_view(t):
+                    self.stats.saved(st.nbytes())
+            else:
+                serial = self._serial_of(ptr)
+                if t.is_cpu and serial >= self.step_serial and not is_parameter_view(t):
+                    self.stats.saved(st.nbytes())
+                elif serial < 0 and t.is_cpu:
+                    self._count_fixed(st)  # made before enable() (the first batch): the allocator never saw it
         if t.grad_fn is not None:
             t = t.detach()  # no reference cycle through the node that saves it
         return Kept(t, t._version)
@@ -155,18 +211,55 @@ class AllocatorMonitor:
         if not self.owner.here():  # its saved tensors are not counted there (hooks are per thread)
             self.owner.foreign_module_call()
             return
+        starts = self.steps.phase != FORWARD
         self.steps.module_called()
+        if starts and self.cuda is not None and self.steps.phase == FORWARD:
+            # the batch is no activation (on the CPU its serial says so)
+            self._static.update(a.untyped_storage().data_ptr() for a in args if isinstance(a, Tensor))
         r = self._modules.get(id(module))
         if r is not None and r() is module:
             return
+        if not self._modules and self.cuda is None:  # the first module called: its optimizers' state too
+            for o in optimizers_of(module):
+                self._optimizer_step(o)
         for m in module.modules():
             self._modules[id(m)] = weakref.ref(m, lambda _, k=id(m): self._modules.pop(k, None))
-            for t in (*m._parameters.values(), *m._buffers.values()):
-                if t is None or not t.is_cpu:
-                    continue
-                for st in plain_storages(t):  # a DTensor's bytes are in its local shard
-                    if self._serial_of(st.data_ptr()) < 0:  # else allocated through the meter: counted
-                        self._count_fixed(st)
+            params = m._parameters.values()
+            self._state(t for t in (*params, *m._buffers.values(),
+                                    *(p.grad for p in params if p is not None)) if t is not None)
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
+        """Global optimizer step pre-hook: the state of an optimizer made before ``enable()`` is training
+        state the allocator never saw (counted once per optimizer; later state is allocated through it)."""
+        r = self._optimizers.get(id(optimizer))
+        if r is not None and r() is optimizer:
+            return
+        self._optimizers[id(optimizer)] = weakref.ref(optimizer, lambda _, k=id(optimizer): self._optimizers.pop(k, None))
+        self._state(t for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor))
+
+    def _state(self, tensors: Any) -> None:
+        """Training state: on the CPU counted where allocated before ``enable()`` (the allocator never saw it);
+        on CUDA noted as no activation (the caching allocator counts it already)."""
+        for t in tensors:
+            for st in plain_storages(t):  # a DTensor's bytes are in its local shard
+                if self.cuda is not None:
+                    if t.device == self.cuda:
+                        self._static.add(st.data_ptr())
+                elif t.is_cpu and self._serial_of(st.data_ptr()) < 0:  # else allocated through the meter
+                    self._count_fixed(st)
+
+    def _state_ptrs(self) -> set[int]:
+        """CUDA: data pointers of the parameters, buffers and gradients of the modules seen, alive now."""
+        out: set[int] = set()
+        for r in list(self._modules.values()):
+            m = r()
+            if m is not None:
+                for t in (*m._parameters.values(), *m._buffers.values()):
+                    if t is not None and t.device == self.cuda:
+                        out.add(t.untyped_storage().data_ptr())
+                        if t.grad is not None:
+                            out.add(t.grad.untyped_storage().data_ptr())
+        return out
 
     def _count_fixed(self, st: torch.UntypedStorage) -> None:
         """Count a storage from before ``enable()`` while it lives (once)."""
@@ -187,6 +280,8 @@ class AllocatorMonitor:
     # ---- steps -------------------------------------------------------------------------------
     def _step_started(self) -> None:
         self._seen.clear()
+        if self.cuda is not None:
+            self._static = self._state_ptrs()  # the last step's batch goes; this step's is added at its call
         if self.steps.modules:
             self.step_serial = self.native.serial  # the batch and the weights come before this
         self.stats.step_started()

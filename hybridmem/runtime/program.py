@@ -16,6 +16,13 @@ a recorded step. The first pack that does not match (another shape, dtype or siz
 recorded) ends the steady state: the rest of the step keeps what it saves, and the next step runs under
 the dispatch mode again, which records a new program; ``stats().notes`` says where it diverged.
 
+Evictions by swap and compress need no op hook either: the program notes which save (by ordinal) the
+recorded step evicted by which policy, and in which order its backward first read the saves. A later step
+evicts those saves by the same policy as it packs them (a swap's copy is queued on a side stream, its
+device bytes go when the step's own references do), and each first read prefetches the next ones in the
+recorded order (:mod:`.steady`). Without recompute among the policies there is no lineage: such a save is
+bound through an :class:`Anchor`, a node with no ops to replay.
+
 Random ops (dropout) replay with the generator state they drew from. The recording step notes, for each,
 the module call after which it was the first random op (the *n*-th call of a module forward in the
 step); a later step reads the default generators' state when that call comes (the same module, checked),
@@ -46,9 +53,27 @@ class Save:
 
     shape: torch.Size
     dtype: torch.dtype
-    node: Node | None             # lineage of the saved storage; None: not an activation (kept)
+    node: "Node | Anchor | None"  # lineage of the saved storage; None: not an activation (kept)
     root_version: int             # version counter of the saved tensor's root at the pack
     rebind: list[tuple[FixedRef, int]]  # fixed references to this save's root: (ref, version - root_version)
+
+
+class Anchor:
+    """A saved activation storage of the recorded step that has no lineage (recompute is not a policy, so
+    nothing is recorded per op): binds the storage a later step saves at the same ordinal, as a
+    :class:`~.lineage.Node` does, with no ops to replay."""
+
+    __slots__ = ("ops", "nbytes", "storage", "entry", "ok_memo")
+
+    def __init__(self, nbytes: int):
+        self.ops: tuple = ()
+        self.nbytes = nbytes
+        self.storage: Any = None   # the bound storage's slot (a weak reference), as Node.storage
+        self.entry: Any = None
+        self.ok_memo: Any = None
+
+    def live(self) -> torch.UntypedStorage | None:
+        return self.storage() if self.storage is not None else None
 
 
 class ProgramRecorder:
@@ -63,9 +88,24 @@ class ProgramRecorder:
         self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []
         # id(record) of a random op -> (the module call it was the first random op after, that module)
         self.random_calls: dict[int, tuple[int, weakref.ref]] = {}
-        self.evicted: list[Node] = []    # lineage of the entries the step evicted by recompute
+        self.evicted: list[Node] = []    # lineage of the entries the step evicted
+        self.uids: list[int] = []        # per save: the uid of its entry (-1: kept, no entry)
+        self.first_policy: dict[int, str] = {}  # entry uid -> the policy that first evicted it
+        self.evictions: dict[int, int] = {}     # entry uid -> how often the step evicted it
+        self.codecs: dict[int, str] = {}        # entry uid -> the codec compress first evicted it with
+        self.read_uids: dict[int, None] = {}    # entry uids in the order backward first read them
+        self._anchors: dict[int, Anchor] = {}
 
-    def saved(self, t: Tensor, node: Node | None) -> None:
+    def saved(self, t: Tensor, entry: Any) -> None:
+        """A pack of the step; ``entry``: the runtime's entry for it (None: the tensor is kept)."""
+        node = None
+        if entry is not None:
+            node = entry.lineage
+            if node is None:
+                node = self._anchors.get(entry.uid)
+                if node is None:
+                    node = self._anchors[entry.uid] = Anchor(entry.nbytes)
+        self.uids.append(entry.uid if entry is not None else -1)
         root = t._base if t._base is not None else t
         try:
             st = t.untyped_storage()
@@ -76,6 +116,22 @@ class ProgramRecorder:
             if got is None or got[1]() is not st:
                 self.roots[id(st)] = (len(self.saves), weakref.ref(st))
         self.saves.append(Save(t.shape, t.dtype, node, root._version, []))
+
+    def evicted_entry(self, e: Any, policy: str, handle: Any) -> None:
+        """The step evicted ``e`` by ``policy`` (``handle``: what the policy keeps)."""
+        if e.lineage is not None:
+            self.evicted.append(e.lineage)
+        self.evictions[e.uid] = self.evictions.get(e.uid, 0) + 1
+        if e.uid not in self.first_policy:
+            self.first_policy[e.uid] = policy
+            enc = getattr(handle, "enc", None)
+            if enc is not None:
+                self.codecs[e.uid] = enc.codec
+
+    def read(self, e: Any) -> None:
+        """Backward read ``e``'s bytes (an unpack)."""
+        if e.uid not in self.read_uids:
+            self.read_uids[e.uid] = None
 
     def step_inputs(self, tensors: list[Tensor]) -> None:
         """The tensor arguments of the step's first module call (the batch), in order."""
@@ -131,6 +187,15 @@ class ProgramRecorder:
                 at.setdefault(where[0], (where[1], []))[1].append(rec)
         prog = StepProgram(self.saves, nodes, refresh, fixed, temporaries, at)
         prog.inputs, prog.input_shapes = inputs, self.input_shapes
+        first: dict[int, int] = {}  # entry uid -> the first ordinal that saved it
+        for k, uid in enumerate(self.uids):
+            if uid >= 0 and uid not in first:
+                first[uid] = k
+        prog.offload = {first[u]: p for u, p in self.first_policy.items() if p != "recompute" and u in first}
+        prog.codecs = {first[u]: c for u, c in self.codecs.items() if u in first}
+        prog.again = {first[u] for u, n in self.evictions.items() if n > 1 and first.get(u, -1) in prog.offload}
+        prog.reads = [first[u] for u in self.read_uids if u in first]
+        prog.read_at = {k: i for i, k in enumerate(prog.reads)}
         return prog
 
     def _classify(self, r: FixedRef, persistent: set[int], refresh: list[tuple[FixedRef, int]],
@@ -206,6 +271,11 @@ class StepProgram:
         # per tensor argument of the step's first module call: the references bound to it, and its signature
         self.inputs: list[list[tuple[FixedRef, int]]] = []
         self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []
+        self.offload: dict[int, str] = {}   # save ordinal -> the policy that evicts it as it is packed
+        self.codecs: dict[int, str] = {}    # save ordinal -> the codec the recorded step compressed it with
+        self.again: set[int] = set()        # offloaded save ordinals the recorded step evicted again after a read
+        self.reads: list[int] = []          # save ordinals (first of each storage) in first-read order
+        self.read_at: dict[int, int] = {}   # save ordinal -> its position in ``reads``
         self._armed = False
 
     def bind_inputs(self, tensors: list[Tensor]) -> str:
@@ -278,86 +348,3 @@ class StepProgram:
         for refs in self.inputs:
             for r, _ in refs:
                 r.alias = None
-
-
-class SteadyPack:
-    """The pack hook of a steady-state step: ordinal, signature check, binding, then ``store_pack``.
-
-    *Light* packs: while the recorded step never came near its budget and the device is still far from
-    it (``far()``), a saved activation is kept like a parameter (``keep``: the tensor and its version, no
-    entry), which costs a few attribute reads; from the first pack near the budget on, saves get entries
-    the allocator may free, as in a recorded step."""
-
-    def __init__(self, program: StepProgram, store_pack: Callable[[Tensor], Any],
-                 bind: Callable[[Node, Any], Any], after: Callable[[], None], diverged: Callable[[str], None],
-                 keep: Callable[[Tensor], Any], far: Callable[[], bool], counted: Callable[[int], None],
-                 pack_bound: Callable[[Tensor, Any, Any, bool], Any] | None = None):
-        self.program = program
-        self.saves = program.saves
-        self.store_pack = store_pack
-        self.bind = bind  # bind(node, storage) -> the storage's slot
-        # pack_bound(tensor, storage, slot, register): store_pack for a storage just bound (what store_pack
-        # would find)
-        self.pack_bound = pack_bound or (lambda t, st, slot, register: store_pack(t))
-        self.register = program.pressure  # pack_bound registers new entries with the allocator at once
-        self.after = after
-        self.diverged = diverged
-        self.keep, self.far, self.counted = keep, far, counted
-        self.light = not program.pressure
-        self.seen: set[int] = set()  # storages light packs counted as saved this step
-        self.k = 0
-        self.off = False  # the step left the program: packs keep their tensors
-
-    def __call__(self, t: Tensor) -> Any:
-        k = self.k
-        self.k = k + 1
-        if self.off:
-            return self.store_pack(t)
-        saves = self.saves
-        if k >= len(saves):
-            return self._leave(f"save #{k} of shape {list(t.shape)} is beyond the {len(saves)} the recorded step made", t)
-        s = saves[k]
-        if t.shape != s.shape or t.dtype != s.dtype:
-            return self._leave(f"save #{k} is {list(t.shape)} {t.dtype} where the recorded step saved "
-                               f"{list(s.shape)} {s.dtype}", t)
-        if s.rebind:
-            _bind(s.rebind, t)
-        node = s.node
-        if node is None:
-            return self.store_pack(t)
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return self._leave(f"save #{k} has no storage", t)
-        if self.light:
-            if self.far():
-                if id(st) not in self.seen:
-                    self.seen.add(id(st))
-                    self.counted(st.nbytes())
-                return self.keep(t)
-            self.light = False
-        cur = node.live()
-        if cur is None:
-            if st.nbytes() != node.nbytes:
-                return self._leave(f"save #{k} is over a storage of {st.nbytes()} bytes where the recorded "
-                                   f"step's had {node.nbytes}", t)
-            h = self.pack_bound(t, st, self.bind(node, st), self.register)
-        elif cur is not st:
-            return self._leave(f"save #{k} is over another storage than the recorded step's", t)
-        else:
-            h = self.store_pack(t)
-        self.after()
-        return h
-
-    def _leave(self, why: str, t: Tensor) -> Any:
-        self.leave(why)
-        return self.store_pack(t)
-
-    def leave(self, why: str) -> None:
-        """The step left the program: the rest of it keeps what it saves."""
-        self.off = True
-        self.diverged(why)
-
-    @property
-    def complete(self) -> bool:
-        return not self.off and self.k == len(self.saves)

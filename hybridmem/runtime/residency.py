@@ -28,6 +28,7 @@ from ..graph.units import fmt_bytes
 from .scorer import select_victims
 from .saved import SavedStore
 from .stats import StatsRecorder
+from .survey import Survey
 
 Tensor = torch.Tensor
 
@@ -73,7 +74,16 @@ class Residency:
         store.discard = self.discard
         store.changed = self.forget_offers
         store.dropped = self.dropped
-        self.on_evicted: Callable[[Entry], None] | None = None  # the steady state's recording step listens
+        # the steady state's recording step listens: on_evicted(entry, policy name, handle)
+        self.on_evicted: Callable[[Entry, str, Any], None] | None = None
+        self.rescues: dict[str, int] = {}  # evictions by policy that made room for an allocation refused in an op
+        self._rescuing = False
+        # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey): the runtime
+        # sets ``lift_cap(True/False)``; None raises at the first refusal.
+        self.survey: Survey | None = None
+        self.lift_cap: Callable[[bool], None] | None = None
+        self.in_step: Callable[[], bool] = lambda: True  # whether a training step is running (the runtime's)
+        self.held_at_step_start = 0  # the device's bytes when the last step started (the runtime sets it)
         # plugins: {verify: true}: each evicted entry's bytes are hashed and checked when it is regenerated
         self.verify: dict[int, tuple[bytes, str]] | None = None
 
@@ -97,19 +107,44 @@ class Residency:
         self._record_eviction(e, policy, handle)
         return before - self.meter.current_bytes
 
+    def evict_early(self, e: Entry, name: str) -> bool:
+        """Evict ``e`` by policy ``name`` as it is saved (a steady-state step evicts what its recorded step
+        evicted by swap or compress). The step still holds the tensor, so its storage keeps the entry: a
+        later save of it shares the evicted entry. False where the policy cannot evict it now (compress
+        has not decided, or its encoding found no room)."""
+        policy = self.policies.get(name)
+        if policy is None or e.tensor is None or not policy.applicable(e):
+            return False
+        if e.registered and not self.store.claim(e):
+            return False  # the allocator freed it meanwhile: evicted by recompute already
+        if self.verify is not None and not getattr(policy, "lossy_codecs", None):
+            with self.mode.quiet():
+                self.verify[e.uid] = (digest(e.tensor), policy.name)
+        self.store.before_evict(e)
+        try:
+            with self.mode.quiet():
+                handle = policy.evict(e)
+        except torch.OutOfMemoryError:
+            self.store.resident[e.uid] = e
+            return False
+        self._record_eviction(e, policy, handle, keep_slot=True)
+        return True
+
     def dropped(self, e: Entry) -> None:
         """The allocator freed ``e``'s bytes at an allocation (a registered recompute candidate)."""
         policy = self.policies["recompute"]
         self.store.before_evict(e)
         self._record_eviction(e, policy, policy.evict(e))
 
-    def _record_eviction(self, e: Entry, policy: Policy, handle: Any) -> None:
+    def _record_eviction(self, e: Entry, policy: Policy, handle: Any, keep_slot: bool = False) -> None:
         if self.on_evicted is not None:
-            self.on_evicted(e)
+            self.on_evicted(e, policy.name, handle)
+        if self._rescuing:
+            self.rescues[policy.name] = self.rescues.get(policy.name, 0) + 1
         self._touched[e.uid] = None
         self._offer_cache.pop(e.uid, None)
         self._track_kept(policy, handle)
-        self.store.after_evict(e, policy.name, handle)
+        self.store.after_evict(e, policy.name, handle, keep_slot)
         self.stats.evicted(policy.name, e.nbytes)
         if self.stats.tensor_log is not None:
             self.stats.tensor_log.evicted(e, policy.name)
@@ -183,7 +218,15 @@ class Residency:
     def relieve_oom(self, need: int) -> int:
         """An allocation inside an op failed (``Meter.on_pressure``): ``need`` more bytes must fit. Under a
         budget, evict what takes the live bytes plus ``need`` to it; else (the device itself is full) free
-        ``need``. Returns the bytes freed (1 when they fit already: the op may be retried as it is)."""
+        ``need``. Returns the bytes freed (1 when they fit already: the op may be retried as it is). The
+        evictions are counted by policy in ``rescues`` (the steady state asks what made room)."""
+        self._rescuing = True
+        try:
+            return self._relieve_oom(need)
+        finally:
+            self._rescuing = False
+
+    def _relieve_oom(self, need: int) -> int:
         if self.budget is None:
             return self.relieve(max(need, 1), need)
         over = self.meter.current_bytes + need - self.budget
@@ -198,10 +241,10 @@ class Residency:
 
     def _fragmented(self) -> bool:
         """A real CUDA device whose allocator holds more than it has allocated (cached free blocks)."""
-        m = self.meter
-        if m.simulated or m.native is not None or m.device.type != "cuda":
+        c = self.meter.cuda
+        if c is None or self.meter.native is not None:
             return False
-        return torch.cuda.memory_reserved(m.device) > torch.cuda.memory_allocated(m.device)
+        return c.reserved() > c.allocated()
 
     def _score_inputs(self, min_bytes: int = 0) -> tuple[list[tuple[Entry, Policy]], np.ndarray, np.ndarray,
                                                          np.ndarray, int]:
@@ -262,7 +305,49 @@ class Residency:
             return
         self.relieve(over, extra, self.slack)
         if self.meter.current_bytes + extra > budget:
-            raise self.out_of_memory(extra, what)
+            self.refuse(extra, what)
+
+    def refuse(self, extra: int, what: str, held: int | None = None) -> None:
+        """``extra`` bytes do not fit, and nothing more can be evicted: raise the OOM, or (runtime.survey) note
+        what the budget must hold here and go on uncapped."""
+        if self.survey is None:
+            err = self.out_of_memory(extra, what, held)
+            if self.lift_cap is None:
+                raise err
+            self.survey = Survey(err, self.budget or 0, held_at_start=self.held_at_step_start)
+            self.lift_cap(True)
+            self.stats.note(f"the budget could not hold {what}: the step goes on without the cap to measure what "
+                            "it needs, and raises when the next step starts (runtime.survey)")
+        live = self.meter.current_bytes if held is None else max(held, self.meter.current_bytes)
+        self.survey.note(live + extra - self._evictable_bytes(), what, self.in_step())
+
+    def exhausted(self, extra: int, what: str, held: int | None) -> torch.OutOfMemoryError | None:
+        """``Meter.on_exhausted``: the OOM to raise for an op refused with nothing left to evict, or None where
+        the cap was lifted to measure the step (the op runs again, uncapped)."""
+        try:
+            self.refuse(extra, what, held)
+        except torch.OutOfMemoryError as e:
+            return e
+        return None
+
+    def survey_op(self, peak: int, inputs: set[int], what: str) -> None:
+        """An op of a surveyed step ran: its peak, less what was evictable then (not its inputs: they were in
+        use), is what a budget must hold there."""
+        survey = self.survey
+        assert survey is not None
+        survey.ops += 1
+        survey.note(peak - self._evictable_bytes(inputs), what, self.in_step())
+
+    def end_survey(self) -> torch.OutOfMemoryError | None:
+        """Put the cap back; the OOM naming the budget the surveyed step needed (None: no survey)."""
+        survey, self.survey = self.survey, None
+        if survey is None:
+            return None
+        if self.lift_cap is not None:
+            self.lift_cap(False)
+        err = survey.error(self.meter.current_bytes)
+        self.stats.min_budget_bytes = max(self.stats.min_budget_bytes, err.min_budget_bytes)
+        return err
 
     def out_of_memory(self, extra: int, what: str, held: int | None = None) -> torch.OutOfMemoryError:
         """The OOM to raise: ``extra`` bytes did not fit with what is live (``held``: the bytes the allocator
@@ -289,15 +374,19 @@ class Residency:
             f"(a lower bound: the bytes no policy could evict at the tightest op seen so far plus that op's "
             f"new outputs; later ops of the step may need more). Resident: {held}; {pinned}; {shared}; the rest "
             f"({fmt_bytes(max(live - self.store.resident_bytes(), 0))}) is parameters, buffers, inputs, "
-            f"gradients, optimizer state and tensors the program holds.")
+            f"gradients, optimizer state and tensors the program holds. A budget that works: the peak of a step "
+            f"run without one (`hybridmem run SCRIPT` without --budget, or stats().peak_bytes after "
+            f"hybridmem.enable(budget=None)); the least lies between the two.")
         err.min_budget_bytes = floor  # the number the message names, for a program that retries
         return err
 
-    def _evictable_bytes(self) -> int:
+    def _evictable_bytes(self, exclude: set[int] | None = None) -> int:
+        """What evicting every candidate would free (``exclude``: ids of storages in use, not candidates)."""
         total = 0
         for e in self.candidates():
-            s = [p.savings(e) for p in self._order if p.applicable(e)]
-            total += max(s, default=0)
+            if exclude and e.tensor is not None and id(e.tensor.untyped_storage()) in exclude:
+                continue
+            total += max((save for _, _, save in self._offers(e)), default=0)
         return total
 
     def _resident_summary(self) -> tuple[str, str, str]:
@@ -324,8 +413,10 @@ class Residency:
         if policy is None:
             raise RuntimeError(f"hybridmem: a saved tensor was evicted by policy {name!r}, which is not active")
         t0 = time.perf_counter()
-        self.make_room(e.nbytes, f"regenerating a saved {str(e.dtype).removeprefix('torch.')} tensor "
-                                 f"({fmt_bytes(e.nbytes)}) by {name}")
+        in_flight = getattr(policy, "in_flight", None)
+        if in_flight is None or not in_flight(e):  # a prefetched swap-in holds its device buffer already
+            self.make_room(e.nbytes, f"regenerating a saved {str(e.dtype).removeprefix('torch.')} tensor "
+                                     f"({fmt_bytes(e.nbytes)}) by {name}")
         t1 = time.perf_counter()
         self._ensuring.add(e.uid)
         try:
@@ -381,16 +472,24 @@ class Residency:
         """Start regenerating ``entries`` ahead of use where the budget has room now (a prefetch never
         evicts: it would trade a certain cost for a hoped-for one)."""
         for e in entries:
-            policy = self.policies.get(e.policy or "")
-            if e.tensor is not None or policy is None:
-                continue
-            if self.budget is not None and self.meter.current_bytes + e.nbytes > self.budget:
-                continue
-            try:
-                with self.mode.quiet():
-                    policy.prefetch(e)
-            except torch.OutOfMemoryError:
-                return  # the allocator had no room after all (its cache's free blocks too small): read on demand
+            if self.prefetch_one(e) is None:
+                return
+
+    def prefetch_one(self, e: Entry) -> bool | None:
+        """Start regenerating ``e`` ahead of use if the budget has room for it now (and its reserve): True
+        when started (or nothing to do), False when there is no room by count, None when the allocator
+        refused the room the count promised (its cache's free blocks too small): read on demand."""
+        policy = self.policies.get(e.policy or "")
+        if e.tensor is not None or policy is None:
+            return True
+        if self.budget is not None and self.meter.current_bytes + e.nbytes + self.reserve > self.budget:
+            return False
+        try:
+            with self.mode.quiet():
+                policy.prefetch(e)
+        except torch.OutOfMemoryError:
+            return None
+        return True
 
 
 class RegenerationMismatch(RuntimeError):

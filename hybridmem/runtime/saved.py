@@ -225,6 +225,14 @@ class SavedStore:
         if e.registered:
             self.claim(e)
         if e.tensor is None:
+            # evicted as it was saved, and the step wrote the tensor in place since (seen by the steady step
+            # while the tensor lived, or now): what would come back is the bytes saved, not the tensor's
+            # (PyTorch raises here without hooks)
+            r = e.root() if e.root is not None else None
+            now = r._version + e.vshift if r is not None else e.written
+            if now >= 0 and now != e.version:
+                v = h.view or e.view
+                raise _modified(v.size, v.dtype, e.origin, e.version, now)
             self.ensure(e)
         if h.counter is None:
             now = e.tensor._version + e.vshift
@@ -371,8 +379,12 @@ class SavedStore:
                 slot.entry = None
         self.discard(e)
         node = e.lineage
-        if node is not None and node.entry is e:
-            node.entry = None
+        if node is not None:
+            if node.entry is e:
+                node.entry = None
+            slot = node.storage  # evicted as it was saved: the storage may outlive its entry's handles
+            if getattr(slot, "entry", None) is e:
+                slot.entry = None
         e.tensor = e.handle = e.lineage = None
 
     def sole_owner(self, e: Entry) -> bool:
@@ -386,8 +398,10 @@ class SavedStore:
         e.version = e.tensor._version + e.vshift
         self.resident.pop(e.uid, None)
 
-    def after_evict(self, e: Entry, policy: str, handle: Any) -> None:
-        if e.tensor is not None:
+    def after_evict(self, e: Entry, policy: str, handle: Any, keep_slot: bool = False) -> None:
+        """``keep_slot``: the step still holds the storage (evicted as it was saved): later saves of it find
+        the evicted entry through its slot."""
+        if e.tensor is not None and not keep_slot:
             slot = self.produced.get(e.tensor.untyped_storage())
             if slot is not None and slot.entry is e:
                 slot.entry = None
