@@ -184,10 +184,10 @@ def run_script(argv: Sequence[str], settings: Mapping[str, str] | None = None) -
     and the environment. Used by ``hybridmem run [options] script.py args...``; returns the exit status."""
 
     if not argv:
-        raise ValueError("hybridmem run: give the script to run, e.g. hybridmem run --budget 8GiB train.py")
+        raise ValueError("give the script to run, e.g. hybridmem run --budget 8GiB train.py")
     script = argv[0]
-    if not os.path.isfile(script):
-        raise FileNotFoundError(f"hybridmem run: no such script: {script}")
+    if not os.path.isfile(script):  # the CLI says which command: "hybridmem run: error: ..."
+        raise FileNotFoundError(f"no such script: {script}")
     os.environ.update({k: str(v) for k, v in (settings or {}).items()})
     if not wanted():
         print("hybridmem run: no budget, plan or config given: running monitor-only", file=sys.stderr)

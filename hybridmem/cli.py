@@ -20,7 +20,8 @@ from .graph.multishape import cli_plan, dim_names_of, parse_dims, zoo_factory
 from .graph.plan import Plan
 from .graph.simulate import simulate
 from .graph.units import fmt_bytes, plan_budget_bytes
-from .runfile import is_run_file, main as run_report
+from .runfile import graph_file_of, is_run_file, main as run_report
+from .config import checks as config_checks
 
 _IMPORTED = time.perf_counter()
 DEFAULT_DEVICE = "h100-80gb"
@@ -91,6 +92,12 @@ def _add_model_args(p: argparse.ArgumentParser, *, graph: bool = True) -> None:
                    help="the training step's optimizer, whose state the graph holds for the whole step: none, sgd, "
                         "adam, adamw, rmsprop, adagrad, with options (e.g. sgd:momentum=0.9, adam:amsgrad=true); "
                         "default: the optimizer FACTORY returns, else none")
+    p.add_argument("--grads", choices=("none", "kept"), default=None,
+                   help="gradients the step starts with: none (default: the loop calls zero_grad(set_to_none=True)) "
+                        "or kept (a loop without zero_grad, gradient accumulation: held for the whole step)")
+    p.add_argument("--optimizer-step", action="store_true",
+                   help="count the optimizer's step too (its temporaries after backward; needs an optimizer). "
+                        "The runtime follows plans of forward and backward only: plan without it")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -186,9 +193,12 @@ def _version() -> str:
 def _graph_from_args(args: argparse.Namespace) -> Any:
     opt_text = getattr(args, "optimizer", None)
     if getattr(args, "graph", None):
-        if opt_text is not None:
-            raise ValueError("--optimizer applies to --model: a graph file already holds its optimizer's state "
-                             "(capture it with --optimizer)")
+        given = [o for o, v in (("--optimizer", opt_text), ("--grads", getattr(args, "grads", None)),
+                                ("--optimizer-step", getattr(args, "optimizer_step", False) or None)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --model: a graph "
+                             "file already holds what it counts, its optimizer's state too (capture it with "
+                             f"{'that option' if len(given) == 1 else 'those options'})")
         return Graph.load(args.graph)
 
     if opt_text is not None:
@@ -196,8 +206,12 @@ def _graph_from_args(args: argparse.Namespace) -> Any:
     device = capture_device(args)
     spec = load_model(args.model, size=args.size, batch=args.batch, device=device)
     optimizer = spec.optimizer if opt_text is None else make_optimizer(opt_text, spec.model)
+    step = bool(getattr(args, "optimizer_step", False))
+    if step and optimizer is None:
+        raise ValueError("--optimizer-step counts the optimizer's step, but there is none: give --optimizer "
+                         "(e.g. sgd:momentum=0.9) or return one from the factory")
     g = capture(spec.model, spec.inputs, spec.loss_fn, device=device, granularity=args.granularity,
-                optimizer=optimizer)
+                optimizer=optimizer, grads=getattr(args, "grads", None) or "none", optimizer_step=step)
     g.meta.setdefault("model", spec.name)
     return g
 
@@ -252,6 +266,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.shapes:
         given = [o for o, v in (("--coarsen/--no-coarsen", args.coarsen), ("--target", args.target),
                                 ("--solver-backend", args.solver_backend), ("--optimizer", args.optimizer),
+                                ("--grads", args.grads), ("--optimizer-step", args.optimizer_step or None),
                                 ("--trace-sources", args.trace_sources or None))
                  if v is not None]
         if given:  # the plan book planner takes no solver options yet: refuse rather than ignore them
@@ -269,7 +284,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     summary = _plan_summary(g, p)
     if args.output:
         p.save(args.output)
+        g.save(graph_file_of(args.output))  # for `hybridmem report` of a run that follows the plan
         summary["output"] = str(args.output)
+        summary["graph_output"] = str(graph_file_of(args.output))
     if args.json:
         print(json.dumps(summary, default=str))
     else:
@@ -426,7 +443,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(res.to_dict(), default=str))
     else:
         _print_table(simulate_summary(res))
+        print(counted_text(res.counted))
     return 0
+
+
+def counted_text(counted: dict[str, Any]) -> str:
+    """What the peak counts (``SimResult.counted``), for the terminal."""
+    lines = ["  the peak counts:"]
+    lines += [f"    {k}: {v}" for k, v in counted.items() if k != "bytes"]
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in (counted.get("bytes") or {}).items())
+    if parts:
+        lines.append(f"    at the peak: {parts}")
+    return "\n".join(lines)
 
 
 def simulate_summary(res: Any) -> dict[str, Any]:
@@ -435,13 +463,57 @@ def simulate_summary(res: Any) -> dict[str, Any]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    _check_run_flags(args)
     settings = {"HYBRIDMEM_BUDGET": args.budget, "HYBRIDMEM_POLICIES": args.policies,
                 "HYBRIDMEM_PLAN": args.plan, "HYBRIDMEM_CONFIG": args.config, "HYBRIDMEM_REPORT": args.report,
                 "HYBRIDMEM_MONITOR": args.monitor, "HYBRIDMEM_COMPILE": "1" if args.compile else None}
-    code = run_script([args.script, *args.args], {k: v for k, v in settings.items() if v is not None})
+    try:
+        code = run_script([args.script, *args.args], {k: v for k, v in settings.items() if v is not None})
+    except Exception as e:
+        if getattr(e, "min_budget_bytes", None) is None:  # not the runtime's OOM: the script's own error
+            raise
+        print(budget_too_small(e, args), file=sys.stderr)
+        return 1
     if not args.quiet:
         _print_run_summary()
     return code
+
+
+def _check_run_flags(args: argparse.Namespace) -> None:
+    """``--budget``, ``--policies`` and ``--monitor`` checked as the runtime will read them, before the script
+    starts, so that an error names the flag rather than the variable it is passed on in."""
+    for flag, key in (("--budget", "budget"), ("--policies", "policies")):
+        value = getattr(args, key)
+        if value is not None:
+            try:
+                config_checks()[key](value, key)
+            except ValueError as e:
+                raise ValueError(f"{flag} {value!r}: {e}") from None
+
+
+def budget_too_small(e: BaseException, args: argparse.Namespace) -> str:
+    """One message for a run the budget stopped (the runtime's OOM): the budget it names, and the command that
+    trains with it. The runtime measured the step it stopped (runtime.survey): that budget works; where it did
+    not (``plugins: {survey: false}``) the number is a lower bound, and the message says how to find one."""
+    least = int(getattr(e, "min_budget_bytes"))
+    text = str(e)
+    first = text.split(". ", 1)[0].removeprefix("hybridmem: ")
+    steps = runtime.stats().steps if runtime.enabled() else 0
+    when = (f"after {steps} training step(s)" if steps else
+            "before its first training step ended (building the model and the data counts too)")
+    script = " ".join([args.script, *args.args])
+    retry = f"{(least * 1.01) / 2**20:.2f}MiB"
+    if "holds every op of it" in text:
+        tightest = text.split("(the tightest: ", 1)[1].split(",", 1)[0] if "(the tightest: " in text else "its tightest op"
+        return (f"hybridmem run: {args.script} stopped {when}: {first}.\n"
+                f"  The step ran on without the cap to measure what it needs: {fmt_bytes(least)} ({least} bytes), "
+                f"at {tightest}.\n"
+                f"  Train with it (1 % to spare): hybridmem run --budget {retry} {script}")
+    return (f"hybridmem run: {args.script} stopped {when}: {first}.\n"
+            f"  No budget below {fmt_bytes(least)} ({least} bytes) can work (the bytes nothing could evict at the "
+            "tightest point reached; the rest of the step may need more).\n"
+            f"  A budget that works: the peak that `hybridmem run {script}` reports (no budget: it only measures, "
+            "and prints the range to choose from).")
 
 
 def _print_run_summary() -> None:
@@ -459,6 +531,14 @@ def run_summary(st: Any) -> str:
         return str(st) if st.regions else f"{st}\n  no compiled region ran: did the script call torch.compile?"
     if st.budget_bytes is None:
         head = f"peak {fmt_bytes(st.peak_bytes)} (measure only: no budget)"
+        if st.steps and st.saved_bytes:
+            least = max(st.peak_bytes - st.saved_bytes, 1)
+            choose = (f"  choose a budget: at most {fmt_bytes(st.peak_bytes)} (the peak: nothing to evict) and more "
+                      f"than {fmt_bytes(least)} (the peak less the {fmt_bytes(st.saved_bytes)} of saved "
+                      "activations a step can evict: no budget below works)")
+        else:
+            choose = ("  choose a budget: at most the peak (nothing to evict); `--monitor ops` also counts the saved "
+                      "activations, which bound it from below")
     else:
         share = st.peak_bytes / st.budget_bytes if st.budget_bytes else float("inf")
         head = (f"peak {fmt_bytes(st.peak_bytes)} of a {fmt_bytes(st.budget_bytes)} budget ({share:.0%}, "
@@ -467,6 +547,11 @@ def run_summary(st: Any) -> str:
     lines = [f"hybridmem run{rank} on {st.device}: {head}, {st.steps} step(s)"
              + (f", {st.step_seconds * 1e3:.1f} ms per step" if st.step_seconds else ""),
              f"  saved activations per step  {fmt_bytes(st.saved_bytes)}"]
+    if st.budget_bytes is None:
+        lines.append(choose)
+    elif st.min_budget_bytes:
+        lines.append(f"  no budget below {fmt_bytes(st.min_budget_bytes)} can work (the bytes nothing could evict at "
+                     "the tightest op)")
     for name, p in st.policies.items():
         lines.append(f"  {name:<10} evicted {fmt_bytes(p.evicted_bytes):>11} ({p.evicted} tensors), regenerated "
                      f"{fmt_bytes(p.regenerated_bytes)} in {p.regen_seconds * 1e3:.1f} ms, "

@@ -43,8 +43,8 @@ class Config:
     verbose: bool = False
     # Without a budget or plan, what measures: "allocator" (the allocator's own counters: CUDA's
     # statistics, or on the CPU hybridmem.runtime.cpumeter; nothing per op), "ops" (every op through a dispatch
-    # mode: the cap's units, stages, min_budget_bytes), "auto" (CPU: allocator where the native meter
-    # builds, else ops; CUDA: ops).
+    # mode: the cap's units, stages, min_budget_bytes), "auto" (allocator on CUDA, and on the CPU where the
+    # native meter builds, else ops).
     monitor: str = "auto"
     # torch.compile without a backend uses hybridmem's under the budget (hybridmem.compile.session)
     compile: bool = False
@@ -115,9 +115,17 @@ def _as_bool(value: Any, key: str) -> bool:
                      f"{', '.join(TRUE[:1] + FALSE[:1] + TRUE[2:] + FALSE[2:])}")
 
 
+# a bare number (no unit) below this is refused: bytes that few are a unit left off ("--budget 12"), no budget
+BARE_MIN = 2**20
+
+
 def _as_budget(value: Any, key: str) -> Any:
     if isinstance(value, str) and value.strip().lower() in ("none", "off", "monitor"):
         return None
+    if isinstance(value, str) and value.strip().isdigit() and 0 < int(value) < BARE_MIN:
+        n = int(value)
+        raise ValueError(f"a bare number is bytes, and {n} bytes is less than any training step holds: give a "
+                         f"unit, e.g. '{n}MiB' or '{n}GiB' (bare numbers of bytes start at {BARE_MIN}, 1 MiB)")
     return parse_budget(value)  # percentages stay strings: they need the device
 
 
@@ -136,6 +144,11 @@ def _as_extra(value: Any, key: str) -> dict[str, Any]:
 # setting -> validator(value, key) returning the value to store; raises ValueError
 _CHECKS = {"policies": _as_names, "lossy": _as_names, "verbose": _as_bool, "budget": _as_budget,
            "monitor": _as_monitor, "extra": _as_extra, "compile": _as_bool}
+
+
+def checks() -> dict[str, Any]:
+    """Each setting's validator, ``check(value, key)``: what the command line checks its flags with."""
+    return dict(_CHECKS)
 
 
 def _source(where: str, key: str, value: Any) -> str:

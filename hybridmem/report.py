@@ -53,6 +53,7 @@ class TensorRow:
     source: str = "plan"            # plan (predicted) | measured (the runtime's tensor log)
     tensor: int | None = None       # graph tensor id (plan rows)
     planned: str | None = None      # the plan's decision for it (None: no plan)
+    planned_regen_s: float | None = None  # the plan's predicted regeneration seconds (measured rows beside it)
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Report:
         lines.append(f"budget: {'monitor only' if b is None else f'{fmt_bytes(b)} ({b} B)'}"
                      + (f"; device model: {self.predicted['device']}" if self.predicted.get("device") else "")
                      + (f"; plan: {self.meta['plan']}" if self.meta.get("plan") else ""))
+        if self.meta.get("plan_note"):
+            lines.append(f"plan: {self.meta['plan_note']}")
         lines.append("")
         lines.append("predicted (simulator) vs measured (runtime)")
         lines += _table(["", "predicted", "measured", "measured/predicted"],
@@ -131,9 +134,10 @@ class Report:
             lines.append("saved tensors: no per-tensor source")
         if shown:
             planned = any(r.planned is not None for r in shown)
-            head = ["stage", "module", "op", "bytes", "decision"] + (["plan"] if planned else []) + ["regen", "stalled"]
+            head = (["stage", "module", "op", "bytes", "decision"] + (["plan", "plan regen"] if planned else [])
+                    + ["regen", "stalled"])
             lines += _table(head, [[str(r.stage), r.module or "-", r.op, fmt_bytes(r.nbytes), r.decision]
-                                   + ([r.planned or "-"] if planned else [])
+                                   + ([r.planned or "-", _ms(r.planned_regen_s)] if planned else [])
                                    + [_ms(r.regen_s) if r.regen_s is not None else "-",
                                       "-" if r.stalled is None else
                                       ("yes" + (f" {_ms(r.stall_s)}" if r.stall_s else "") if r.stalled else "no")]
@@ -281,7 +285,8 @@ def _plan_rows(graph: "Graph", plan: "Plan | None", sim: "SimResult | None") -> 
         # compute-stream work, counted in its regeneration time.
         stalled = None if decision == "keep" else bool(stall) if decision in ("swap", "hybrid") else False
         rows.append(TensorRow(t.producer, st.module, st.op, t.nbytes, decision, regen, stalled, stall or None,
-                              "plan", t.id, decision if plan is not None else None))
+                              "plan", t.id, decision if plan is not None else None,
+                              regen if plan is not None else None))
     return rows
 
 
@@ -328,7 +333,8 @@ def _merge_measured(rows: list[TensorRow], log: list[Mapping[str, Any]], graph: 
         if i is not None:
             base = out[i]
             out[i] = TensorRow(base.stage, base.module, base.op, base.nbytes, decision, a["regen_s"],
-                               None if stall is None else stall > 0, stall, "measured", base.tensor, base.planned)
+                               None if stall is None else stall > 0, stall, "measured", base.tensor, base.planned,
+                               base.regen_s if base.source == "plan" else base.planned_regen_s)
         else:
             module = graph.stages[stage].module if graph is not None and 0 <= stage < graph.num_stages else ""
             out.append(TensorRow(stage, module, str(a["op"]), nbytes, decision, a["regen_s"],

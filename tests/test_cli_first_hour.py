@@ -128,7 +128,9 @@ def test_simulate_prints_the_same_numbers_with_and_without_json(tmp_path: Path, 
     assert main(["simulate", "--graph", str(graph), "--plan", str(plan), "--json"]) == 0
     full = json.loads(capsys.readouterr().out)
     assert main(["simulate", "--graph", str(graph), "--plan", str(plan)]) == 0
-    table = dict(line.split(None, 1) for line in capsys.readouterr().out.strip().splitlines())
+    out, counted = capsys.readouterr().out.strip().split("\n  the peak counts:\n")
+    table = dict(line.split(None, 1) for line in out.splitlines())
+    assert "gradients before the step:" in counted and "optimizer state:" in counted   # full["counted"], in words
     assert table["budget_bytes"] == fmt_bytes(full["budget_bytes"]) and full["budget_bytes"] > 0
     assert table["peak_bytes"] == fmt_bytes(full["peak_bytes"])
     assert table["time_s"] == f"{full['time_s'] * 1e3:.3f} ms"

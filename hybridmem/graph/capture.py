@@ -59,6 +59,7 @@ from .merge import merge_stages, module_groups
 from .metacopy import map_tensors, meta_like, meta_model
 from .optstate import add_optimizer_state
 from .recorder import Fixed, Recorder, CaptureMode, arg_tensors
+from .stepparts import GradsBefore, OptimizerStep, check_grads, counted, optimizers_of
 
 __all__ = ["capture", "run_step", "split_inputs", "compute_loss", "CaptureError", "GRANULARITIES"]
 
@@ -163,8 +164,9 @@ def run_step(model: Callable[..., Any], inputs: Any, loss_fn: Callable[[Any], Te
 
 
 def _guarded_step(model: Callable[..., Any], args: tuple, kwargs: dict, loss_fn: Any, rec: Recorder,
-                  dev: torch.device) -> None:
-    """``run_step`` with errors from the model or loss wrapped in a CaptureError saying where."""
+                  dev: torch.device, hold_outputs: bool = False) -> None:
+    """``run_step`` with errors from the model or loss wrapped in a CaptureError saying where
+    (``hold_outputs``: the output is held until backward ends, as by a loop that keeps it)."""
     try:
         out = model(*args, **kwargs)
     except Exception as e:
@@ -178,12 +180,14 @@ def _guarded_step(model: Callable[..., Any], args: tuple, kwargs: dict, loss_fn:
             raise _context(e, rec, dev, "in loss_fn") from e
         loss = compute_loss(raw, _identity)  # checks only: scalar, requires grad
         del raw
-    del out  # as in run_step: the output lives on only where autograd saved it
+    held = out if hold_outputs else None
+    del out  # as in run_step: the output lives on only where autograd saved it (or the loop holds it)
     rec.phase = "backward"
     try:
         loss.backward()
     except Exception as e:
         raise _context(e, rec, dev) from e
+    del held
 
 
 def _identity(x: Any) -> Any:
@@ -193,7 +197,8 @@ def _identity(x: Any) -> Any:
 # ---- capture ----------------------------------------------------------------------------------------
 def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None = None,
             device: str | torch.device | None = None, granularity: str = "op",
-            cost_model: Any = None, optimizer: torch.optim.Optimizer | None = None) -> Graph:
+            cost_model: Any = None, optimizer: torch.optim.Optimizer | str | None = "auto", *,
+            grads: str = "auto", optimizer_step: bool = False, hold_outputs: bool = False) -> Graph:
     """Run one forward + backward of ``model`` on ``inputs`` and return its :class:`Graph`.
 
     ``inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments.
@@ -205,15 +210,36 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
     default device model of ``hybridmem.graph.costs`` on meta. The model's parameters, gradients, buffers
     and the RNG state are left as they were.
 
-    ``optimizer``: the step's optimizer. Its state (momentum buffers, Adam's moments, step counters on
+    ``optimizer``: the step's optimizer; ``"auto"`` (default): the optimizer alive in the process that steps
+    the model's parameters, if there is one (:func:`~hybridmem.graph.stepparts.optimizers_of`); ``None``: none.
+    Its state (momentum buffers, Adam's moments, step counters on
     the device) persists across steps, so the graph holds it for the whole step: one tensor of kind
     ``"optimizer"`` per state tensor (producer -1, never freed, not evictable), sized by
     :func:`~hybridmem.graph.optstate.optimizer_state` (the optimizer is not stepped or changed). Without it a plan ignores those
-    bytes and a run with a stateful optimizer needs more than the plan's budget. The optimizer's own
-    step (its transient buffers) is not part of the graph.
+    bytes and a run with a stateful optimizer needs more than the plan's budget.
+
+    ``grads``: the gradients the step starts with (:mod:`~hybridmem.graph.stepparts`): ``"auto"`` (default)
+    those the parameters have now (a loop that keeps them between steps: held for the whole step, backward
+    adds into them), ``"kept"`` one per parameter that requires grad, ``"none"`` none (as after
+    ``zero_grad(set_to_none=True)``). ``optimizer_step=True`` (needs ``optimizer``) records one step of the
+    optimizer after backward (phase ``"optimizer"``: its state before it, its temporaries in it), taken by
+    a same-class optimizer over the captured parameters; the runtime does not follow a plan made for such a
+    graph (its steps end with backward). ``hold_outputs=True``: the model's output is held until backward
+    ends, as by a loop that keeps it (``out = model(x); loss = f(out)``). ``graph.meta["counted"]`` says
+    what the graph counts beside forward and backward.
     """
+    found = False
+    if isinstance(optimizer, str) and optimizer == "auto":
+        live = optimizers_of(model)
+        if len(live) > 1:
+            raise CaptureError(f"{len(live)} optimizers step the model's parameters "
+                               f"({', '.join(type(o).__name__ for o in live)}): pass the step's one as optimizer=")
+        optimizer, found = (live[0], True) if live else (None, False)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer (or None), got {type(optimizer).__name__}")
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, 'auto' or None, got {optimizer!r}")
+    check_grads(grads)
+    if optimizer_step and optimizer is None:
+        raise ValueError("optimizer_step=True records the optimizer's step: pass optimizer= too")
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity {granularity!r}; accepted: {', '.join(map(repr, GRANULARITIES))}")
     cost_model = resolve_cost_model(cost_model)
@@ -236,9 +262,19 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
                     param_module=param_module)
     scratch = "none (meta: shapes only)" if dev.type == "meta" else "not measured (CUDA)"
 
+    opt_step = None
     with ExitStack() as stack:
         leaves = [t for t in _flat_tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
-        stack.enter_context(PreservedState(run_model, dev, leaves))
+        stack.enter_context(PreservedState(run_model, dev))
+        names = [n for n, _ in run_model.named_parameters()]
+        run_params = list(run_model.parameters())
+        user_params = list(model.parameters())
+        rec.fixed.update(stack.enter_context(GradsBefore(
+            run_params + leaves, user_params + leaves, grads, names + [f"input{i}" for i in range(len(leaves))])))
+        if optimizer_step:
+            assert optimizer is not None
+            opt_step = OptimizerStep(optimizer, user_params, run_params, {id(p): n for n, p in zip(names, run_params)})
+            stack.callback(opt_step.finish)  # parameters restored outside the recording
         handles = _module_hooks(run_model, rec)
         stack.callback(lambda: [h.remove() for h in handles])
         if dev.type == "meta":
@@ -249,9 +285,19 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(rec.saved, lambda x: x))
         stack.enter_context(CaptureMode(rec))
         try:
-            _guarded_step(run_model, args, kwargs, loss_fn, rec, dev)
+            _guarded_step(run_model, args, kwargs, loss_fn, rec, dev, hold_outputs)
             # which parameters got a gradient (before _preserve_state restores them): those get state
             got_grad = {id(p): q.grad is not None for p, q in zip(model.parameters(), run_model.parameters())}
+            if opt_step is not None:
+                rec.paused = True  # its first step (state made) is not the step's
+                try:
+                    rec.fixed.update(opt_step.prepare())
+                finally:
+                    rec.paused = False
+                rec.phase = "optimizer"
+                n_before = len(rec.stages)
+                opt_step.run()
+                opt_ops = len(rec.stages) - n_before
         finally:
             rec.closed = True
             rec.refs.clear()  # unregister the free callbacks now rather than when the recorder is collected
@@ -260,7 +306,12 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
 
     tensors = rec.tensors
     opt_meta = None
-    if optimizer is not None:  # appended last: the ids of the step's own tensors do not change
+    if opt_step is not None:
+        opt_step.unseen_state(tensors, lambda v: id(v.untyped_storage()) in rec.sid)
+        state = [t for t in tensors if t.kind == "optimizer"]
+        opt_meta = {"class": type(optimizer).__name__, "source": "a same-class optimizer stepped (recorded step)",
+                    "state_bytes": sum(t.nbytes for t in state), "other_bytes": 0, "tensors": len(state)}
+    elif optimizer is not None:  # appended last: the ids of the step's own tensors do not change
         opt_meta = add_optimizer_state(tensors, optimizer, model, dev,
                                         lambda p: got_grad.get(id(p), p.requires_grad))
     graph = Graph(rec.stages, tensors, {})
@@ -279,6 +330,8 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
         meta["mutations"] = rec.mutations
     if opt_meta is not None:
         meta["optimizer"] = opt_meta
+    meta["counted"] = counted(tensors, scratch, grads, opt_meta, opt_step is not None,
+                              opt_ops if opt_step is not None else 0, hold_outputs, found)
     meta["cost_model"] = set_stage_costs(graph, cost_model, rec.measured if measure else None)
     graph.meta = meta
     graph.validate()
@@ -389,16 +442,13 @@ def _module_hooks(model: torch.nn.Module, rec: Recorder) -> list[Any]:
 
 
 class PreservedState:
-    """Restore gradients, buffers and the RNG state after capture (no side effects on the model)."""
+    """Restore buffers and the RNG state after capture (no side effects on the model; gradients:
+    :class:`~hybridmem.graph.stepparts.GradsBefore`)."""
 
-    def __init__(self, model: torch.nn.Module, dev: torch.device, leaves: list[Tensor]):
-        self.model, self.dev, self.leaves = model, dev, leaves
+    def __init__(self, model: torch.nn.Module, dev: torch.device):
+        self.model, self.dev = model, dev
 
     def __enter__(self) -> None:
-        params = list(self.model.parameters()) + self.leaves  # inputs that require grad get .grad too
-        self.grads = [(p, p.grad) for p in params]
-        for p in params:
-            p.grad = None  # a step starts from no gradients (zero_grad(set_to_none=True))
         with torch.no_grad():
             self.buffers = [(b, b.clone()) for b in self.model.buffers() if b.device.type != "meta"]
         devices = [self.dev] if self.dev.type == "cuda" else []
@@ -407,8 +457,6 @@ class PreservedState:
 
     def __exit__(self, *exc: Any) -> None:
         self.rng.__exit__(*exc)
-        for p, g in self.grads:
-            p.grad = g
         with torch.no_grad():
             for b, v in self.buffers:
                 b.copy_(v)

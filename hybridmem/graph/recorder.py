@@ -52,6 +52,7 @@ class Recorder:
         self.native: Any = None     # the native allocator device (CPU capture): per-op scratch
         self.error = 0              # id() of the last exception seen leaving a module
         self.error_module = ""
+        self.paused = False         # ops run unrecorded (the optimizer's unrecorded first step)
 
     # -- tensors ---------------------------------------------------------------------------------
     def tid(self, t: Tensor, producer: int) -> tuple[int, bool]:
@@ -218,6 +219,8 @@ class CaptureMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.rec.paused:
+            return func(*args, **kwargs)
         if self.rec.to_meta:
             args, kwargs = self.rec.meta_args(args, kwargs)
         return self.rec.run(func, args, kwargs)

@@ -80,6 +80,9 @@ class SimResult:
     op_costs: str = "model"       # "model": ops timed by the device model; "graph": Stage.cost_s
     solver: str = "keep-all"
     budget_bytes: int | None = None
+    # what the peak counts: the graph's own account (``graph.meta["counted"]``, from capture) and the bytes of
+    # each kind of tensor that exists before the step, which every stage holds (see :func:`counted_bytes`)
+    counted: dict[str, Any] = field(default_factory=dict)
 
     @property
     def overhead(self) -> float:
@@ -104,6 +107,7 @@ class SimResult:
             "memory": self.memory.tolist(), "host_memory": self.host_memory.tolist(),
             "stage_start": self.stage_start.tolist(), "stage_end": self.stage_end.tolist(),
             "violations": [{"stage": v.stage, "tensor": v.tensor, "reason": v.reason} for v in self.violations],
+            "counted": self.counted,
         }
 
 
@@ -137,7 +141,31 @@ def simulate(graph: "Graph", plan: "Plan | None" = None, device: "str | CostMode
     res.device, res.op_costs = model.name, op_costs
     res.solver = plan.solver if plan is not None else "keep-all"
     res.budget_bytes = budget_b
+    res.counted = counted_bytes(graph, res.peak_bytes)
     return res
+
+
+# what each kind of tensor that exists before the step is called in ``counted``
+_BEFORE_STEP = {"param": "parameters", "buffer": "buffers", "input": "inputs", "grad": "gradients before the step",
+                "optimizer": "optimizer state", "state": "other tensors from before the step", "other": "other"}
+
+
+def counted_bytes(graph: "Graph", peak: int) -> dict[str, Any]:
+    """What a peak of ``graph`` counts: ``graph.meta["counted"]`` (capture's account: kernel scratch, gradients
+    before the step, optimizer state and step, loss and outputs), plus ``bytes``: the bytes of each kind of
+    tensor that exists before the step (held at every stage, whatever the plan) and ``made in the step``: the
+    rest of the peak (activations, gradients made by backward, optimizer temporaries, kernel scratch)."""
+    by_kind: dict[str, int] = {}
+    for t in graph.tensors:
+        if t.producer < 0:
+            name = _BEFORE_STEP.get(t.kind, t.kind)
+            by_kind[name] = by_kind.get(name, 0) + t.nbytes
+    by_kind["made in the step"] = max(peak - sum(by_kind.values()), 0)
+    out: dict[str, Any] = dict(graph.meta.get("counted") or {})
+    if not out:
+        out["note"] = "a graph captured before capture said what it counts (capture again for the account)"
+    out["bytes"] = by_kind
+    return out
 
 
 def min_feasible_budget(graph: "Graph") -> int:
