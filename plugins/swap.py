@@ -84,7 +84,10 @@ class PinnedPool:
                 return free.pop()
             self.misses += 1
             self.total_bytes += size
-        return HostBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+        return HostBuffer(self._new(size))
+
+    def _new(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
     def release(self, buf: HostBuffer) -> None:
         size = buf.tensor.numel()
@@ -412,6 +415,12 @@ class SwapPolicy:
             return float(self.cost_model.copy_time(nbytes, direction))
         bw, lat = _LINK.get(device_type, _LINK["cuda"])
         return lat + nbytes / bw
+
+    def step_ended(self) -> None:
+        """The runtime's step ended: fold the copies' finished timings in (event queries, no wait), so that the
+        next step's costs use the share of swap-in time the last ones hid (``_hidden_fraction``)."""
+        for tr in list(self._transports.values()):
+            tr.poll()
 
     def synchronize(self) -> None:
         """Wait for every copy in flight and fold their timings into ``stats`` (tests, step end)."""

@@ -460,3 +460,27 @@ def test_gpu_check_sets_the_knapsack_beside_the_backend_on_a_dry_run(one_thread)
     row = lines[1]
     assert row.startswith("compiled gpt amb=0.5") and "knapsack: peak" in row and "median of 10 interleaved" in row
     assert re.search(r"step x\d\.\d{3}  \|", row) and re.search(r"\), step x\d\.\d{3}  \(unmanaged", row), row
+
+
+@pytest.mark.slow
+def test_gpu_bench_dry_run_on_the_cpu(tmp_path, one_thread) -> None:
+    """bench/gpu_bench.py's rows on the CPU (the GPU command, prepared): every row ran, hybridmem's within its
+    budget and bit-identical to the unmanaged row, and the markdown and JSON written."""
+    import json
+
+    from bench.gpu_bench import main
+
+    rows = "unmanaged,checkpoint,selective,save_on_cpu,watch,online@ckpt,planned@ckpt"
+    assert main(["--device", "cpu", "--size", "tiny", "--models", "gpt", "--rows", rows, "--steps", "4",
+                 "--md", str(tmp_path / "g.md"), "--json", str(tmp_path / "g.json")]) == 0
+    results = json.loads((tmp_path / "g.json").read_text())["results"]
+    assert [r["row"] for r in results] == rows.split(",")
+    assert not [r for r in results if r["error"]], results
+    for r in results[1:]:
+        assert r["same"] == "yes", r
+    for r in results:
+        if r["budget"]:
+            assert r["peak"] <= r["budget"] and r["steady"] > 0, r
+    assert "| gpt | online@ckpt |" in (tmp_path / "g.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["--rows", "unmanaged,nope"])

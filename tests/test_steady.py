@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import math
 from typing import Any, Callable
 
 import pytest
@@ -17,82 +16,15 @@ import torch
 from torch import nn
 
 import hybridmem
-from hybridmem.zoo import build
 from hybridmem.runtime import cpumeter
 from hybridmem.runtime.meter import profiler_peak
-from hybridmem.runtime.stats import PolicyStats
-from tests.helpers.runtime import raw
+from tests.helpers.steady import (budget_run as _budget_run, monitor_peak as _monitor_peak,
+                                  recompute_stats as _rc, train_steps as _train, zoo_batches as _zoo)
 
 torch.set_num_threads(1)
 
 pytestmark = pytest.mark.skipif(cpumeter.load() is None,
                                 reason=f"native allocator device unavailable: {cpumeter.unavailable_reason()}")
-
-
-def _train(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., torch.Tensor], *,
-           session: dict | None = None, per_step: Callable[[int, Any], None] | None = None) -> tuple[list, Any]:
-    """SGD steps over ``batches``; returns (losses, grads, params and buffers as bytes) and the stats."""
-    model = copy.deepcopy(model)
-    torch.manual_seed(7)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses: list[float] = []
-    stats = None
-    ctx = hybridmem.session(**session) if session is not None else None
-    s = ctx.__enter__() if ctx is not None else None
-    try:
-        for i, batch in enumerate(batches):
-            loss = loss_fn(model, *batch)
-            loss.backward()
-            losses.append(loss.item())
-            if per_step is not None and s is not None:
-                per_step(i, s.stats())
-            if i < len(batches) - 1:
-                opt.step()
-                opt.zero_grad()
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-            stats = s.stats()
-    grads = [raw(p.grad) for p in model.parameters() if p.grad is not None]
-    state = [raw(t) for t in (*model.parameters(), *model.buffers())]
-    return [losses, grads, state], stats
-
-
-def _rc(stats: Any) -> PolicyStats:
-    return stats.policies.get("recompute", PolicyStats())
-
-
-def _monitor_peak(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., torch.Tensor]) -> tuple[int, int]:
-    _, st = _train(model, batches[:2], loss_fn, session={"budget": None})
-    return st.peak_bytes, st.saved_bytes
-
-
-def _zoo(name: str, steps: int = 4) -> tuple[nn.Module, list[tuple], Callable[..., torch.Tensor]]:
-    e = build(name, "small", seed=0)
-    args, kwargs = e.args_kwargs()
-
-    def loss_fn(model: nn.Module, *a: Any) -> torch.Tensor:
-        return e.loss_fn(model(*a, **kwargs))
-    return e.model, [tuple(args)] * steps, loss_fn
-
-
-def _budget_run(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., torch.Tensor], cut: float,
-                **extra: Any) -> tuple[list, Any, int, list[Any]]:
-    """Train under peak - cut * saved (raised to the minimum an OOM names, as a user would)."""
-    peak, saved = _monitor_peak(model, batches, loss_fn)
-    budget = int(peak - cut * saved)
-    per: list[Any] = []
-    for _ in range(6):
-        per.clear()
-        try:
-            got, st = _train(model, batches, loss_fn, per_step=lambda i, s: per.append(s),
-                             session={"budget": budget, "policies": ("recompute",), **extra})
-            return got, st, budget, per
-        except torch.OutOfMemoryError as e:
-            floor = getattr(e, "min_budget_bytes", 0)
-            assert floor > budget, f"an OOM at {budget} must name a larger minimum: {e}"
-            budget = math.ceil(floor * 1.01)
-    raise AssertionError("no feasible budget in 6 tries")
 
 
 @pytest.mark.parametrize("name,cut", [("resnet50", 0.3), ("mobilenet", 0.3), ("unet", 0.3), ("resnet101", 0.3), ("transformer", 0.3), ("gpt", 0.3)])

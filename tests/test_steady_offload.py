@@ -17,7 +17,9 @@ from torch import nn
 import hybridmem
 from hybridmem.runtime import cpumeter
 from hybridmem.runtime.meter import profiler_peak
-from tests.test_steady import _monitor_peak, _train, _zoo
+from hybridmem.plugins.swap import _CudaTransport
+from tests.helpers.fakecuda import FakeCuda, HostPool
+from tests.helpers.steady import monitor_peak as _monitor_peak, train_steps as _train, zoo_batches as _zoo
 
 torch.set_num_threads(1)
 
@@ -129,6 +131,39 @@ def test_steady_prefetch_follows_the_recorded_read_order() -> None:
         assert events.index(("prefetch", uid)) < events.index(("read", uid))
     first_reads = list(dict.fromkeys(uid for what, uid in events if what == "read"))
     assert [u for u in first_reads if u in set(prefetched)] == list(dict.fromkeys(prefetched))  # in read order
+
+
+def test_steady_swaps_follow_the_cuda_protocol() -> None:
+    """The steady steps' swaps through the CUDA transport (a recording stand-in for torch.cuda on the CPU):
+    each copy out is queued on its side stream behind the compute stream, each prefetched copy in on the
+    other, the compute stream waits for it on the device; the host never waits for an event."""
+    seen: dict[str, Any] = {}
+
+    def once(rt: Any) -> None:
+        if seen.get("rt") is rt:
+            return
+        seen["rt"] = rt
+        fake = seen["fake"] = FakeCuda()  # a retry's session: a transport of its own
+        swap = rt.policies["swap"]
+        pool = HostPool()
+        tr = _CudaTransport(torch.device("cpu"), swap._c, pool, timing=True, cuda=fake)
+        tr._record_stream = lambda t, s: fake.log.append(("record_stream", s.name))
+        swap._transports[torch.device("cpu")], swap.pool = tr, pool
+        rt._steady_parts.prefetch = rt._prefetch_one
+        fake.log.append(("watching",))
+    ref, got, st, budget = _run("resnet50", 0.3, ("swap",), once)
+    assert got == ref
+    assert st.steady_steps == 3 and st.peak_bytes <= budget, st.notes
+    log = seen["fake"].log
+    assert not [x for x in log if x[0] == "event_sync"]          # the host never waits
+    def after_compute(stream: str) -> bool:
+        """Every copy on ``stream`` is queued after the stream waited for the compute stream."""
+        enters = [i for i, x in enumerate(log) if x == ("enter", stream)]
+        return bool(enters) and all(("wait_stream", stream, "compute") in log[max(0, i - 3):i] for i in enters)
+    assert after_compute("d2h") and after_compute("h2d")
+    assert ("wait_event", "compute") in {x[:2] for x in log}     # a device-side wait for each swap-in
+    swap = seen["rt"].policies["swap"]
+    assert swap.stats["prefetched"] > 0 and swap.stats["d2h_reused"] >= 0
 
 
 class _WritesLater(nn.Module):

@@ -18,7 +18,7 @@ from torch import nn
 from hybridmem.runtime import cpumeter
 from hybridmem.runtime.lineage import OPAQUE, FixedRef, Node, NodeRef, OpRecord, View
 from hybridmem.runtime.replay import Replayer, _own_reason
-from tests.test_steady import _budget_run, _train
+from tests.helpers.steady import budget_run as _budget_run, train_steps as _train
 
 torch.set_num_threads(1)
 

@@ -2,7 +2,6 @@
 CUDA stream/event protocol (with a recording fake of torch.cuda here; for real where a GPU exists)."""
 from __future__ import annotations
 
-import contextlib
 import gc
 import weakref
 
@@ -11,9 +10,9 @@ import torch
 
 from hybridmem.plugins.base import Policy
 from hybridmem.runtime.entry import Entry
-from hybridmem.plugins.codecs import bits_dtype
 from hybridmem.plugins.swap import PinnedPool, SwapPolicy, _CudaTransport
 from tests.helpers import bit_equal, entry_of
+from tests.helpers.fakecuda import FakeCuda
 
 
 def test_policy_protocol():
@@ -146,66 +145,8 @@ def test_pool_buckets_and_reuse():
 
 # ---- the CUDA protocol, against a recording fake of torch.cuda ---------------------------------------
 
-class _FakeEvent:
-    def __init__(self, log, enable_timing=False):
-        self.log, self.timing, self.stream = log, enable_timing, None
-
-    def record(self, stream=None):
-        self.stream = stream
-        self.log.append(("record", stream.name, id(self)))
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        self.log.append(("event_sync", id(self)))
-
-    def elapsed_time(self, end):
-        return 2.0 if end.stream.name == "compute" else 5.0     # ms: stalls 2 ms, copies 5 ms
-
-
-class _FakeStream:
-    def __init__(self, log, name):
-        self.log, self.name = log, name
-
-    def wait_stream(self, other):
-        self.log.append(("wait_stream", self.name, other.name))
-
-    def wait_event(self, event):
-        self.log.append(("wait_event", self.name, id(event)))
-
-
-class _FakeCuda:
-    """Synchronous stand-in for torch.cuda that records the order of stream operations."""
-
-    def __init__(self):
-        self.log: list[tuple] = []
-        self.compute = _FakeStream(self.log, "compute")
-        self._names = iter(["d2h", "h2d"])
-        self.current = self.compute
-
-    def Stream(self, device=None):
-        return _FakeStream(self.log, next(self._names))
-
-    def Event(self, enable_timing=False):
-        return _FakeEvent(self.log, enable_timing)
-
-    def current_stream(self, device=None):
-        return self.current
-
-    @contextlib.contextmanager
-    def stream(self, s):
-        prev, self.current = self.current, s
-        self.log.append(("enter", s.name))
-        try:
-            yield
-        finally:
-            self.current = prev
-            self.log.append(("exit", s.name))
-
-
 def _fake_cuda_policy():
-    fake = _FakeCuda()
+    fake = FakeCuda()
     p = SwapPolicy()
     pool = PinnedPool(pin=False)
     tr = _CudaTransport(torch.device("cpu"), p._c, pool, timing=True, cuda=fake)

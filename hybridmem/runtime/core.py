@@ -201,6 +201,8 @@ class Runtime:
             bind = getattr(p, "bind", None)
             if bind is not None:
                 bind(self)
+        # policies that learn from each step (swap: the share of its copies compute hid)
+        self._policy_step_ends = [h for p in self.policies.values() if (h := getattr(p, "step_ended", None))]
         self.mode: RuntimeMode | None = None
         self._hooks: Any = None
         # Monitor-only through the allocator's counters with counting hooks, nothing per op (runtime.monitor):
@@ -687,6 +689,8 @@ class Runtime:
         elif self._program_rec is not None:
             self._finish_program(stages)
         self.store.drain()
+        for hook in self._policy_step_ends:
+            hook()
         self.stats.step_done(stages)
         self.fsdp_sync.refresh()
         if self.recorder is not None:
