@@ -533,9 +533,12 @@ def run_summary(st: Any) -> str:
         head = f"peak {fmt_bytes(st.peak_bytes)} (measure only: no budget)"
         if st.steps and st.saved_bytes:
             least = max(st.peak_bytes - st.saved_bytes, 1)
+            why = (f"the peak less the {fmt_bytes(st.saved_bytes)} of saved activations a step can evict: no budget "
+                   "below works")
+            if st.min_budget_bytes > least:  # --monitor ops: measured at each op
+                least, why = st.min_budget_bytes, "what no budget could evict at the tightest op: none below works"
             choose = (f"  choose a budget: at most {fmt_bytes(st.peak_bytes)} (the peak: nothing to evict) and more "
-                      f"than {fmt_bytes(least)} (the peak less the {fmt_bytes(st.saved_bytes)} of saved "
-                      "activations a step can evict: no budget below works)")
+                      f"than {fmt_bytes(least)} ({why})")
         else:
             choose = ("  choose a budget: at most the peak (nothing to evict); `--monitor ops` also counts the saved "
                       "activations, which bound it from below")

@@ -9,7 +9,7 @@ from torch import nn
 
 import hybridmem
 from hybridmem.errors import CaptureError
-from hybridmem.graph.capture import split_inputs
+from hybridmem.graph.capture import capture, split_inputs
 from hybridmem.runtime import cpumeter
 from hybridmem.zoo import build
 from tests.helpers.peaks import real_peak
@@ -105,3 +105,26 @@ def test_bad_step_settings_are_refused() -> None:
     with pytest.raises(CaptureError, match="2 optimizers step the model's parameters.*pass the step's one"):
         hybridmem.capture(m, x)
     del a, b
+
+
+def test_a_plan_of_a_step_with_its_optimizer_step_is_followed() -> None:
+    """A graph captured with ``optimizer_step=True`` ends with the optimizer's stages, which run between the
+    runtime's steps: its plan is followed (the signature is the step's forward and backward), bit-identical."""
+    import copy
+
+    from hybridmem.solvers import plan
+    from tests.helpers.runtime import Case, train
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
+    x = torch.randn(2048, 64)
+    case = Case("mlp", model, (x,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = capture(model, (x,), case.loss_fn, device="cpu", optimizer=opt, optimizer_step=True)
+    assert any(s.phase == "optimizer" for s in g.stages)
+    p = plan(g, int(0.8 * g.peak_bytes()), device="cpu", time_limit=20, exact=False)
+    ref = train(case, copy.deepcopy(model), 4)
+    with hybridmem.session(plan=p, device="cpu") as s:
+        got = train(case, copy.deepcopy(model), 4)
+    assert got == ref
+    assert s.stats().plan == "following", s.stats().plan_note

@@ -45,6 +45,10 @@ class FixedMarker:
     def install(self) -> None:
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pre)
         self._opt_handle = register_optimizer_step_pre_hook(self._optimizer_step)
+        for r in list(self._optimizers.values()):  # installed again: state its steps made meanwhile counts too
+            opt = r()
+            if opt is not None:
+                self.meter.track(opt)
 
     def uninstall(self) -> None:
         if self._handle is not None:

@@ -63,27 +63,35 @@ def _merged_name(names: list[str]) -> str:
     return op
 
 
+def step_stages(graph: "Graph") -> list[Any]:
+    """The stages a training step runs, forward and backward: a graph captured with ``optimizer_step=True``
+    ends with the optimizer's, which run between steps, where the runtime observes no stage."""
+    return [s for s in graph.stages if s.phase != "optimizer"]
+
+
 def graph_signature(graph: "Graph") -> str:
-    """The op signature of a captured graph (op or module granularity)."""
-    if all(s.ops == 1 for s in graph.stages):
-        return op_signature([s.op for s in graph.stages])
+    """The op signature of a captured graph's step (op or module granularity)."""
+    stages = step_stages(graph)
+    if all(s.ops == 1 for s in stages):
+        return op_signature([s.op for s in stages])
     h = hashlib.sha256()
-    for s in graph.stages:
+    for s in stages:
         h.update(f"{s.op}|{s.ops}\n".encode())
     return h.hexdigest()[:16]
 
 
 def annotate(plan: Plan, graph: "Graph") -> Plan:
     """Add what the runtime needs to follow ``plan`` (made for ``graph``) to ``plan.info["runtime"]``."""
+    stages = step_stages(graph)
     tensors: dict[str, list[int]] = {}
     for a in plan.actions:
         t = graph.tensors[a.tensor]
-        if t.producer < 0:
+        if t.producer < 0 or t.producer >= len(stages):
             continue
         outs = graph.stages[t.producer].outputs
         tensors[str(a.tensor)] = [t.producer, outs.index(t.id), t.nbytes]
-    ann: dict[str, Any] = {"signature": graph_signature(graph), "stages": graph.num_stages, "tensors": tensors}
-    groups = [s.ops for s in graph.stages]
+    ann: dict[str, Any] = {"signature": graph_signature(graph), "stages": len(stages), "tensors": tensors}
+    groups = [s.ops for s in stages]
     if any(n != 1 for n in groups):
         ann["ops_per_stage"] = groups
     plan.info["runtime"] = ann

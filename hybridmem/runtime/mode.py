@@ -175,6 +175,10 @@ class RuntimeMode(MeterMode):
             _reread_written(m, func, args, kwargs)
         if m._current > m._peak:
             m._peak = m._current
+        # what no budget could evict here: all but the saved activations alive (a lower bound: min_budget_bytes)
+        floor = m._current - self.produced.saved_live
+        if floor > self.stats.min_budget_bytes:
+            self.stats.min_budget_bytes = floor
         self.store.last_op = f.name
         if f.collective:
             self.rt.fsdp_sync.after_op(func, args, kwargs)
@@ -228,6 +232,10 @@ class RuntimeMode(MeterMode):
             if budget is not None and m.current_bytes > budget:
                 self._overrun(f)
             return
+        if budget is None and self.follower is None:  # measuring per op: what no budget could evict here
+            floor = m.current_bytes - self.produced.saved_live
+            if floor > self.stats.min_budget_bytes:
+                self.stats.min_budget_bytes = floor
         self.store.last_op = f.name
         if fresh:  # as in capture: what a non-stage op allocates belongs to the last stage
             st = self.steps.stage

@@ -45,9 +45,11 @@ from .threads import OwnerThread, drop_hooks
 
 Tensor = torch.Tensor
 NOTE = ("monitor: CPU allocator (native meter, no per-op hook): stages and min_budget_bytes are not "
-        "measured; monitor='ops' measures them, per op")
+        "measured; monitor='ops' measures them, per op (min_budget_bytes: a lower bound, what no budget could "
+        "evict at the tightest op)")
 NOTE_CUDA = ("monitor: CUDA caching allocator's counters (no per-op hook): stages and min_budget_bytes are not "
-             "measured; monitor='ops' measures them, per op")
+             "measured; monitor='ops' measures them, per op (min_budget_bytes: a lower bound, what no budget could "
+             "evict at the tightest op)")
 
 
 class CudaAllocatorView:
@@ -121,6 +123,10 @@ class AllocatorMonitor:
         self.native.add_external(self.fixed_bytes)  # module state seen before (a session inside ours)
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
         self._opt_handle = register_optimizer_step_pre_hook(self._optimizer_step)
+        for r in list(self._optimizers.values()):  # installed again: state its steps made meanwhile counts too
+            opt = r()
+            if opt is not None:
+                self._state(t for state in opt.state.values() for t in state.values() if isinstance(t, Tensor))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
 

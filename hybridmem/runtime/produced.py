@@ -20,7 +20,7 @@ class Slot(StorageRef):
     """Weak reference to a produced storage, with the runtime's facts about it. Made by
     :func:`make_slot` (no Python ``__init__``: a slot is made for every new storage)."""
 
-    __slots__ = ("node", "entry", "last_entry", "stage", "saved_step")
+    __slots__ = ("node", "entry", "last_entry", "stage", "saved_step", "saved_bytes")
 
 
 def make_slot(st: torch.UntypedStorage, k: int, nbytes: int, callback: Any) -> Slot:
@@ -30,6 +30,7 @@ def make_slot(st: torch.UntypedStorage, k: int, nbytes: int, callback: Any) -> S
     s.last_entry = None  # the entry it had when freed (a plan regenerates evicted tensors by it)
     s.stage = -1         # the step's stage it was produced in (a Graph tensor's producer)
     s.saved_step = -1    # monitor-only hooks: the step in which it was last counted as saved
+    s.saved_bytes = 0    # monitor-only hooks: its bytes, once autograd saved it (counted in saved_live)
     return s
 
 
@@ -39,6 +40,7 @@ class ProducedTable:
 
     def __init__(self, meter: Meter | None = None) -> None:
         self.slots: dict[int, Slot] = {}
+        self.saved_live = 0  # bytes of the storages autograd saved that are alive (monitor-only hooks count them)
         self.meter = meter if meter is not None and meter.simulated else None
         self._gone_cb = self._gone
         self._gone_counted_cb = self._gone_counted
@@ -67,6 +69,7 @@ class ProducedTable:
             del self.slots[slot.key]
         slot.last_entry, slot.entry = slot.entry, None
         slot.node = None  # a node keeps its lineage; it just no longer has a live storage
+        self.saved_live -= slot.saved_bytes
 
     def _gone_counted(self, slot: Slot) -> None:
         # _gone and Meter._freed in one callback (one runs per freed activation).
@@ -75,6 +78,7 @@ class ProducedTable:
             del self.slots[k]
         slot.last_entry, slot.entry = slot.entry, None
         slot.node = None
+        self.saved_live -= slot.saved_bytes
         m = self.meter
         live = m._live  # type: ignore[union-attr]
         if live.get(k) is slot:

@@ -207,7 +207,11 @@ class SavedStore:
                 slot.node = slot.entry = None
             else:
                 slot.saved_step = self.epoch
-                self.stats.saved(st.nbytes())
+                nbytes = st.nbytes()
+                self.stats.saved(nbytes)
+                if not slot.saved_bytes:  # alive and saved: what a budget could evict (the ops monitor's floor)
+                    slot.saved_bytes = nbytes
+                    self.produced.saved_live += nbytes
         if t.grad_fn is not None:
             with torch._C._DisableTorchDispatch():
                 t = t.detach()  # see _keep: no reference cycle through the node
