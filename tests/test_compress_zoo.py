@@ -155,12 +155,15 @@ def test_compress_alone_refuses_a_budget_below_what_it_can_save(name: str) -> No
     budget = b.peak - sum(b.share.values())
     case = zoo_case(name)
     model = copy.deepcopy(case.model)
-    with pytest.raises(torch.OutOfMemoryError, match="Smallest budget that could work") as err:
+    with pytest.raises(torch.OutOfMemoryError, match="holds every op of it") as err:
         with hybridmem.session(budget=budget, policies=("compress",), device="cpu"):
             train(case, model, optim=OPTIM)
-    m = re.search(r"Smallest budget that could work: at least [^(]*\((\d+) bytes\)", str(err.value))
+    # the step went on uncapped and names the budget it needed (runtime.survey): compress cannot get below
+    # the peak by much more than its codecs save
+    m = re.search(r"a budget of [^(]*\((\d+) bytes\) holds every op of it", str(err.value))
     assert m is not None, str(err.value)
-    assert budget < int(m.group(1)) <= b.peak
+    assert budget < int(m.group(1)) == err.value.min_budget_bytes <= 1.02 * b.peak
+    del err
 
 
 def test_compressible_share_leaves_nothing_alive() -> None:

@@ -122,7 +122,10 @@ def disable() -> None:
             raise
         err, rt.survey_error = getattr(rt, "survey_error", None), None
         if err is not None and sys.exc_info()[0] is None:  # a step over the budget, measured (runtime.survey):
-            raise err                                     # reported unless an exception is on its way already
+            try:                                          # reported unless an exception is on its way already
+                raise err
+            finally:
+                err = None  # no cycle through this frame (see Residency.refuse)
 
 
 def enabled() -> bool:

@@ -22,11 +22,12 @@ from ..graph.planbook import PlanBook, is_book
 from .buckets import BucketSwitch
 from ..config import Config
 from .distributed import FsdpStorageSync
-from ..errors import UnknownNameError
+from ..errors import CaptureError, UnknownNameError
 from .meter import Meter
 from ..graph.costs import get_cost_model
 from ..graph.units import fmt_bytes, parse_bytes
 from ..graph.outputs import storage_of
+from ..graph.optstate import optimizer_state
 from ..graph.plan import Plan
 from .ledger import TensorLog
 from . import ckpt
@@ -183,6 +184,8 @@ class Runtime:
                                      self.meter.retry_oom)
         self.steps = StepTracker(self._step_started, self._step_ended)
         self.residency.in_step = lambda: self.steps.phase != IDLE
+        self.residency.on_budget = self._working_budget
+        self.residency.state_to_come = self._state_to_come
         self.owner = OwnerThread()
         self.fixed = FixedMarker(self.produced, self.meter, self._module_called)
         self.prefetcher: Prefetcher | None = None
@@ -411,10 +414,6 @@ class Runtime:
             self.owner.foreign_module_call()
             return
         steps = self.steps
-        survey = self.residency.survey
-        if survey is not None and survey.steps_ended and steps.phase != FORWARD and torch.is_grad_enabled() \
-                and torch._C._current_graph_task_id() == -1:
-            raise self.residency.end_survey()  # a step over the budget was measured: say what it needs
         if self.steady_possible and steps.phase != FORWARD and torch.is_grad_enabled() \
                 and torch._C._current_graph_task_id() == -1:
             self._choose_step()  # a step starts here: with the dispatch mode, or in the steady state
@@ -488,6 +487,11 @@ class Runtime:
         if self._program_rec is not None and type(h) is Saved:
             self._program_rec.read(h.entry)
         return self.store.unpack(h)
+
+    def _working_budget(self, budget: int) -> None:
+        """The budget the dispatch mode makes room under (a surveyed step raises it: runtime.survey)."""
+        if self.mode is not None:
+            self.mode.budget = budget
 
     def _prefetch_one(self, e: Any) -> bool:
         return bool(self.residency.prefetch_one(e))
@@ -652,10 +656,6 @@ class Runtime:
 
     def _step_started(self) -> None:
         self._calls, self._last_random_call, self._module = 0, -1, None
-        if self.budget is not None:
-            held = self.residency.held_at_step_start = self.meter.current_bytes
-            if self.residency.survey is not None:
-                self.residency.survey.held_at_start = held
         self.store.epoch += 1
         self.stats.step_started()
         self.estimator.new_step()
@@ -676,7 +676,7 @@ class Runtime:
         self._module = None
         survey = self.residency.survey
         if survey is not None:
-            survey.steps_ended += 1
+            survey.steps_ended += 1  # a step over the budget, measured: raised from backward() below
         steady = self._steady
         if steady is not None:
             self._steady = None
@@ -701,6 +701,30 @@ class Runtime:
             self.follower.step_ended(stages)
         if self.buckets is not None:
             self.buckets.step_ended()
+        if survey is not None:  # the step ran on uncapped to measure what it needs (runtime.survey)
+            with self.residency.mode.quiet():  # sizing an optimizer's state runs ops on meta copies
+                to_come = self._state_to_come()
+            if to_come and survey.steps_ended == 1:
+                # the optimizers' first step is to come, and every later step holds their state: measure the
+                # next step too, evicting from its start as a run at what this one needed with that state would
+                survey.carry(to_come)
+                self.residency.evict_as_needed()
+                return
+            raise self.residency.end_survey()
+
+    def _state_to_come(self) -> int:
+        """Bytes of state on this device that the optimizers stepping the model will hold and hold none of yet
+        (their first step makes it), sized without stepping them."""
+        total = 0
+        for opt in self.fixed.optimizers():
+            if any(opt.state.get(p) for g in opt.param_groups for p in g["params"]):
+                continue
+            try:
+                states, _ = optimizer_state(opt)
+            except (CaptureError, RuntimeError, TypeError):  # an optimizer that cannot be sized without a step
+                continue
+            total += sum(t.nbytes for t in states if t.on_device and t.param.device == self.device)
+        return total
 
     # ---- stats ---------------------------------------------------------------------------------
     def snapshot(self) -> Stats:

@@ -87,6 +87,10 @@ class FixedMarker:
             for o in optimizers_of(module):
                 self._optimizer_step(o)
 
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers seen stepping the model (or found at its first call) that are still alive."""
+        return [o for r in list(self._optimizers.values()) if (o := r()) is not None]
+
     def modules(self) -> list[torch.nn.Module]:
         """The modules called so far that are still alive."""
         return [m for r in list(self._seen.values()) if (m := r()) is not None]

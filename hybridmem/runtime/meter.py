@@ -374,7 +374,10 @@ class Meter:
                         exc = self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", None)
                         if exc is None:
                             return fn(*args, **kwargs)
-                        raise exc from e
+                        try:
+                            raise exc from e
+                        finally:
+                            exc = None  # no cycle through this frame (see Residency.refuse)
                     raise
                 # What the op had allocated when it was refused is free again now, and the retry
                 # allocates it once more: ask for room for that too.
@@ -385,7 +388,10 @@ class Meter:
                         exc = self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", held)
                         if exc is None:
                             return fn(*args, **kwargs)
-                        raise exc from e
+                        try:
+                            raise exc from e
+                        finally:
+                            exc = None  # no cycle through this frame (see Residency.refuse)
                     raise
         raise AssertionError("unreachable")
 

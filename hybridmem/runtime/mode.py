@@ -379,9 +379,10 @@ class RuntimeMode(MeterMode):
 
     def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         residency = self.residency
-        if residency.survey is None or self.internal:
+        if residency.survey is None:
             return MeterMode.run_op(self, func, args, kwargs)
-        # a step the budget could not hold, going on uncapped (runtime.survey): what each op needed
+        # a step the budget could not hold, going on uncapped (runtime.survey): what each op needed, the ops
+        # that rebuild a tensor included (a recompute's replay runs its ops under this mode)
         start, read = self.rt.op_peak
         mark = start()
         out = MeterMode.run_op(self, func, args, kwargs)

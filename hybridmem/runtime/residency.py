@@ -83,7 +83,9 @@ class Residency:
         self.survey: Survey | None = None
         self.lift_cap: Callable[[bool], None] | None = None
         self.in_step: Callable[[], bool] = lambda: True  # whether a training step is running (the runtime's)
-        self.held_at_step_start = 0  # the device's bytes when the last step started (the runtime sets it)
+        # the bytes of optimizer state the model's optimizers will hold from their first step on (the runtime's)
+        self.state_to_come: Callable[[], int] = lambda: 0
+        self.on_budget: Callable[[int], None] | None = None  # the budget the dispatch mode makes room under
         # plugins: {verify: true}: each evicted entry's bytes are hashed and checked when it is regenerated
         self.verify: dict[int, tuple[bytes, str]] | None = None
 
@@ -310,25 +312,41 @@ class Residency:
     def refuse(self, extra: int, what: str, held: int | None = None) -> None:
         """``extra`` bytes do not fit, and nothing more can be evicted: raise the OOM, or (runtime.survey) note
         what the budget must hold here and go on uncapped."""
+        err = self.exhausted(extra, what, held)
+        if err is not None:
+            try:
+                raise err
+            finally:
+                err = None  # a frame in the traceback holding its own error is a cycle: the step's tensors with it
+
+    def exhausted(self, extra: int, what: str, held: int | None) -> torch.OutOfMemoryError | None:
+        """``Meter.on_exhausted`` (and ``refuse``): the OOM to raise where nothing more can be evicted, or None
+        where the step goes on uncapped to measure what it needs (runtime.survey): what the budget must hold
+        here is noted. The OOM is made, not raised: its raiser's traceback is the one a user reads."""
         if self.survey is None:
             err = self.out_of_memory(extra, what, held)
             if self.lift_cap is None:
-                raise err
-            self.survey = Survey(err, self.budget or 0, held_at_start=self.held_at_step_start)
+                return err
+            self.survey = Survey(err, self.budget or 0)
             self.lift_cap(True)
             self.stats.note(f"the budget could not hold {what}: the step goes on without the cap to measure what "
-                            "it needs, and raises when the next step starts (runtime.survey)")
+                            "it needs, and raises when it ends (runtime.survey)")
         live = self.meter.current_bytes if held is None else max(held, self.meter.current_bytes)
         self.survey.note(live + extra - self._evictable_bytes(), what, self.in_step())
-
-    def exhausted(self, extra: int, what: str, held: int | None) -> torch.OutOfMemoryError | None:
-        """``Meter.on_exhausted``: the OOM to raise for an op refused with nothing left to evict, or None where
-        the cap was lifted to measure the step (the op runs again, uncapped)."""
-        try:
-            self.refuse(extra, what, held)
-        except torch.OutOfMemoryError as e:
-            return e
+        self.evict_as_needed()
         return None
+
+    def evict_as_needed(self) -> None:
+        """A surveyed step evicts for the most it has needed so far, not for the budget that failed: it then
+        makes the choices (what stays, what a rebuild holds) a run at the budget it will name makes."""
+        need = self.survey.need if self.survey is not None else 0
+        if need > (self.budget or 0):
+            self._set_budget(need)
+
+    def _set_budget(self, budget: int) -> None:
+        self.budget = budget
+        if self.on_budget is not None:
+            self.on_budget(budget)
 
     def survey_op(self, peak: int, inputs: set[int], what: str) -> None:
         """An op of a surveyed step ran: its peak, less what was evictable then (not its inputs: they were in
@@ -337,15 +355,18 @@ class Residency:
         assert survey is not None
         survey.ops += 1
         survey.note(peak - self._evictable_bytes(inputs), what, self.in_step())
+        self.evict_as_needed()
 
     def end_survey(self) -> torch.OutOfMemoryError | None:
         """Put the cap back; the OOM naming the budget the surveyed step needed (None: no survey)."""
         survey, self.survey = self.survey, None
         if survey is None:
             return None
+        self._set_budget(survey.budget)
         if self.lift_cap is not None:
             self.lift_cap(False)
-        err = survey.error(self.meter.current_bytes)
+        with self.mode.quiet():  # sizing an optimizer's state runs ops on meta copies: not the device's
+            err = survey.error(self.state_to_come())
         self.stats.min_budget_bytes = max(self.stats.min_budget_bytes, err.min_budget_bytes)
         return err
 
