@@ -321,6 +321,7 @@ class _Compiled:
     peaks: list[int]                  # each step's peak (CUDA; 0 on the CPU)
     grads: list[torch.Tensor]         # the last step's gradients
     ms: float                         # the fastest step after those that may compile, seconds
+    compile_s: float = 0.0            # the first step's wall seconds (it compiles)
 
 
 def _one_step(entry, c: _Compiled, device: torch.device, seed: int, args: tuple, kwargs: dict) -> float:
@@ -352,6 +353,7 @@ def _compiled_steps(model: torch.nn.Module, entry, backend, device: torch.device
         c.grads = [p.grad.detach().clone() for p in model.parameters()]
         c.opt.step()
     c.ms = min(times[2:] or times)
+    c.compile_s = times[0]
     return c
 
 
@@ -378,35 +380,68 @@ def _infeasible(e: BaseException):
     return None
 
 
+def _mibs(peaks: list[int]) -> str:
+    """Per-step peaks in MiB, '/'-separated."""
+    return "/".join(f"{p / 2**20:.1f}" for p in peaks)
+
+
 def _ratio(x: float, y: float) -> str:
     return f"{x / y:.3f}" if y else "-"
 
 
+def _compiled_entry(name: str, size: str, device: torch.device, batch: int | None = None) -> Any:
+    """A zoo model, or ``MODULE:FACTORY``'s (``bench.models:hf_gpt2_small``: Hugging Face's GPT-2 small), on
+    ``device``, as the zoo's entries are: ``model``, ``loss_fn``, ``args_kwargs()``."""
+    if ":" not in name:
+        return build(name, size, batch=batch, device=device)
+    import types
+
+    from hybridmem.factory import load_model
+
+    spec = load_model(name, size=size)
+    inputs = spec.inputs if isinstance(spec.inputs, tuple) else (spec.inputs,)
+    inputs = tuple(x.to(device) if torch.is_tensor(x) else x for x in inputs)
+    return types.SimpleNamespace(model=spec.model.to(device), loss_fn=spec.loss_fn or (lambda out: out),
+                                 args_kwargs=lambda: (inputs, {}))
+
+
+def _predicted(st: Any) -> str:
+    """The regions' predicted step time over keep-all, as the plan counted it."""
+    return "/".join(f"{100 * r.predicted_overhead:+.1f} %" for r in st.regions)
+
+
 def check_compiled(name: str, size: str, device: torch.device, fraction: float = 0.7,
-                   ambs: tuple[float, ...] = (0.5,)) -> list[str]:
-    """torch.compile (Inductor) unmanaged, then under hybridmem's compile backend at ``fraction`` of its
-    peak with swap and recompute: peaks per step, step time, gradients within rounding. Then for each ratio
-    of ``ambs``, PyTorch's own recompute knapsack (``activation_memory_budget``) beside hybridmem's backend
-    at the peak that knapsack reached: peaks and interleaved median step times, as ratios to the unmanaged
-    step's (docs/benchmarks.md's compiled table, on this device)."""
+                   ambs: tuple[float, ...] = (0.5,), policy_sets: tuple[tuple[str, ...] | None, ...] = (None,),
+                   batch: int | None = None) -> list[str]:
+    """torch.compile (Inductor) unmanaged, then (``fraction`` > 0) under hybridmem's compile backend at
+    ``fraction`` of its peak with swap and recompute: peaks per step, step time, gradients within rounding.
+    Then for each ratio of ``ambs``, PyTorch's own recompute knapsack (``activation_memory_budget``) beside
+    hybridmem's backend (once per policy set of ``policy_sets``; None: its default) at the peak that knapsack
+    reached: peaks per step against the budget, interleaved median step times as ratios to the unmanaged
+    step's, hybridmem's predicted step time beside its measured one, and its planning time beside Inductor's
+    compile time (the knapsack's first step; docs/benchmarks.md's compiled table, on this device)."""
     from torch._dynamo.utils import counters
     from torch._functorch import config as fconfig
 
+    from bench.compiled import own_inductor
     from hybridmem.compile import compile_backend
 
-    entry = build(name, size, device=device)
+    entry = _compiled_entry(name, size, device, batch)
     base = copy.deepcopy(entry.model)
     torch._dynamo.reset()          # nothing compiled before (another model's variants) is kept
-    c0 = _compiled_steps(copy.deepcopy(base), entry, "inductor", device, f"{name}_unmanaged")
+    torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)   # a variant per backend
+    c0 = _compiled_steps(copy.deepcopy(base), entry, own_inductor(), device, f"{name}_unmanaged")
     peaks0, grads0 = c0.peaks, c0.grads
     cuda = device.type == "cuda"
     lines: list[str] = []
 
-    def managed(budget: int, label: str) -> tuple[_Compiled | None, Any, int]:
+    def managed(budget: int, label: str, policies: tuple[str, ...] | None = None) -> tuple[_Compiled | None, Any, int]:
         """hybridmem's backend at ``budget``; where it says the budget cannot work, the budget it names + 1 %,
         as a user would (3 tries)."""
         for _ in range(3):
-            backend = compile_backend(budget, device=device)
+            # the loop drops the outputs before the backward (entry.loss_fn reads them inside the step)
+            backend = compile_backend(budget, device=device, hold_outputs=False,
+                                      **({} if policies is None else {"policies": policies}))
             try:
                 return (_compiled_steps(copy.deepcopy(base), entry, backend, device, f"{label}_hybridmem_{budget}"),
                         backend, budget)
@@ -425,41 +460,55 @@ def check_compiled(name: str, size: str, device: torch.device, fraction: float =
         worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(c.grads, grads0))
         return ok, worst
 
-    budget = int(fraction * max(peaks0[1:])) if cuda else 1 << 40  # steps after the compiling one
-    c, backend, budget = managed(budget, name)
-    if c is None:
-        return lines
-    same, worst = close(c)
-    ok = same and (not cuda or max(c.peaks) <= budget)
-    lines += [f"compiled {name:12s} budget {budget / 2**20:8.1f} MiB  peaks {'/'.join(f'{p / 2**20:.1f}' for p in c.peaks)} "
-              f"(unmanaged {'/'.join(f'{p / 2**20:.1f}' for p in peaks0)})  step {c.ms * 1e3:.1f} ms (unmanaged {c0.ms * 1e3:.1f})  "
-              f"grads {'close' if same else 'DIFFER'} (worst {worst:.1e} of a tensor's largest)  {'ok' if ok else 'FAIL'}"]
-    lines += [f"  {line}" for line in str(backend.stats()).splitlines()]
-    del c, backend
+    if fraction > 0:
+        budget = int(fraction * max(peaks0[1:])) if cuda else 1 << 40  # steps after the compiling one
+        c, backend, budget = managed(budget, name)
+        if c is None:
+            return lines
+        same, worst = close(c)
+        ok = same and (not cuda or max(c.peaks) <= budget)
+        lines += [f"compiled {name:12s} budget {budget / 2**20:8.1f} MiB  peaks {_mibs(c.peaks)} "
+                  f"(unmanaged {_mibs(peaks0)})  step {c.ms * 1e3:.1f} ms (unmanaged {c0.ms * 1e3:.1f})  "
+                  f"grads {'close' if same else 'DIFFER'} (worst {worst:.1e} of a tensor's largest)  {'ok' if ok else 'FAIL'}"]
+        lines += [f"  {line}" for line in str(backend.stats()).splitlines()]
+        del c, backend
     top0 = max(peaks0[1:])
     for r in ambs:
         with fconfig.patch(activation_memory_budget=r):     # the partition runs at the first call
-            ca = _compiled_steps(copy.deepcopy(base), entry, "inductor", device, f"{name}_amb_{r}")
+            ca = _compiled_steps(copy.deepcopy(base), entry, own_inductor(), device, f"{name}_amb_{r}")
         b = max(ca.peaks[1:]) if cuda else 1 << 40
-        label = f"{name} amb={r}"
-        ch, backend, b_used = managed(b, label)
-        if ch is None:
-            continue
-        frames = counters["frames"]["ok"]
-        t0, ta, th = _interleaved_ms(entry, [c0, ca, ch], device)
-        recompiled = counters["frames"]["ok"] - frames     # a variant compiled again would time another step
-        same, worst = close(ch)
-        ok = same and not recompiled and (not cuda or max(ch.peaks) <= b_used)
-        lines += [f"compiled {label:16s} knapsack: peak {max(ca.peaks[1:]) / 2**20:.1f} MiB "
-                  f"({_ratio(max(ca.peaks[1:]), top0)} of unmanaged), step x{_ratio(ta, t0)}  |  hybridmem at "
-                  f"{b_used / 2**20:.1f} MiB: peaks {'/'.join(f'{p / 2**20:.1f}' for p in ch.peaks)} "
-                  f"({_ratio(max(ch.peaks[1:]), top0)}), step x{_ratio(th, t0)}  (unmanaged {t0 * 1e3:.1f} ms, "
-                  f"median of {ROUNDS} interleaved{f', {recompiled} frame(s) compiled again' if recompiled else ''})  "
-                  f"grads {'close' if same else 'DIFFER'} (worst {worst:.1e})  "
-                  f"{'ok' if ok else 'FAIL'}"]
-        lines += [f"  {line}" for line in str(backend.stats()).splitlines()]
-        del ca, ch, backend
+        for policies in policy_sets:
+            label = f"{name} amb={r}" + ("" if policies is None else f" [{','.join(policies)}]")
+            ch, backend, b_used = managed(b, label, policies)
+            if ch is None:
+                continue
+            frames = counters["frames"]["ok"]
+            t0, ta, th = _interleaved_ms(entry, [c0, ca, ch], device)
+            recompiled = counters["frames"]["ok"] - frames     # a variant compiled again would time another step
+            same, worst = close(ch)
+            st = backend.stats()
+            plan_s = st.plan_seconds
+            ok = same and not recompiled and (not cuda or max(ch.peaks) <= b_used)
+            lines += [f"compiled {label:16s} knapsack: peak {max(ca.peaks[1:]) / 2**20:.1f} MiB "
+                      f"({_ratio(max(ca.peaks[1:]), top0)} of unmanaged), step x{_ratio(ta, t0)}, compiled in "
+                      f"{ca.compile_s:.1f} s  |  hybridmem at {b_used / 2**20:.1f} MiB: peaks {_mibs(ch.peaks)} "
+                      f"({_ratio(max(ch.peaks[1:]), top0)}; {'within' if max(ch.peaks) <= b_used else 'OVER'} the "
+                      f"budget), step x{_ratio(th, t0)} (predicted {_predicted(st)}), compiled in "
+                      f"{ch.compile_s:.1f} s, planning {plan_s:.1f} s = {100 * plan_s / max(ca.compile_s, 1e-9):.0f} % of "
+                      f"Inductor's compile  (unmanaged {t0 * 1e3:.1f} ms, median of {ROUNDS} interleaved"
+                      f"{f', {recompiled} frame(s) compiled again' if recompiled else ''})  "
+                      f"grads {'close' if same else 'DIFFER'} (worst {worst:.1e})  {'ok' if ok else 'FAIL'}"]
+            lines += [f"  {line}" for line in str(st).splitlines()]
+            del ch, backend
+        del ca
     return lines
+
+
+def _policy_sets(text: str) -> tuple[tuple[str, ...] | None, ...]:
+    """``--compiled-policies``: policy sets, 'default' (or nothing) for the backend's own."""
+    from hybridmem.compile.backend import _policies
+    parts = [p.strip() for p in text.split(";") if p.strip()]
+    return tuple(None if p == "default" else _policies(p) for p in parts) or (None,)
 
 
 def _ratios(text: str) -> tuple[float, ...]:
@@ -482,6 +531,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--amb", default="0.5", type=_ratios,
                     help="--compiled models: PyTorch's activation_memory_budget at these ','-separated ratios beside "
                          "hybridmem's backend at the peak each reached ('' to skip; default 0.5)")
+    ap.add_argument("--compiled-policies", default="",
+                    help="--compiled models: hybridmem's policy sets beside the knapsack, ';'-separated, 'default' for "
+                         "the backend's own (e.g. 'default;recompute'; default: the backend's own only)")
+    ap.add_argument("--fraction", type=float, default=0.7,
+                    help="--compiled models: hybridmem's backend first at this share of the unmanaged peak (0 skips it)")
+    ap.add_argument("--batch", type=int, default=None, help="--compiled zoo models: this batch instead of the size's")
     ap.add_argument("--expandable", action="store_true",
                     help="CUDA: the caching allocator's expandable segments (a segment grows by 2 MiB pages "
                          "instead of a new 20 MiB one: less of a capped budget lost to its cache)")
@@ -526,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     for model in filter(None, args.compiled.split(",")):
         _leftover(device, f"compiled {model}")
         try:
-            for line in check_compiled(model, args.size, device, ambs=args.amb):
+            for line in check_compiled(model, args.size, device, fraction=args.fraction, ambs=args.amb,
+                                       policy_sets=_policy_sets(args.compiled_policies), batch=args.batch):
                 failed += line.endswith("FAIL")
                 print(line)
         except Exception as e:  # noqa: BLE001
@@ -553,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [Row(model, "(unmanaged/monitor)", 0, [0], False, 0.0, 0.0, 0.0, 0.0, error=_err(e))]
         for r in rows:
             failed += not r.ok
-            peaks = "/".join(f"{p / 2**20:.1f}" for p in r.peaks)
+            peaks = _mibs(r.peaks)
             label = f"{r.model} -cuDNN" if no_cudnn else r.model
             print(f"{label:12s} {r.policies:26s} {r.budget / 2**20:10.1f} {peaks:>22s} "
                   f"{('yes' if r.repeatable else 'close*') if r.identical else ('cuDNN+' if r.cudnn else 'NO'):>9s} "

@@ -571,7 +571,7 @@ def test_deterministic_mode_times_the_reloads_by_the_cost_model() -> None:
     from torch._functorch._activation_offloading import activation_offloading as ao
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from hybridmem.compile.backend import _reload_timing
+    from hybridmem.compile.copies import reload_timing as _reload_timing
     from hybridmem.graph.costs import get_cost_model
 
     gm = make_fx(lambda a, b: torch.relu(a @ b), tracing_mode="fake")(torch.randn(256, 128), torch.randn(128, 64))
@@ -591,25 +591,26 @@ def test_deterministic_mode_times_the_reloads_by_the_cost_model() -> None:
 
 def test_stream_ops_that_do_not_trace_are_detected(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch 2.11's streams::record_stream traced with another op's fake implementation (a TypeError inside
-    Inductor): the offloading then copies on the compute stream instead of failing the compile."""
+    Inductor): the backend's swaps then copy by hybridmem's offload ops (tests/test_compile_offload.py) instead
+    of failing the compile."""
     import types
 
     import torch._dynamo.variables.streams  # noqa: F401
 
-    from hybridmem.compile import backend
+    from hybridmem.compile import copies as backend
 
-    backend._stream_ops_work.cache_clear()
+    backend.stream_ops_work.cache_clear()
     try:
-        assert backend._stream_ops_work()            # this torch's op traces
+        assert backend.stream_ops_work()             # this torch's op traces
 
         def broken(wait_event_index: int, src_stream_index: int, to_dealloc: torch.Tensor) -> None:
             return None
         monkeypatch.setattr(torch.ops.streams, "record_stream", types.SimpleNamespace(default=broken))
-        backend._stream_ops_work.cache_clear()
-        assert not backend._stream_ops_work()
+        backend.stream_ops_work.cache_clear()
+        assert not backend.stream_ops_work()
     finally:
         monkeypatch.undo()
-        backend._stream_ops_work.cache_clear()
+        backend.stream_ops_work.cache_clear()
 
 
 def test_graph_breaks_share_the_budget() -> None:

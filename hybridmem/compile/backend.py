@@ -21,13 +21,13 @@ they are first compiled: a region plans for what the regions before it keep thro
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import os
 import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import fx
@@ -38,9 +38,9 @@ from ..graph.units import BUDGET_FORMS, fmt_bytes, parse_budget, parse_bytes
 from ..plugins.codecs import LOSSLESS
 from ..plugins.compress import codec_seconds
 from ..runtime.core import cost_model_for, resolve_device
-from .defaults import saved_by_partition
+from .defaults import saved_by_partition, saved_bytes
 from .heap import frozen_heap
-from .joint import concatenates_feature_maps, has_convolution, joint_graph, node_flops, node_nbytes, tensor_vals
+from .joint import concatenates_feature_maps, has_convolution, joint_graph
 from . import codec_ops, probe
 from . import compressed as compressed_mod
 from .compressed import rewrite_partition
@@ -50,14 +50,16 @@ from .runs import InFlight
 from .sizes import PlannedSizes, planned_at, planning_at
 from . import trial as trial_mod
 from .partition import Decisions, apply_plan, decisions
+from .copies import cheaper, no_swap, overlap, reload_timing, stream_ops_work
+from . import offload as offload_mod
 from .realized import realized_peak
+from .room import Replannable, reserve
 from .scratch import inductor_channels_last, measure_scratch
 
 __all__ = ["CompileBackend", "CompileStats", "RegionStats", "compile_backend", "POLICIES", "COMPILERS"]
 
 POLICIES = ("swap", "recompute", "compress")   # what a compiled graph can do with a saved tensor
 COMPILERS = ("inductor", "eager")     # what compiles the partitioned graphs
-NO_LINK_BW = 1e-3                     # B/s: the host link of a device that cannot swap (planners avoid it)
 # Inductor's compiled step holds more at its peak than the joint graph counts op by op (its kernels'
 # buffers live by kernel, not by op, and it orders the backward and the recomputed ops its own way):
 # 0.7-1.6 MiB on ResNet-50 small (4.3-6.4 % of the keep-all peak) at 0.79 of its unmanaged peak, 3.3 % on a
@@ -134,6 +136,10 @@ class RegionStats:
     trial_peak_bytes: int | None = None
     trial_s: float = 0.0
     replans: int = 0
+    # graph breaks (hybridmem.compile.room): bytes left where its backward begins for the regions compiled after
+    # it, and the times it was planned again at a later call for them
+    room_bytes: int = 0
+    room_replans: int = 0
     note: str = ""
     # what the compress ops did in the steps run so far (None: nothing compressed)
     codec: codec_ops.CodecStats | None = None
@@ -342,6 +348,9 @@ class _Prepared:
     region: int = 0
     stats: RegionStats | None = None
     model: Any = None            # the cost model the region was planned with (times the offloading's reloads)
+    key: tuple[str, ...] = ()
+    held_beside: int = 0         # of what the region holds through its backward, all but its saved tensors
+    offloaded: list[Any] = field(default_factory=list)   # the storages of the values the plan swaps
 
 
 def _codec_line(c: codec_ops.CodecStats) -> str:
@@ -358,6 +367,16 @@ def _sizes(sizes: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sizes.items())
 
 
+def _region_key(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[tuple[str, ...], list[tuple[str, Any]]]:
+    """A region's identity across recompiles (new shapes, guards): the names of its tensor inputs; and those
+    inputs, each as its placeholder's value where that is a tensor (the example inputs are real tensors: the
+    symbols stand in the placeholders' fake values)."""
+    tensors = [(str(n.target), v if isinstance(v := n.meta.get("example_value"), torch.Tensor) else x)
+               for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)
+               if isinstance(x, torch.Tensor)]
+    return tuple(name for name, _ in tensors), tensors
+
+
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
     for t in example_inputs:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -367,10 +386,7 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
 
 def _cost_model(device: torch.device, name: str | None, can_swap: bool) -> DeviceModel:
     model = cost_model_for(device, name)
-    if not can_swap and isinstance(model, DeviceModel):
-        # a link this slow makes every swap cost more than any recompute: the planners recompute
-        model = replace(model, h2d_bw=NO_LINK_BW, d2h_bw=NO_LINK_BW, name=f"{model.name} (no swap)")
-    return model
+    return model if can_swap else no_swap(model)
 
 
 def _optimizer_bytes(optimizer: Any) -> int:
@@ -382,74 +398,6 @@ def _optimizer_bytes(optimizer: Any) -> int:
     from ..graph.optstate import optimizer_state
     states, _ = optimizer_state(optimizer)
     return sum(s.nbytes for s in states if s.on_device)
-
-
-@functools.cache
-def _stream_ops_work() -> bool:
-    """Whether PyTorch's stream ops, which its offloading pass inserts to copy beside the compute stream, trace
-    under fake tensors: torch 2.11's ``streams::record_stream`` has another op's fake implementation (Inductor
-    raised "missing 1 required positional argument: 'to_dealloc'" on an H200)."""
-    try:
-        import torch._dynamo.variables.streams  # noqa: F401  (registers the ops, where this module holds them)
-    except ImportError:
-        pass
-    try:
-        op = torch.ops.streams.record_stream.default
-    except (AttributeError, RuntimeError):
-        return True             # no such op: the pass does not insert it
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    try:
-        with FakeTensorMode():
-            op(torch.empty(1), 0)
-    except TypeError:
-        return False
-    except Exception:           # noqa: BLE001  (anything else is not this fault: let the compile say)
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def _reload_timing(model: Any) -> Iterator[str | None]:
-    """PyTorch's offloading pass places each reload early enough to overlap the backward's compute, timing that
-    compute by running its nodes on the device; Inductor's deterministic mode (``torch.use_deterministic_algorithms``)
-    forbids such runs and the compile would fail. There, the nodes are timed by the plan's cost model ``model``
-    instead (:func:`_node_ms`: nothing runs); yields the note saying so, else None."""
-    from torch._inductor import config as iconfig
-    if not iconfig.deterministic:
-        yield None
-        return
-    try:
-        from torch._functorch._activation_offloading import activation_offloading as ao
-    except ImportError:
-        ao = None
-    timed = getattr(ao, "benchmark_node", None)
-    if timed is None:          # another layout of PyTorch's pass: its reloads wait at their first use
-        from torch._functorch import config as fconfig
-        with fconfig.patch(activation_reload_prefetch=False):
-            yield ("reloads not prefetched: Inductor's deterministic mode forbids timing the backward's nodes "
-                   "on the device, and this PyTorch's offloading pass cannot be given estimates")
-        return
-    ao.benchmark_node = _node_ms(model)
-    try:
-        yield ("reloads ordered by the cost model's estimate of the backward's nodes (Inductor's deterministic "
-               "mode forbids timing them on the device)")
-    finally:
-        ao.benchmark_node = timed
-
-
-def _node_ms(model: Any) -> Any:
-    """Milliseconds of one graph node by ``model`` (a :class:`DeviceModel`): its FLOPs or the bytes it reads and
-    writes, whichever bounds it, counted as the joint graph counts a stage's (:mod:`hybridmem.compile.joint`)."""
-    if not isinstance(model, DeviceModel):
-        model = get_cost_model("cpu")
-
-    def ms(node: fx.Node) -> float:
-        tensors = [t for v in (*(a.meta.get("val") for a in node.all_input_nodes), node.meta.get("val"))
-                   for t in tensor_vals(v)]
-        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else None
-        return model.roofline(node_flops(node), sum(node_nbytes(t) for t in tensors), dtype) * 1e3
-
-    return ms
 
 
 class _Partitioner:
@@ -467,20 +415,25 @@ class _Partitioner:
         with contextlib.ExitStack() as stack:
             stack.enter_context(frozen_heap())     # planning and the partition: hybridmem.compile.heap
             prep = self.backend._prepare(gm, joint_inputs, kwargs)
-            if prep.offload and _stream_ops_work():
+            if prep.offload and stream_ops_work():
                 stack.enter_context(fconfig.patch(
                     enable_activation_offloading=True, activation_offload_separate_stream=True,
                     activation_offload_sink_wait=True, activation_reload_prefetch=True))
-                note = stack.enter_context(_reload_timing(prep.model))
+                note = stack.enter_context(reload_timing(prep.model))
                 if note and prep.stats is not None:
                     prep.stats.add_note(note)
-            elif prep.offload:
-                stack.enter_context(fconfig.patch(enable_activation_offloading=True,
-                                                  activation_offload_separate_stream=False))
-                if prep.stats is not None:
-                    prep.stats.add_note(f"swaps copy on the compute stream, not beside it (torch {torch.__version__}: "
-                                        "its stream ops fail under Inductor): their copy time is not hidden")
             fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if prep.offload and not stream_ops_work():
+            # torch's stream ops do not trace (torch 2.11): hybridmem's own offload ops copy beside the compute
+            # stream instead (hybridmem.compile.offload)
+            moved = offload_mod.rewrite_partition(fw, bw, prep.offloaded)
+            if prep.stats is not None:
+                prep.stats.add_note(f"swaps copied by hybridmem's offload ops beside the compute stream (torch "
+                                    f"{torch.__version__}'s stream ops do not trace)"
+                                    + (f"; {prep.stats.swapped - len(moved)} swapped tensor(s) not saved as "
+                                       "planned stay on the device" if len(moved) < prep.stats.swapped else ""))
+        if prep.stats is not None:
+            self.backend._held_as_partitioned(prep, fw, bw)
         if prep.compressed:
             done = set(rewrite_partition(fw, bw, prep.compressed, prep.region))
             missed = [c for c in prep.compressed if c.node not in done]
@@ -561,12 +514,10 @@ class CompileBackend:
         parsed = parse_budget(budget, forms=BUDGET_FORMS[:-1])
         if not isinstance(parsed, str):
             self._budget_b = parsed
-        elif self.device is not None and self.device.type != "cuda":
-            raise ValueError(f"budget {budget!r}: a percentage needs a CUDA device (of its memory); "
-                             "give bytes on the CPU, e.g. '2GiB'")
-        elif self.device is None and not torch.cuda.is_available():
-            raise ValueError(f"budget {budget!r}: a percentage needs a CUDA device (of its memory), and none is "
-                             "available here; give bytes, e.g. '2GiB'")
+        elif self.device.type != "cuda" if self.device is not None else not torch.cuda.is_available():
+            raise ValueError(f"budget {budget!r}: a percentage needs a CUDA device (of its memory)"
+                             + ("" if self.device is not None else ", and none is available here")
+                             + "; give bytes, e.g. '2GiB'")
         self.solver, self.time_limit, self.compiler, self.scratch = solver, time_limit, compiler, bool(scratch)
         self.cost_model_name = cost_model
         if cost_model is not None:
@@ -588,6 +539,7 @@ class CompileBackend:
         self.verify = verify
         self._revision = 0                           # plans made again after a trial (partition cache keys)
         self._margin_now = 0                         # what the last plan left free for Inductor's buffers
+        self._slack_now = 0                          # ... and how far below nothing it may go (REPLAN_SLACK)
         self._extra: dict[tuple[str, ...], int] = {}  # region -> bytes more its margin leaves free (trials)
         self._planned_now: _Planned | None = None     # the plan of the compile in progress
         self._runs: dict[tuple[str, ...], InFlight] = {}
@@ -596,6 +548,15 @@ class CompileBackend:
         self.peak = StepPeak()
         self._held: dict[tuple[str, ...], int] = {}      # region key -> bytes it keeps through its backward
         self._regions: dict[tuple[str, ...], RegionStats] = {}
+        self._kept: dict[tuple[str, ...], int] = {}      # region key -> of its held bytes, what a plan may evict
+        # graph breaks (hybridmem.compile.room): bytes a region leaves where its backward begins for the regions
+        # compiled after it; a budget a region is planned at, above the budget, while the earlier ones make room;
+        # the regions that asked for room; each region's compiled function, to plan again at its next call
+        self._room: dict[tuple[str, ...], int] = {}
+        self._lift: dict[tuple[str, ...], int] = {}
+        self._asked: set[tuple[str, ...]] = set()
+        self._replannable: dict[tuple[str, ...], Replannable] = {}
+        self._renew: set[tuple[str, ...]] = set()
         self._current: tuple[str, ...] = ()
         self._dev: torch.device | None = self.device
         self._examples: list[Any] | None = None
@@ -608,19 +569,34 @@ class CompileBackend:
 
     # ---- torch.compile calls this ----------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
-        # a region's identity across recompiles (new shapes, guards): the names of its tensor inputs
-        # (the example inputs are real tensors: the symbols stand in the placeholders' fake values)
-        tensors = [(str(n.target), v if isinstance(v := n.meta.get("example_value"), torch.Tensor) else x)
-                   for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs)
-                   if isinstance(x, torch.Tensor)]
-        self._current = key = tuple(name for name, _ in tensors)
-        # compiled for any size: planned at the largest sizes compiled for before (the full batch, where a
-        # smaller last batch made Dynamo compile the region again), which later calls are likely to bring
-        at = planned_at(tensors, self._largest.setdefault(key, {}))
+        key, tensors = _region_key(gm, example_inputs)
         if self._dev is None:
             self._dev = _device_of(example_inputs)
         if self.measure:
             self.peak.start(self._dev, self._optimizer)
+        compiled, sizes = self._build(key, tensors, gm, example_inputs)
+        holder = self._replannable[key] = Replannable(compiled, lambda flat: self._replan(key, gm, flat))
+        if key in self._renew:          # planned above the budget: again once the earlier regions made room
+            self._renew.discard(key)
+            holder.renew(skip=1)
+        compiled = holder
+        runs = self._runs.get(key)
+        if runs is None:  # a recompile of a region (new shapes, an input that needs no grad) shares its count
+            runs = self._runs[key] = InFlight(self.calls_per_step, lambda n: self._more_runs(key, n))
+        if sizes.at:
+            self._sizes[key] = sizes
+        else:
+            self._sizes.pop(key, None)
+        return self.peak.wrap(runs.wrap(sizes.wrap(compiled)))
+
+    def _build(self, key: tuple[str, ...], tensors: list[tuple[str, Any]], gm: fx.GraphModule,
+               example_inputs: list[Any]) -> tuple[Any, PlannedSizes]:
+        """Plan and compile region ``key`` (graph ``gm``) on ``example_inputs``; the compiled function and the
+        sizes it was planned at."""
+        self._current = key
+        # compiled for any size: planned at the largest sizes compiled for before (the full batch, where a
+        # smaller last batch made Dynamo compile the region again), which later calls are likely to bring
+        at = planned_at(tensors, self._largest.setdefault(key, {}))
         self.peak.compiling()
         self._examples = example_inputs     # what the compress probe measures on; held while compiling only
         try:
@@ -630,14 +606,21 @@ class CompileBackend:
         finally:
             self._examples = None
             self.peak.compiled()
-        runs = self._runs.get(key)
-        if runs is None:  # a recompile of a region (new shapes, an input that needs no grad) shares its count
-            runs = self._runs[key] = InFlight(self.calls_per_step, lambda n: self._more_runs(key, n))
-        if sizes.at:
-            self._sizes[key] = sizes
-        else:
-            self._sizes.pop(key, None)
-        return self.peak.wrap(runs.wrap(sizes.wrap(compiled)))
+        return compiled, sizes
+
+    def _replan(self, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        """Region ``key`` planned and compiled again on a call's inputs (:mod:`hybridmem.compile.room`): the
+        regions compiled after it asked for room, or it was planned above the budget while they made it."""
+        _, tensors = _region_key(gm, example_inputs)
+        before = self._regions.get(key)
+        compiled, _ = self._build(key, tensors, gm, example_inputs)
+        st = self._regions.get(key)
+        if st is not None and before is not None and st is not before:
+            # planning time counts every plan made for the region
+            st.plan_s += before.plan_s
+            st.trial_s += before.trial_s
+            st.room_replans = before.room_replans + 1
+        return compiled
 
     def _larger(self, key: tuple[str, ...], above: dict[str, int]) -> None:
         st = self._regions.get(key)
@@ -661,6 +644,66 @@ class CompileBackend:
 
     def _compile_checked(self, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any],
                          sizes: PlannedSizes) -> Any:
+        """:meth:`_compile_fitted`; where the region was planned above the budget, beside earlier regions that
+        keep too much (:mod:`hybridmem.compile.room`), those are asked to make room, and it to plan again after
+        them, at their next calls."""
+        self._lift.pop(key, None)
+        try:
+            compiled = self._compile_fitted(key, gm, example_inputs, sizes)
+        finally:
+            lifted = self._lift.pop(key, None)
+        st = self._regions.get(key)
+        if lifted is not None and st is not None:
+            self._ask_room(key, st)
+        return compiled
+
+    def _earlier(self, key: tuple[str, ...]) -> list[tuple[str, ...]]:
+        """The regions compiled before ``key`` (all of them while it compiles for the first time)."""
+        order = list(self._held)
+        return order[:order.index(key)] if key in order else order
+
+    def _may_lift(self, key: tuple[str, ...], e: BudgetInfeasibleError, budget: int) -> bool:
+        """Whether region ``key``, which has no plan within ``budget`` beside the earlier regions (``e`` names the
+        least budget it has one for), is planned at that budget while they make room: once, and only where
+        what they keep and a plan may evict covers the difference."""
+        if key in self._asked or e.minimum_bytes is None or self.calls_per_step > 1:
+            return False
+        short = int(e.minimum_bytes) - budget
+        return 0 < short <= sum(self._kept.get(k, 0) for k in self._earlier(key))
+
+    def _ask_room(self, key: tuple[str, ...], st: RegionStats) -> None:
+        """Region ``key`` was planned at a share ``st`` above what the earlier regions leave: each of them leaves
+        that share, and what the regions between hold, where its backward begins, planned again at its next
+        call; ``key`` is planned again after them."""
+        self._asked.add(key)
+        earlier = self._earlier(key)
+        # what its plan counts or, where more, what it held as run at compile time (its share holds a margin for
+        # what Inductor holds beyond the count: the run says how much that was): planned again after them, it
+        # has a plan within the count, its margin lowered as far as its run allows
+        need = (min(st.budget_bytes, max(st.predicted_peak_bytes, st.trial_peak_bytes))
+                if st.trial_peak_bytes else st.budget_bytes)
+        for i, k in enumerate(earlier):
+            room = need + sum(self._held.get(j, 0) for j in earlier[i + 1:])
+            self._room[k] = max(self._room.get(k, 0), room)
+            holder = self._replannable.get(k)
+            if holder is not None:
+                holder.renew()
+        self._renew.add(key)
+        over = st.budget_bytes - (self._budget_bytes(self._dev or torch.device("cpu")) - self._outside(key))
+        st.add_note(f"planned {fmt_bytes(over)} above its share of the budget this once: the regions compiled before "
+                    f"it keep more beside it; they are planned again at their next call, leaving it "
+                    f"{fmt_bytes(need)} where their backward begins, and it after them")
+
+    def _outside(self, key: tuple[str, ...]) -> int:
+        """Bytes held outside region ``key`` while it runs: the optimizer's state, what the earlier regions keep."""
+        return self.optimizer_bytes + sum(self._held.get(k, 0) for k in self._earlier(key))
+
+    def _budget_for(self, key: tuple[str, ...], dev: torch.device) -> int:
+        """The budget region ``key`` is planned at: the budget, or above it while earlier regions make room."""
+        return self._lift.get(key) or self._budget_bytes(dev)
+
+    def _compile_fitted(self, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any],
+                        sizes: PlannedSizes) -> Any:
         """Compile the region and, with ``verify``, run it once (:mod:`hybridmem.compile.trial`); where its real
         peak exceeds its share, plan and compile it again with the excess (and :data:`REPLAN_SLACK` of its
         keep-all peak) more left free, up to :data:`REPLANS` times; where that leaves the count no plan, once
@@ -684,9 +727,9 @@ class CompileBackend:
             try:
                 compiled = self._compile(gm, example_inputs)
             except BudgetInfeasibleError as e:
-                short = (e.minimum_bytes or 0) - self._budget_bytes(dev)
+                short = (e.minimum_bytes or 0) - self._budget_for(key, dev)
                 if not runs and self.verify and shrinks < SHRINKS and e.minimum_bytes is not None \
-                        and 0 < short <= self._margin_now:
+                        and 0 < short <= self._margin_now + self._slack_now:
                     # a plan may fit with less left free for Inductor's buffers than the margin (a guess): plan
                     # with what the budget leaves (the least named is a bound: again with what the next error
                     # names, a few times); the run below measures the step and plans again where it holds more
@@ -696,10 +739,18 @@ class CompileBackend:
                     self._revision += 1
                     continue
                 if not runs or st is None:
+                    err = unshrunk or e
+                    if self._may_lift(key, err, self._budget_bytes(dev)):
+                        # the earlier regions keep too much beside it: planned at the least budget it has a plan
+                        # for, with the whole margin, while they make room (_ask_room)
+                        self._lift[key] = int(err.minimum_bytes)          # type: ignore[arg-type]
+                        self._extra[key], shrunk, shrinks, unshrunk = 0, 0, SHRINKS, None
+                        self._revision += 1
+                        continue
                     if unshrunk is not None:
                         raise unshrunk from None
                     raise
-                room = self._budget_bytes(dev) - st.min_budget_bytes   # above the least, with the last margin
+                room = self._budget_for(key, dev) - st.min_budget_bytes   # above the least, with the last margin
                 if not least_tried and room > 0:
                     # more left free than the count allows: its least plan, the one that recomputes most
                     least_tried = True
@@ -773,7 +824,7 @@ class CompileBackend:
         with more left free. It names a budget a plan was measured to fit: the least a run held, with what is
         held outside the region; where every run was stopped at the share, the last plan's run to its end
         (at compile time, more than the budget: no step follows) says it."""
-        budget = self._budget_bytes(dev)
+        budget = self._budget_for(key, dev)
         outside = budget - st.budget_bytes
         measured = [r.peak_bytes for r in runs if not r.refused]
         if not measured and compiled is not None:
@@ -810,6 +861,11 @@ class CompileBackend:
             from torch._dynamo.backends.debugging import boxed_nop
             return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=self.partitioner,
                                 keep_inference_input_mutations=True)(gm, example_inputs)
+
+    def pending(self) -> int:
+        """Regions to be planned and compiled again at their next call (graph breaks: the regions compiled
+        after them asked for room, :mod:`hybridmem.compile.room`); 0 once the steps run the plans that fit."""
+        return sum(1 for h in self._replannable.values() if h.pending) + len(self._renew)
 
     def reset_stats(self) -> None:
         """Restart the measured peak at the current level (the regions' plan figures stay)."""
@@ -1010,8 +1066,8 @@ class CompileBackend:
         t_scratch = time.perf_counter() - t_scratch
         g = jg.graph
         key = self._current
-        budget = self._budget_bytes(dev)
-        outside = self.optimizer_bytes + sum(b for k, b in self._held.items() if k != key)
+        budget = self._budget_for(key, dev)
+        outside = self._outside(key)
         share = budget - outside
         # the margin scales with the step as it runs: the keep-all peak of the partition PyTorch makes where
         # that count is the lower (MobileNetV2: 40.6 MiB, where the first count's 56 MiB holds every forward
@@ -1022,7 +1078,18 @@ class CompileBackend:
         # and what a trial run of an earlier plan of this compile held beyond its share (_compile_checked)
         margin = (int(share_free * peak) if self.compiler == "inductor" else 0) + self._extra.get(key, 0)
         self._margin_now = margin
+        # a count a little above the step as it runs (the partition recomputes some of what it keeps) may be
+        # planned a little beyond the share: the run at compile time checks it
+        self._slack_now = int(REPLAN_SLACK * peak) if self.compiler == "inductor" else 0
         name = f"region {list(self._regions).index(key) + 1 if key in self._regions else len(self._regions) + 1}"
+        room = self._room.get(key, 0)
+        if room:
+            # the regions compiled after it run where its backward begins: their share is left free there (their
+            # share holds their own margin: this region's is not counted twice; a margin lowered to find a plan,
+            # which its run checks, lowers the room alike)
+            for j in (jg, jg_part):
+                if j is not None:
+                    reserve(j.graph, room - (margin - self._extra.get(key, 0)))
         # each other run in flight (calls_per_step - 1) holds its inputs and parameters, and either what the
         # plan keeps for its backward (before it) or the gradients that backward made (after it)
         others = self.calls_per_step - 1
@@ -1167,9 +1234,13 @@ class CompileBackend:
             apply_plan(jg, best.decisions)
         elif jg.compressed:
             apply_plan(jg, Decisions())
-        self._held[key] = (fixed + st.saved_bytes + st.compressed_to_bytes
-                           + (st.swapped_bytes if dev.type != "cuda" else 0)
-                           + others * (fixed + max(st.saved_bytes, grads)))
+        beside = (fixed + st.compressed_to_bytes + (st.swapped_bytes if dev.type != "cuda" else 0)
+                  + others * (fixed + max(st.saved_bytes, grads)))
+        self._held[key] = beside + st.saved_bytes
+        self._kept[key] = st.saved_bytes + st.compressed_to_bytes
+        st.room_bytes = room
+        if room:
+            st.add_note(f"left {fmt_bytes(room)} where its backward begins for the regions compiled after it")
         st.runs_planned = self.calls_per_step
         st.plan_s = time.perf_counter() - t0
         st.scratch_s = t_scratch
@@ -1180,8 +1251,21 @@ class CompileBackend:
         st.codec_region = region
         self._regions[key] = st
         self._planned_now = best
-        return _Prepared(offload=bool(best.decisions.swap), region=region, stats=st, model=model,
+        return _Prepared(offload=bool(best.decisions.swap), region=region, stats=st, model=model, key=key,
+                         held_beside=beside,
+                         offloaded=[compressed_mod.storage_of(n) for t in best.decisions.swap
+                                    for n in jg.forward_nodes_of(t)],
                          compressed=[best.variant.compressed[n.name] for n in jg.compressed.values()])
+
+    def _held_as_partitioned(self, prep: _Prepared, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+        """What region ``prep.key`` holds through its backward, by the tensors its partition's backward reads
+        from its forward (:func:`~hybridmem.compile.defaults.saved_bytes`) rather than by the plan's count: the
+        partition recomputes some of what a plan keeps (:mod:`hybridmem.compile.realized`), and the regions
+        compiled after it plan beside what it really keeps."""
+        dev = self._dev or torch.device("cpu")
+        saved = saved_bytes(fw, bw, dev)
+        self._held[prep.key] = prep.held_beside + saved
+        self._kept[prep.key] = saved + (prep.stats.compressed_to_bytes if prep.stats is not None else 0)
 
     def _codec_choices(self, gm: fx.GraphModule, forward: list[fx.Node], jg: Any, jg_part: Any, model: Any,
                        notes: list[str]) -> "_Codecs | None":
@@ -1274,6 +1358,13 @@ class CompileBackend:
             raise BudgetInfeasibleError("no plan", least_need) from None
         d = decisions(p)
         dev = self._dev or torch.device("cpu")
+        note = ""
+        if d.swap and not overlap(dev):
+            # its copies would run on the compute stream: charged in full, against the plan without swaps
+            p, time_s, note = cheaper(g, p, model, lambda m: self._solve(g, share - margin, m))
+            p.predicted_time_s = time_s
+            d = decisions(p)
+            predicted = int(p.predicted_peak_bytes)
         if d.swap and not ("swap" in self.policies and dev.type == "cuda"):
             raise BudgetInfeasibleError(
                 f"hybridmem compile: {name} fits {fmt_bytes(share)} only by swapping {len(d.swap)} tensor(s), "
@@ -1281,7 +1372,7 @@ class CompileBackend:
                 + ("a larger budget lets recompute alone fit" if "recompute" in self.policies
                    else "policies with recompute or compress, or a larger budget, may fit"), None)
         time_s = float(p.predicted_time_s or 0.0)
-        return _Planned(v, jg, p, d, peak, predicted, time_s, float(p.info.get("solve_s") or 0.0), "",
+        return _Planned(v, jg, p, d, peak, predicted, time_s, float(p.info.get("solve_s") or 0.0), note,
                         others * max(_kept_bytes(g, p) - grads, 0))
 
     def _can_evict(self) -> bool:
@@ -1362,6 +1453,6 @@ def compile_backend(budget: int | str, device: str | torch.device | None = None,
     return CompileBackend(budget, device=device, policies=policies, solver=solver, **options)
 
 
-# the keyword options compile_backend passes on to CompileBackend
-_OPTIONS = frozenset(("time_limit", "optimizer", "cost_model", "compiler", "scratch", "calls_per_step", "measure",
-                      "hold_outputs", "verify"))
+# the keyword options compile_backend passes on to CompileBackend: its keywords beyond compile_backend's own
+_OPTIONS = frozenset(inspect.signature(CompileBackend.__init__).parameters) - {"self", "budget", "device", "policies",
+                                                                               "solver"}

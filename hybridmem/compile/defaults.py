@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import fx
 
-__all__ = ["saved_by_partition"]
+__all__ = ["saved_by_partition", "saved_bytes"]
 
 
 def saved_by_partition(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> set[fx.Node] | None:
@@ -41,3 +41,22 @@ def saved_by_partition(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, 
         return None
     names = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
     return {n for n in gm.graph.nodes if n.name in names}
+
+
+def saved_bytes(fw: fx.GraphModule, bw: fx.GraphModule, device: Any) -> int:
+    """Bytes of the distinct storages a partition's backward graph ``bw`` reads from its forward ``fw`` on
+    ``device``, but the forward's inputs' (the region's inputs and parameters, held for the step anyway; a
+    weight's transpose is a view of its storage) and the tangents (made by the backward's caller). A value
+    swapped to the host or held compressed (a token on the host) is not on ``device``."""
+    from .joint import _storage_key, node_nbytes, tensor_vals
+
+    inputs = {_storage_key(v) for n in fw.graph.find_nodes(op="placeholder") for v in tensor_vals(n.meta.get("val"))}
+    seen: dict[Any, int] = {}
+    for n in bw.graph.find_nodes(op="placeholder"):
+        if str(n.target).startswith(("primals", "tangents")):
+            continue
+        for v in tensor_vals(n.meta.get("val")):
+            k = _storage_key(v)
+            if v.device.type == getattr(device, "type", device) and k not in inputs:
+                seen.setdefault(k, node_nbytes(v))
+    return sum(seen.values())

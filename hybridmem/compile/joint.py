@@ -171,10 +171,16 @@ def reduction(n: fx.Node) -> bool:
     return n.op == "call_function" and getattr(n.target, "overloadpacket", None) in _REDUCTIONS
 
 
+# Indexing ops Inductor lowers as a pointwise kernel that loads its input through the index (a loss's
+# ``gather`` of the log-probabilities at the targets): a pointwise input is computed inside it
+_LOADERS = (torch.ops.aten.gather,)
+
+
 def computes_inputs(n: fx.Node) -> bool:
-    """Whether the kernel of ``n`` computes a recomputed pointwise input inside itself (a pointwise, layout or
-    reduction kernel); another kernel (a matrix product, a library op) reads it stored."""
-    return fusible(n) or reduction(n)
+    """Whether the kernel of ``n`` computes a recomputed pointwise input inside itself (a pointwise, layout,
+    reduction or gather kernel); another kernel (a matrix product, a library op) reads it stored."""
+    return fusible(n) or reduction(n) or (n.op == "call_function"
+                                          and getattr(n.target, "overloadpacket", None) in _LOADERS)
 
 
 def kernels(members: list[fx.Node]) -> int:
@@ -212,12 +218,22 @@ def _through_views(n: fx.Node, returned: set[fx.Node]) -> tuple[list[fx.Node], l
 
 
 def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node],
-                  backward: bool = False) -> dict[fx.Node, list[fx.Node]]:
+                  backward: bool = False, recomputed: set[fx.Node] | frozenset[fx.Node] = frozenset()
+                  ) -> dict[fx.Node, list[fx.Node]]:
     """Pointwise chains a fusing compiler (Inductor) runs as one kernel: a pointwise node whose only user
     is a pointwise node of the same pass is fused into it (its value never materializes, and a recompute
     replays the chain). The forward's chains always; the backward's with ``backward`` (a region without
     convolutions: there Inductor fuses the backward's chains as well, while around convolutions the
     backward's peak, where the budget binds, held more than the fused count).
+
+    With ``backward`` the forward inlines too: a forward pointwise value that neither the step's caller
+    nor the partition's saved set (``returned``) holds, read by forward pointwise, reduction or gather
+    kernels only (:func:`computes_inputs`), is computed inside each of up to :data:`MAX_INLINED_USERS` of
+    them, as Inductor does; a backward reader may read it too where the partition recomputes it there
+    (``recomputed``) inside that reader's kernel. A log-softmax's ``x - max(x)``, read by its ``exp``-sum
+    and by the subtraction of the log-sum, and that subtraction, read by the loss's ``gather``, are never
+    stored: counted stored, a language model's loss region at a 50,257-word vocabulary held two logits-sized
+    tensors more than its step (GPT-2, 2026-12-06).
 
     In the backward (with ``backward``) a pointwise node, or one made from no stored tensor (an ``iota``,
     a ``full``, views of them), is also inlined, as Inductor inlines it, into a
@@ -256,6 +272,9 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
                 if _pointwise(u) and u in fw:
                     into[n] = [u]
                     reads[n] = ins
+                    continue
+            if backward and _pointwise(n):
+                _inline_forward(n, fw, returned, recomputed, ins, into, reads)
             continue
         if not backward:
             continue
@@ -289,6 +308,32 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
             for r in roots(n):
                 groups.setdefault(r, []).append(n)
     return groups
+
+
+def _inline_forward(n: fx.Node, fw: set[fx.Node], stored: set[fx.Node], recomputed: set[fx.Node] | frozenset[fx.Node],
+                    ins: set[fx.Node], into: dict[fx.Node, list[fx.Node]], reads: dict[fx.Node, set[fx.Node]]) -> None:
+    """Inline forward pointwise value ``n`` (reading the stored values ``ins``) into its forward readers where
+    each computes it inside its own kernel (:func:`fusion_groups`); its backward readers must recompute it
+    (``recomputed``) inside theirs."""
+    seen = _through_views(n, stored)
+    if seen is None:
+        return
+    users, views = seen
+    forward = [u for u in users if u in fw]
+    if not forward or any(not computes_inputs(u) for u in users):
+        return
+    if len(forward) < len(users) and n not in recomputed:
+        return                      # the backward reads it as the forward stored it
+    if len(forward) > 1 and (len(forward) > MAX_INLINED_USERS or len(ins) > MAX_INLINED_READS):
+        return
+    through = {v: [w for w in _through_views(v, stored)[0] if w in fw] for v in views}   # type: ignore[index]
+    if not all(through.values()):
+        return                      # a view only the backward reads would be a forward stage of its own
+    into[n] = forward
+    reads[n] = ins
+    for v, readers in through.items():
+        into[v] = readers
+        reads[v] = ins
 
 
 def _fold_forward(nodes: list[fx.Node], fw: set[fx.Node], stored: set[fx.Node], into: dict[fx.Node, list[fx.Node]]) -> None:
@@ -417,8 +462,8 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     out_node = next(n for n in nodes if n.op == "output")
     returned = {a for a in out_node.all_input_nodes}
     stored = returned | saved if fuse and saved is not None else returned
-    groups = fusion_groups(nodes, fw, stored, backward=fuse_backward) if fuse else {}
     redirect = recomputed_reads(nodes, fw, saved) if fuse and saved is not None else {}
+    groups = fusion_groups(nodes, fw, stored, backward=fuse_backward, recomputed=set(redirect)) if fuse else {}
     inner = {m for ms in groups.values() for m in ms}
     order = [n for n in nodes if n.op == "call_function" and n in fw] + \
             [n for n in nodes if n.op == "call_function" and n not in fw]
