@@ -171,17 +171,17 @@ def _label(policies: tuple[str, ...] | None, ratio: float, margin: float | None 
 def _margin(share: float | None) -> Iterator[None]:
     """The compile backend's margin for Inductor's buffers (``INDUCTOR_MARGIN``, a share of the keep-all
     count) set to ``share`` while a variant compiles; None: the backend's own."""
-    import hybridmem.compile.backend as backend_mod
+    from hybridmem.compile import tuning
 
-    saved = backend_mod.INDUCTOR_MARGIN
+    saved = tuning.INDUCTOR_MARGIN
     if share is not None:
         if not 0.0 <= share < 1.0:
             raise ValueError(f"margin {share}: a share of the keep-all count in [0, 1), e.g. 0.08")
-        backend_mod.INDUCTOR_MARGIN = share
+        tuning.INDUCTOR_MARGIN = share
     try:
         yield
     finally:
-        backend_mod.INDUCTOR_MARGIN = saved
+        tuning.INDUCTOR_MARGIN = saved
 
 
 def compare(name: str, size: str = "small", ratios: tuple[float, ...] = (0.5,), rounds: int = 10,

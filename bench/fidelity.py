@@ -81,13 +81,11 @@ def model_of(name: str, size: str) -> tuple[nn.Module, Any, Callable[[Any], torc
     raise ValueError(f"unknown model {name!r}; accepted: {', '.join((*MODELS, *BUILDERS))}")
 
 
-def measure(name: str, size: str = "small", grads: str = "kept", watch: bool = True) -> Row:
-    """One row: the model after two SGD-momentum steps (gradients and momentum exist), then the step measured
-    three ways, each from the same state."""
-    if grads not in GRADS:
-        raise ValueError(f"grads={grads!r}; accepted: {', '.join(GRADS)}")
-    model, inputs, loss_fn = model_of(name, size)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+def trained(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], opt: torch.optim.Optimizer,
+            grads: str) -> tuple[Callable[[], None], Callable[[], None], tuple[Any, ...]]:
+    """The model after two steps (gradients and optimizer state exist): its step (forward, backward, the
+    optimizer's step), the loop's zero_grad before it (``grads="none"``: set to None; ``"kept"``: none), and
+    the step's input tensors. The zero_grad has run once."""
     args, kwargs = split_inputs(inputs)
 
     def step() -> None:
@@ -102,7 +100,18 @@ def measure(name: str, size: str = "small", grads: str = "kept", watch: bool = T
         opt.zero_grad(set_to_none=True)
         step()
     before()
-    real = real_peak_fn()(step, model, opt, (*args, *kwargs.values()))
+    return step, before, (*args, *kwargs.values())
+
+
+def measure(name: str, size: str = "small", grads: str = "kept", watch: bool = True) -> Row:
+    """One row: the model after two SGD-momentum steps (gradients and momentum exist), then the step measured
+    three ways, each from the same state."""
+    if grads not in GRADS:
+        raise ValueError(f"grads={grads!r}; accepted: {', '.join(GRADS)}")
+    model, inputs, loss_fn = model_of(name, size)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    step, before, tensors = trained(model, inputs, loss_fn, opt, grads)
+    real = real_peak_fn()(step, model, opt, tensors)
     before()
     graph = hybridmem.capture(model, inputs, loss_fn, device="cpu", optimizer=opt, optimizer_step=True)
     simulated = hybridmem.simulate(graph, device="measured").peak_bytes

@@ -422,17 +422,17 @@ def test_rebound_raises_bounds_only_where_higher_and_recomputes_gaps(tmp_path: P
 
 
 def test_compiled_bench_margins_are_checked_and_restored() -> None:
-    import hybridmem.compile.backend as backend_mod
     from bench import compiled
+    from hybridmem.compile import tuning
 
     assert compiled._margins(None) == (None,) and compiled._margins("0.11,0.08") == (0.11, 0.08)
     for bad in ("lots", "1.5", ","):
         with pytest.raises(SystemExit, match=r"--margins .*\[0, 1\)"):
             compiled._margins(bad)
-    before = backend_mod.INDUCTOR_MARGIN
+    before = tuning.INDUCTOR_MARGIN
     with compiled._margin(0.05):
-        assert backend_mod.INDUCTOR_MARGIN == 0.05
-    assert backend_mod.INDUCTOR_MARGIN == before
+        assert tuning.INDUCTOR_MARGIN == 0.05
+    assert tuning.INDUCTOR_MARGIN == before
     assert compiled._label(None, 0.5, 0.08) == "hybridmem@amb=0.5 margin=0.08"
 
 

@@ -184,7 +184,7 @@ def test_inductor_convolutions_are_counted_in_the_layout_inductor_runs_them() ->
     contiguous (oneDNN's reorders of the inputs), this VGG-style stack's keep-all count was 22 % above the
     unmanaged step's real peak (CPU, 2026-12-03). Measured channels-last it is within 3 % above it and no
     more than the margin below it."""
-    from hybridmem.compile.backend import INDUCTOR_MARGIN
+    from hybridmem.compile.tuning import INDUCTOR_MARGIN
 
     model, args, kwargs, loss_fn = _vgg_like()
     ref_peaks, _, _ = _train(copy.deepcopy(model), args, kwargs, loss_fn, "inductor", steps=2)
@@ -202,7 +202,7 @@ def test_concatenated_feature_maps_get_the_wider_margin() -> None:
     wider margin."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from hybridmem.compile.backend import INDUCTOR_MARGIN, INDUCTOR_MARGIN_CONCAT
+    from hybridmem.compile.tuning import INDUCTOR_MARGIN, INDUCTOR_MARGIN_CONCAT
     from hybridmem.compile.joint import concatenates_feature_maps
 
     a, b, w = torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8), torch.randn(3, 4, 3, 3)
@@ -287,9 +287,9 @@ def test_a_compiled_step_that_holds_more_than_its_share_is_planned_again(monkeyp
     fit the count exceed the budget when run; the backend runs each compiled region once when it compiles
     and plans it again until its real peak fits. The trial leaves the model's buffers, the random stream
     and the gradients as they were."""
-    from hybridmem.compile import backend as backend_mod
+    from hybridmem.compile import tuning
 
-    monkeypatch.setattr(backend_mod, "INDUCTOR_MARGIN", 0.0)
+    monkeypatch.setattr(tuning, "INDUCTOR_MARGIN", 0.0)
     budget = 11 << 20      # keep-all: 12.9 MiB counted, 13.3 MiB real; recomputing 4 MiB: 8.9 counted, 10.8 real
     x = torch.randn(32, 3, 32, 32, generator=torch.Generator().manual_seed(0))
 

@@ -276,19 +276,19 @@ def test_compression_is_not_planned_where_no_recompute_it_could_spare_pays_for_i
     costs more per byte than the fastest lossless codec."""
     from types import SimpleNamespace as NS
 
-    from hybridmem.compile.backend import _codecs_could_pay, _recompute_left_s
+    from hybridmem.compile.variants import codecs_could_pay, recompute_left_s
 
     stages = [NS(seconds=1e-3), NS(seconds=4e-3)]                      # two producers
     tensors = {0: NS(nbytes=1000, producer=0), 1: NS(nbytes=1000, producer=1)}   # 1 us/B and 4 us/B
     first = NS(decisions=NS(recompute=[0, 1], swap=[]), jg=NS(graph=NS(stages=stages, tensors=tensors)))
     model = NS(op_time=lambda stage: stage.seconds)
-    assert _recompute_left_s(first, model, 0) == pytest.approx(5e-3)      # frees nothing: both recomputes stay
+    assert recompute_left_s(first, model, 0) == pytest.approx(5e-3)      # frees nothing: both recomputes stay
     # 500 B freed: 1500 B still recomputed, the cheapest per byte first (a bound): 1000 B at 1 us/B, 500 B at 4
-    assert _recompute_left_s(first, model, 500) == pytest.approx(1e-3 + 2e-3)
-    assert _recompute_left_s(first, model, 1000) == pytest.approx(1e-3)
-    assert _recompute_left_s(first, model, 5000) == 0.0
-    assert _codecs_could_pay(first, model, "cpu")                         # microseconds a byte: any codec is faster
+    assert recompute_left_s(first, model, 500) == pytest.approx(1e-3 + 2e-3)
+    assert recompute_left_s(first, model, 1000) == pytest.approx(1e-3)
+    assert recompute_left_s(first, model, 5000) == 0.0
+    assert codecs_could_pay(first, model, "cpu")                         # microseconds a byte: any codec is faster
     cheap = NS(decisions=NS(recompute=[0], swap=[]),
                jg=NS(graph=NS(stages=[NS(seconds=1e-12)], tensors={0: NS(nbytes=1 << 20, producer=0)})))
-    assert not _codecs_could_pay(cheap, model, "cpu")                    # a picosecond for a MiB: no codec is
-    assert _codecs_could_pay(NS(decisions=NS(recompute=[0], swap=[3]), jg=cheap.jg), model, "cpu")  # swaps: not judged
+    assert not codecs_could_pay(cheap, model, "cpu")                    # a picosecond for a MiB: no codec is
+    assert codecs_could_pay(NS(decisions=NS(recompute=[0], swap=[3]), jg=cheap.jg), model, "cpu")  # swaps: not judged

@@ -9,32 +9,14 @@ from torch import nn
 
 import hybridmem
 from hybridmem.errors import CaptureError
-from hybridmem.graph.capture import capture, split_inputs
+from hybridmem.graph.capture import capture
 from hybridmem.runtime import cpumeter
 from hybridmem.zoo import build
+from bench.fidelity import trained
 from tests.helpers.peaks import real_peak
 
 pytestmark = pytest.mark.skipif(cpumeter.load() is None,
                                 reason=f"native allocator device unavailable: {cpumeter.unavailable_reason()}")
-
-
-def _trained(model: nn.Module, inputs, loss_fn, opt: torch.optim.Optimizer, grads: str):
-    """The model after two steps (gradients and optimizer state exist), its step, and the loop's zero_grad."""
-    args, kwargs = split_inputs(inputs)
-
-    def step() -> None:
-        loss_fn(model(*args, **kwargs)).backward()
-        opt.step()
-
-    def before() -> None:
-        if grads == "none":
-            opt.zero_grad(set_to_none=True)
-
-    for _ in range(2):
-        opt.zero_grad(set_to_none=True)
-        step()
-    before()
-    return step, before, (*args, *kwargs.values())
 
 
 @pytest.mark.parametrize("grads", ["kept", "none"])
@@ -42,7 +24,7 @@ def _trained(model: nn.Module, inputs, loss_fn, opt: torch.optim.Optimizer, grad
 def test_simulated_peak_is_the_allocators(name: str, grads: str, one_thread) -> None:
     e = build(name, "tiny")
     opt = torch.optim.SGD(e.model.parameters(), lr=0.01, momentum=0.9)
-    step, before, ins = _trained(e.model, e.inputs, e.loss_fn, opt, grads)
+    step, before, ins = trained(e.model, e.inputs, e.loss_fn, opt, grads)
     real = real_peak(step, e.model, opt, ins)
     before()
     g = hybridmem.capture(e.model, e.inputs, e.loss_fn, device="cpu")  # the optimizer is found: optimizer="auto"
@@ -65,7 +47,7 @@ def test_optimizer_step_counts_its_temporaries_and_leaves_everything_as_it_was(o
     simulated peak is the allocator's; the user's parameters, gradients and optimizer state are untouched."""
     m, x = _mlp()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
-    step, before, ins = _trained(m, x, lambda out: out.sum(), opt, "kept")
+    step, before, ins = trained(m, x, lambda out: out.sum(), opt, "kept")
     real = real_peak(step, m, opt, ins)
     params = [p.detach().clone() for p in m.parameters()]
     grads = [p.grad.clone() for p in m.parameters()]

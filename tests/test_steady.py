@@ -7,8 +7,6 @@ the budget in real allocator bytes, and leave the steady state, saying why, when
 """
 from __future__ import annotations
 
-import copy
-import gc
 from typing import Any, Callable
 
 import pytest
@@ -17,9 +15,9 @@ from torch import nn
 
 import hybridmem
 from hybridmem.runtime import cpumeter
-from hybridmem.runtime.meter import profiler_peak
-from tests.helpers.steady import (budget_run as _budget_run, monitor_peak as _monitor_peak,
-                                  recompute_stats as _rc, train_steps as _train, zoo_batches as _zoo)
+from tests.helpers.steady import (budget_run as _budget_run,
+                                  recompute_stats as _rc, steady_real_bytes as _steady_real_bytes,
+                                  train_steps as _train, zoo_batches as _zoo)
 
 torch.set_num_threads(1)
 
@@ -43,23 +41,10 @@ def test_zoo_steady_state_evicts_and_is_bit_identical(name: str, cut: float) -> 
 
 def test_steady_state_real_peak_within_budget() -> None:
     """Measured independently of hybridmem (torch.profiler's memory events) in a steady-state step."""
-    gc.collect()  # earlier tests' garbage freed meanwhile would move the monitor's peak, hence the budget
-    model, batches, loss_fn = _zoo("resnet50", steps=4)
-    peak, saved = _monitor_peak(model, batches, loss_fn)
-    budget = int(peak - 0.25 * saved)
-    model = copy.deepcopy(model)
-    held_before = cpumeter.load()
-    assert held_before is not None
-    with hybridmem.session(budget=budget, policies=("recompute",)) as s:
-        for _ in range(3):
-            loss_fn(model, *batches[0]).backward()
-        state = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers(),
-                                                               *(p.grad for p in model.parameters())))
-        step3 = profiler_peak(lambda: loss_fn(model, *batches[0]).backward())
-        st = s.stats()
+    real, budget, st = _steady_real_bytes("resnet50", 0.25, "recompute")
     assert st.steady_steps == 2, st.notes
     assert st.policies["recompute"].evicted > 0
-    assert state + step3 <= budget, (state + step3, budget)
+    assert real <= budget, (real, budget)
 
 
 class _Block(nn.Module):

@@ -6,8 +6,6 @@ in the allocator's bytes (measured independently by torch.profiler too), and reb
 """
 from __future__ import annotations
 
-import copy
-import gc
 from typing import Any
 
 import pytest
@@ -16,10 +14,10 @@ from torch import nn
 
 import hybridmem
 from hybridmem.runtime import cpumeter
-from hybridmem.runtime.meter import profiler_peak
 from hybridmem.plugins.swap import _CudaTransport
 from tests.helpers.fakecuda import FakeCuda, HostPool
-from tests.helpers.steady import monitor_peak as _monitor_peak, train_steps as _train, zoo_batches as _zoo
+from tests.helpers.steady import (monitor_peak as _monitor_peak, steady_real_bytes, train_steps as _train,
+                                  zoo_batches as _zoo)
 
 torch.set_num_threads(1)
 
@@ -79,21 +77,10 @@ def test_steady_steps_evict_by_swap_and_compress_as_they_save(name: str, cut: fl
 
 def test_a_steady_step_with_evictions_at_pack_holds_the_budget_in_real_bytes() -> None:
     """Measured independently of hybridmem: torch.profiler's memory events in a steady step, plus the state."""
-    gc.collect()
-    model, batches, loss_fn = _zoo("resnet50", steps=4)
-    peak, saved = _monitor_peak(model, batches, loss_fn)
-    budget = int(peak - 0.3 * saved)
-    model = copy.deepcopy(model)
-    with hybridmem.session(budget=budget, policies=("swap",)) as s:
-        for _ in range(3):
-            loss_fn(model, *batches[0]).backward()
-        state = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers(),
-                                                               *(p.grad for p in model.parameters())))
-        step4 = profiler_peak(lambda: loss_fn(model, *batches[0]).backward())
-        st = s.stats()
+    real, budget, st = steady_real_bytes("resnet50", 0.3, "swap")
     assert st.steady_steps == 2, st.notes
     assert st.policies["swap"].evicted > 0
-    assert state + step4 <= budget, (state + step4, budget)
+    assert real <= budget, (real, budget)
 
 
 def test_steady_prefetch_follows_the_recorded_read_order() -> None:

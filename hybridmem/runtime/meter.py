@@ -369,30 +369,19 @@ class Meter:
                     raise
                 self.oom_retries += 1
                 needed, held = _refusal(e)
-                if attempt == _RETRIES - 1:  # evicting freed memory each time and it still did not fit
-                    if self.on_exhausted is not None:
-                        exc = self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", None)
-                        if exc is None:
-                            return fn(*args, **kwargs)
-                        try:
-                            raise exc from e
-                        finally:
-                            exc = None  # no cycle through this frame (see Residency.refuse)
-                    raise
+                last = attempt == _RETRIES - 1  # evicting freed memory each time and it still did not fit
                 # What the op had allocated when it was refused is free again now, and the retry
                 # allocates it once more: ask for room for that too.
-                room = needed if held is None else needed + max(0, held - self.current_bytes)
-                freed = self._ask(room)
-                if not freed:
-                    if self.on_exhausted is not None:
-                        exc = self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", held)
-                        if exc is None:
-                            return fn(*args, **kwargs)
-                        try:
-                            raise exc from e
-                        finally:
-                            exc = None  # no cycle through this frame (see Residency.refuse)
-                    raise
+                if last or not self._ask(needed if held is None else needed + max(0, held - self.current_bytes)):
+                    if self.on_exhausted is None:
+                        raise
+                    exc = self.on_exhausted(needed, f"op {getattr(fn, '__name__', fn)}", None if last else held)
+                    if exc is None:
+                        return fn(*args, **kwargs)
+                    try:
+                        raise exc from e
+                    finally:
+                        exc = None  # no cycle through this frame (see Residency.refuse)
         raise AssertionError("unreachable")
 
     def apply_cuda_cap(self) -> None:

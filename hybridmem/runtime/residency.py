@@ -30,6 +30,8 @@ from .saved import SavedStore
 from .stats import StatsRecorder
 from .survey import Survey
 
+_REFUSED = object()  # Residency._evict_by: the policy found no room for what its eviction allocates
+
 Tensor = torch.Tensor
 
 
@@ -96,16 +98,9 @@ class Residency:
         if e.registered and not self.store.claim(e):
             return 0  # the allocator freed it meanwhile: evicted by recompute already
         before = self.meter.current_bytes
-        if self.verify is not None and not getattr(policy, "lossy_codecs", None):
-            with self.mode.quiet():
-                self.verify[e.uid] = (digest(e.tensor), policy.name)
-        self.store.before_evict(e)
-        try:
-            with self.mode.quiet():
-                handle = policy.evict(e)
-        except torch.OutOfMemoryError:
-            self.store.resident[e.uid] = e  # still resident: another victim must do
-            return 0
+        handle = self._evict_by(e, policy)
+        if handle is _REFUSED:
+            return 0  # still resident: another victim must do
         self._record_eviction(e, policy, handle)
         return before - self.meter.current_bytes
 
@@ -119,18 +114,25 @@ class Residency:
             return False
         if e.registered and not self.store.claim(e):
             return False  # the allocator freed it meanwhile: evicted by recompute already
+        handle = self._evict_by(e, policy)
+        if handle is _REFUSED:
+            return False
+        self._record_eviction(e, policy, handle, keep_slot=True)
+        return True
+
+    def _evict_by(self, e: Entry, policy: Policy) -> Any:
+        """``policy.evict(e)`` with the entry's digest kept for ``verify``; :data:`_REFUSED` (``e`` resident
+        again) where the policy found no room for what it allocates."""
         if self.verify is not None and not getattr(policy, "lossy_codecs", None):
             with self.mode.quiet():
                 self.verify[e.uid] = (digest(e.tensor), policy.name)
         self.store.before_evict(e)
         try:
             with self.mode.quiet():
-                handle = policy.evict(e)
+                return policy.evict(e)
         except torch.OutOfMemoryError:
             self.store.resident[e.uid] = e
-            return False
-        self._record_eviction(e, policy, handle, keep_slot=True)
-        return True
+            return _REFUSED
 
     def dropped(self, e: Entry) -> None:
         """The allocator freed ``e``'s bytes at an allocation (a registered recompute candidate)."""

@@ -3,6 +3,7 @@ under a budget, and compare bit for bit."""
 from __future__ import annotations
 
 import copy
+import gc
 import math
 from typing import Any, Callable
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import hybridmem
+from hybridmem.runtime.meter import profiler_peak
 from hybridmem.runtime.stats import PolicyStats
 from hybridmem.zoo import build
 from tests.helpers.runtime import raw
@@ -79,3 +81,22 @@ def budget_run(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., to
             assert floor > budget, f"an OOM at {budget} must name a larger minimum: {e}"
             budget = math.ceil(floor * 1.01)
     raise AssertionError("no feasible budget in 6 tries")
+
+
+def steady_real_bytes(name: str, cut: float, policy: str) -> tuple[int, int, Any]:
+    """Zoo ``name`` trained 3 steps under the monitor's peak - ``cut`` * saved with ``policy``, then a 4th
+    measured independently of hybridmem (torch.profiler's memory events, plus the training state):
+    ``(real bytes, budget, stats)``."""
+    gc.collect()  # earlier tests' garbage freed meanwhile would move the monitor's peak, hence the budget
+    model, batches, loss_fn = zoo_batches(name, steps=4)
+    peak, saved = monitor_peak(model, batches, loss_fn)
+    budget = int(peak - cut * saved)
+    model = copy.deepcopy(model)
+    with hybridmem.session(budget=budget, policies=(policy,)) as s:
+        for _ in range(3):
+            loss_fn(model, *batches[0]).backward()
+        state = sum(t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers(),
+                                                               *(p.grad for p in model.parameters())))
+        step = profiler_peak(lambda: loss_fn(model, *batches[0]).backward())
+        st = s.stats()
+    return state + step, budget, st

@@ -1,0 +1,552 @@
+"""The compiled backend's planning: a region's joint graph turned into counts, a plan under its share of
+the budget, and the partition's tags (mixed into :class:`~hybridmem.compile.backend.CompileBackend`,
+whose options and per-region state it reads)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..errors import BudgetInfeasibleError
+from ..graph.costs import DeviceModel
+from ..graph.units import fmt_bytes, parse_bytes
+from ..plugins.compress import codec_seconds
+from ..runtime.core import cost_model_for
+from . import codec_ops, probe
+from . import compressed as compressed_mod
+from . import tuning
+from .copies import cheaper, no_swap, overlap
+from .defaults import saved_by_partition, saved_bytes
+from .joint import concatenates_feature_maps, has_convolution, joint_graph
+from .partition import Decisions, apply_plan, decisions
+from .realized import realized_peak
+from .room import reserve
+from .scratch import inductor_channels_last, measure_scratch
+from .stats import RegionStats
+from .variants import Codecs, Planned, Prepared, Variant, codecs_could_pay, recompute_left_s
+
+
+def _cost_model(device: torch.device, name: str | None, can_swap: bool) -> DeviceModel:
+    model = cost_model_for(device, name)
+    return model if can_swap else no_swap(model)
+
+
+class Planning:
+    """Planning methods of :class:`~hybridmem.compile.backend.CompileBackend`."""
+
+    def _solve(self, g: Any, budget: int | str, model: Any) -> Any:
+        from .. import solvers
+        return solvers.plan(g, budget, device=model, solver=self.solver, time_limit=self.time_limit)
+
+    def _least_planned(self, variants: list["Variant"], model: Any) -> int | None:
+        """The least budget the solver has a plan for on any count of ``variants`` (the region's bytes: no
+        margin, nothing held outside it); None where it finds none."""
+        found = []
+        for v in variants:
+            for j in (v.jg, v.part):
+                if j is None:
+                    continue
+                try:
+                    found.append(int(self._solve(j.graph, "min", model).budget_bytes))
+                except BudgetInfeasibleError:
+                    continue
+        return min(found) if found else None
+
+    def _plan_realized(self, g: Any, share: int, model: Any, judge: Any) -> tuple[Any, int]:
+        """A plan that fits ``share`` by its count or by its peak as PyTorch's partition runs it (``judge``:
+        :func:`~hybridmem.compile.realized.realized_peak`). The partition recomputes some of what a plan
+        keeps, so a plan for a budget above ``share`` may fit it as partitioned, and recomputes less. The
+        plan at ``share`` (or, where the count has none, at the least budget it has one for) is taken
+        where it fits; where that leaves :data:`tuning.REALIZED_HEADROOM` of ``share`` free, a bisection above it
+        (:data:`tuning.REALIZED_PROBES` plans, for :data:`tuning.REALIZED_TIME_SHARE` times the first one's time at most)
+        keeps the highest budget whose plan fits as partitioned. Returns the plan and the peak it was
+        taken by; on failure the error names the least peak found."""
+        def judged(b: int | str) -> tuple[Any, int, int] | None:
+            try:
+                p = self._solve(g, b, model)
+            except BudgetInfeasibleError:
+                return None
+            count = int(p.predicted_peak_bytes)
+            real = judge(p)
+            return p, count, count if real is None else real
+
+        t0 = time.perf_counter()
+        first = judged(share)
+        if first is None:
+            first = judged("min")          # the count has no plan at the share: its least plan may fit
+            if first is None:
+                raise BudgetInfeasibleError("no plan", None)
+            if first[2] > share:
+                raise BudgetInfeasibleError("no plan fits as the partition runs it", min(first[1], first[2]))
+        p, count, real = first
+        best = (p, min(count, real))       # at the share the count fits, whatever the partition does
+        if share - best[1] < tuning.REALIZED_HEADROOM * share:
+            return best                    # nothing to gain above it
+        lo, hi = int(p.budget_bytes) + 1, g.peak_bytes()
+        stop = time.perf_counter() + tuning.REALIZED_TIME_SHARE * (time.perf_counter() - t0)
+        for _ in range(tuning.REALIZED_PROBES):
+            if lo > hi or time.perf_counter() > stop:
+                break
+            b = (lo + hi) // 2
+            got = judged(b)
+            if got is not None and got[2] <= share:
+                best, lo = (got[0], got[2]), b + 1
+            else:
+                hi = b - 1
+        return best
+
+    def _plan_runs(self, g: Any, share: int, others: int, grads: int, model: Any) -> tuple[Any, int]:
+        """A plan, and its peak with ``others`` more runs in flight beside it, that fits ``share``: each other
+        run holds what the plan keeps for the backward beyond the ``grads`` bytes already set aside for it.
+
+        The planners see one run. To make them weigh what the other runs hold, they plan a copy of the
+        graph whose saved tensors are ``others + 1`` times their size (keeping one costs that much); each
+        plan is then judged on the real graph with the other runs added, and a bisection over the copy's
+        budget finds the highest one whose plan fits (6 plans at most). On failure the error names the
+        least total any of those plans needs."""
+        import copy
+
+        from .. import solvers
+        from ..graph.simulate import simulate
+
+        if not others:
+            p = self._solve(g, share, model)
+            return p, int(p.predicted_peak_bytes)
+        heavy = copy.deepcopy(g)
+        for t in heavy.tensors:
+            if t.saved and t.evictable:
+                t.nbytes *= others + 1
+        best: tuple[Any, int] | None = None
+        least: int | None = None
+        lo, hi = solvers.memory_floor(heavy, model), heavy.peak_bytes()
+        for _ in range(6):
+            if lo > hi:
+                break
+            b = (lo + hi) // 2
+            try:
+                p = self._solve(heavy, b, model)
+            except BudgetInfeasibleError:
+                lo = b + 1
+                continue
+            peak = simulate(g, p, model, budget=None, check_hash=False).peak_bytes
+            need = int(peak) + others * max(_kept_bytes(g, p) - grads, 0)
+            least = need if least is None else min(least, need)
+            if need <= share:
+                best, lo = (p, need), b + 1
+            else:
+                hi = b - 1
+        if best is None:
+            raise BudgetInfeasibleError("no plan of one run fits beside the other runs in flight", least)
+        return best
+
+    def _budget_bytes(self, dev: torch.device) -> int:
+        if self._budget_b is None:
+            if dev.type != "cuda":
+                raise ValueError(f"budget {self.budget!r}: a percentage needs a CUDA device; this region runs "
+                                 f"on {dev}: give bytes, e.g. '2GiB'")
+            total = torch.cuda.get_device_properties(dev).total_memory
+            return parse_bytes(self.budget, what="budget", total=total)
+        return self._budget_b
+
+    def _prepare(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> Prepared:
+        """Plan the joint graph ``gm`` and tag it; return what the partition's rewrite needs."""
+        from torch._functorch import config as fconfig
+        from torch._functorch.compile_utils import fx_graph_cse
+        from torch._functorch.partitioners import classify_nodes
+
+        from .. import solvers
+
+        t0 = time.perf_counter()
+        dev = self._dev or torch.device("cpu")
+        can_swap = "swap" in self.policies and dev.type == "cuda"
+        model = _cost_model(dev, self.cost_model_name, can_swap)
+        # the same clean-up the partitioner starts with, so that the tags land on the nodes it keeps
+        gm.graph.eliminate_dead_code()
+        if fconfig.cse:
+            gm.graph = fx_graph_cse(gm.graph)
+        gm.recompile()
+        nfwd = kwargs["num_fwd_outputs"]
+        static_idx = list(kwargs.get("static_lifetime_input_indices") or [])
+        info = classify_nodes(gm, static_idx, nfwd)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        forward = [n for n in gm.graph.nodes if info.is_required_fw(n)]
+        conv = has_convolution(gm.graph.nodes)
+        fuse = self.compiler == "inductor"
+        t_probe = time.perf_counter()
+        saved = saved_by_partition(gm, joint_inputs, kwargs) if fuse else None
+        t_probe = time.perf_counter() - t_probe
+
+        def joint(saved_: set[fx.Node] | None) -> Any:
+            return joint_graph(gm, forward, [p for i, p in enumerate(placeholders) if i in static_idx],
+                               [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
+                               name=f"region {len(self._regions) + 1}", fuse=fuse,
+                               fuse_backward=fuse and not conv, saved=saved_, outputs_held=self.hold_outputs)
+
+        # two counts of the region: every forward value the backward reads held from the forward (the
+        # count plans are made on first), and the count of the partition PyTorch makes (what it
+        # recomputes on its own read from its sources): closer to the real peak, tried where the first
+        # has no plan (hybridmem.compile.defaults)
+        jg = joint(None)
+        jg_part = joint(saved) if saved is not None else None
+        if "recompute" not in self.policies:
+            for j in (jg, jg_part):      # no stage may be replayed: the planners keep, swap (or it compresses)
+                for st_ in (j.graph.stages if j is not None else ()):
+                    st_.deterministic = False
+        t_scratch = time.perf_counter()
+        if self.scratch:
+            counts = [j for j in (jg, jg_part) if j is not None]
+            note = measure_scratch(counts, dev, channels_last=fuse and conv and inductor_channels_last(gm))
+            for j in counts:
+                j.graph.meta["workspace"] = note
+        t_scratch = time.perf_counter() - t_scratch
+        g = jg.graph
+        key = self._current
+        budget = self._budget_for(key, dev)
+        outside = self._outside(key)
+        share = budget - outside
+        # the margin scales with the step as it runs: the keep-all peak of the partition PyTorch makes where
+        # that count is the lower (MobileNetV2: 40.6 MiB, where the first count's 56 MiB holds every forward
+        # value the backward reads from the forward on)
+        peak = min(j.graph.peak_bytes() for j in (jg, jg_part) if j is not None)
+        share_free = (tuning.INDUCTOR_MARGIN_CONCAT if conv and concatenates_feature_maps(gm.graph.nodes)
+                      else tuning.INDUCTOR_MARGIN if conv else tuning.INDUCTOR_MARGIN_NO_CONV)
+        # and what a trial run of an earlier plan of this compile held beyond its share (_compile_checked)
+        margin = (int(share_free * peak) if self.compiler == "inductor" else 0) + self._extra.get(key, 0)
+        self._margin_now = margin
+        # a count a little above the step as it runs (the partition recomputes some of what it keeps) may be
+        # planned a little beyond the share: the run at compile time checks it
+        self._slack_now = int(tuning.REPLAN_SLACK * peak) if self.compiler == "inductor" else 0
+        name = f"region {list(self._regions).index(key) + 1 if key in self._regions else len(self._regions) + 1}"
+        room = self._room.get(key, 0)
+        if room:
+            # the regions compiled after it run where its backward begins: their share is left free there (their
+            # share holds their own margin: this region's is not counted twice; a margin lowered to find a plan,
+            # which its run checks, lowers the room alike)
+            for j in (jg, jg_part):
+                if j is not None:
+                    reserve(j.graph, room - (margin - self._extra.get(key, 0)))
+        # each other run in flight (calls_per_step - 1) holds its inputs and parameters, and either what the
+        # plan keeps for its backward (before it) or the gradients that backward made (after it)
+        others = self.calls_per_step - 1
+        fixed = g.fixed_bytes()
+        grads = sum(t.nbytes for t in g.tensors if t.producer < 0 and t.kind == "param")
+        outside += others * (fixed + grads)
+        share -= others * (fixed + grads)
+        base_s = float(model.op_times(g).sum())
+        plain = Variant("", jg, jg_part)
+        variants = [plain]
+        notes: list[str] = []
+        t_codec = 0.0
+        lazy: dict[str, Any] = {}
+
+        def codecs() -> "Codecs | None":
+            """What compresses (measured once, where compress is allowed and the budget binds)."""
+            nonlocal t_codec
+            if "codecs" not in lazy:
+                t1 = time.perf_counter()
+                lazy["codecs"] = (self._codec_choices(gm, forward, jg, jg_part, model, notes)
+                                  if "compress" in self.policies else None)
+                t_codec += time.perf_counter() - t1
+            return lazy["codecs"]
+
+        def every() -> Variant | None:
+            """The counts with every candidate compressed (made once, where asked for)."""
+            nonlocal t_codec
+            if "every" not in lazy:
+                t1 = time.perf_counter()
+                c = codecs()
+                lazy["every"] = c.variant("compress all", jg, jg_part, lambda j, order: order) if c else None
+                t_codec += time.perf_counter() - t1
+            return lazy["every"]
+
+        def floor(v: Variant) -> int:
+            f = solvers.memory_floor(v.jg.graph, model)
+            if v.part is not None and not others:
+                f = min(f, solvers.memory_floor(v.part.graph, model))
+            return f
+        least_plain = floor(plain) + margin + outside
+        least = least_plain
+        if budget < least_plain and every() is not None:
+            least = min(least, floor(every()) + margin + outside)
+        if budget < least:
+            # the floor is a bound no plan goes below; the error names the least budget a plan exists for
+            # (a bisection of solves), so that the budget it names compiles
+            region = None if others else self._least_planned([v for v in (plain, lazy.get("every")) if v], model)
+            named = least if region is None else max(least, region + margin + outside)
+            raise BudgetInfeasibleError(
+                f"hybridmem compile: {name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
+                + (f"it needs at least {fmt_bytes(named)} ({named} B) with every evictable activation "
+                   + ("recomputed, swapped or compressed" if lazy.get("every") else "recomputed or swapped")
+                   if region is None else f"the least budget it has a plan for is {fmt_bytes(named)} ({named} B)")
+                + f" ({fmt_bytes(named - outside)} in the region"
+                + (f", of which {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
+                + f"; {fmt_bytes(outside)} held outside it: the optimizer's state, the regions compiled "
+                f"before" + (", the other runs' inputs, parameters and gradients" if others else "")
+                + "); the compiled step's run at compile time checks that budget and names more where Inductor "
+                "holds more than the plan counts", named)
+        planned: list[Planned] = []
+        failures: list[BudgetInfeasibleError] = []
+
+        def attempt(v: Variant | None, least: bool = True) -> Planned | None:
+            """Plan count ``v``; ``least``: where it has no plan, find the least budget it has one for (a
+            bisection of solves) for the error, which only a count that may be the last one tried needs."""
+            nonlocal t_codec
+            if v is None or any(v is w for w in variants[1:]):
+                return None
+            if v is not plain:
+                variants.append(v)
+            t_v = time.perf_counter()
+            try:
+                r = self._plan_variant(v, gm, joint_inputs, kwargs, share, margin, others, grads, model, name,
+                                       least=least)
+                planned.append(r)
+                return r
+            except BudgetInfeasibleError as e:
+                failures.append(e)
+                return None
+            finally:
+                if v is not plain:
+                    t_codec += time.perf_counter() - t_v
+
+        # below the floor of the count without compression no plan of it fits: only compression may
+        first = attempt(plain) if budget >= least_plain else None
+        hopeless = first is not None and first.plan is not None and not codecs_could_pay(first, model, dev.type)
+        if hopeless and "compress" in self.policies:
+            notes.append("compression not tried: no recompute of the plan costs more per byte than the fastest "
+                         "lossless codec would to free it")
+        elif (first is None or first.plan is not None) and codecs() is not None:
+            if first is not None:
+                # hold compressed what that plan keeps, but the sources its recomputes replay from: the same
+                # recomputes still fit, and the bytes compression frees may spare some of them. Not where the
+                # codecs and the recomputes those bytes cannot spare cost more than that plan adds (it could
+                # not be faster)
+                d, ga = first.decisions, first.jg.graph
+                sources = {x for t in d.recompute for x in ga.stages[ga.tensors[t].producer].inputs}
+                evicted = set(d.recompute) | set(d.swap) | sources
+                pick = lazy["codecs"].pick(first.jg, lambda order: [t for t in order if t not in evicted])
+                if pick and lazy["codecs"].seconds(first.jg, pick) + recompute_left_s(
+                        first, model, lazy["codecs"].freed(first.jg, pick)) < first.time_s - base_s:
+                    # the first plan stands if this one has none: no least budget to find for an error
+                    attempt(lazy["codecs"].variant("compress what it keeps", first.jg, None, lambda j, order: pick),
+                            least=False)
+                elif pick:
+                    notes.append("compression not tried: its codecs, with the recomputes the bytes they free cannot "
+                                 "spare, would cost more than the recompute plan adds")
+            else:
+                attempt(every())
+                # the most worth it, for about half the bytes compressing all would save: the plan recomputes
+                # around them (compressing a recompute's source takes that recompute away). Compressing all
+                # needs the least budget of the two: the error names it from there
+                attempt(lazy["codecs"].variant("compress half", jg, jg_part, lazy["codecs"].half), least=False)
+        if not planned:
+            needs = [int(e.minimum_bytes) for e in failures if e.minimum_bytes is not None]
+            if not needs:
+                raise failures[0]
+            least_need = min(needs)
+            need = least_need + margin + outside
+            raise BudgetInfeasibleError(
+                f"hybridmem compile: {name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
+                f"the least budget it has a plan for is {fmt_bytes(need)} ({need} B): "
+                f"{fmt_bytes(least_need)} in the region"
+                + (f" with the other {others} runs' kept tensors" if others else "")
+                + (f", {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
+                + f", {fmt_bytes(outside)} held outside it (the optimizer's state, the regions compiled "
+                f"before" + (", the other runs' inputs, parameters and gradients)" if others else ")")
+                + ("" if self._can_evict() else f"; policies {list(self.policies)} evict nothing on {dev} (swap "
+                   "needs CUDA): add recompute or compress"),
+                need) from None
+        best = min(planned, key=lambda r: r.time_s)     # the fastest plan; the first (less compressed) on a tie
+        if len(variants) > 1:
+            times = ", ".join(f"{v.name or 'no compression'} " + next(
+                (f"{100 * (r.time_s / base_s - 1):+.1f} %" for r in planned if r.variant is v), "no plan")
+                for v in variants)
+            notes.append(f"compression {'chosen' if best.variant.compressed else 'not chosen'} (predicted {times})")
+        st = self._region_stats_of(best, name, least, margin, share, base_s)
+        if notes:
+            st.note = "; ".join([*(x for x in [st.note] if x), *notes])
+        jg, g = best.jg, best.jg.graph
+        if best.plan is not None:
+            apply_plan(jg, best.decisions)
+        elif jg.compressed:
+            apply_plan(jg, Decisions())
+        beside = (fixed + st.compressed_to_bytes + (st.swapped_bytes if dev.type != "cuda" else 0)
+                  + others * (fixed + max(st.saved_bytes, grads)))
+        self._held[key] = beside + st.saved_bytes
+        self._kept[key] = st.saved_bytes + st.compressed_to_bytes
+        st.room_bytes = room
+        if room:
+            st.add_note(f"left {fmt_bytes(room)} where its backward begins for the regions compiled after it")
+        st.runs_planned = self.calls_per_step
+        st.plan_s = time.perf_counter() - t0
+        st.scratch_s = t_scratch
+        st.probe_s = t_probe
+        st.codec_probe_s = t_codec
+        st.solve_s = best.solve_s
+        region = codec_ops.new_region() if best.variant.compressed else 0
+        st.codec_region = region
+        self._regions[key] = st
+        self._planned_now = best
+        return Prepared(offload=bool(best.decisions.swap), region=region, stats=st, model=model, key=key,
+                         held_beside=beside,
+                         offloaded=[compressed_mod.storage_of(n) for t in best.decisions.swap
+                                    for n in jg.forward_nodes_of(t)],
+                         compressed=[best.variant.compressed[n.name] for n in jg.compressed.values()])
+
+    def _held_as_partitioned(self, prep: Prepared, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+        """What region ``prep.key`` holds through its backward, by the tensors its partition's backward reads
+        from its forward (:func:`~hybridmem.compile.defaults.saved_bytes`) rather than by the plan's count: the
+        partition recomputes some of what a plan keeps (:mod:`hybridmem.compile.realized`), and the regions
+        compiled after it plan beside what it really keeps."""
+        dev = self._dev or torch.device("cpu")
+        saved = saved_bytes(fw, bw, dev)
+        self._held[prep.key] = prep.held_beside + saved
+        self._kept[prep.key] = saved + (prep.stats.compressed_to_bytes if prep.stats is not None else 0)
+
+    def _codec_choices(self, gm: fx.GraphModule, forward: list[fx.Node], jg: Any, jg_part: Any, model: Any,
+                       notes: list[str]) -> "Codecs | None":
+        """The saved tensors of the region's counts a lossless codec shrinks to :data:`tuning.COMPRESS_MAX_RATIO` of
+        their bytes or less, measured on the example inputs (:mod:`hybridmem.compile.probe`), most worth it
+        first (recomputing their producer costs most more than the codec, per byte saved); None (``notes``
+        says why) where none does or the forward cannot be measured."""
+        fw = set(forward)
+        found_in = {id(j): compressed_mod.candidates(j, fw) for j in (jg, jg_part) if j is not None}
+        cands = {n for found in found_in.values() for n in found.values()}
+        if not cands:
+            return None
+        if self._examples is None:
+            notes.append("compression: no example inputs to measure the saved tensors on")
+            return None
+        try:
+            measured = probe.measure(gm, forward, self._examples, cands)
+        except Exception as e:     # an op the probe cannot run eagerly: plan without compression
+            notes.append(f"compression: the forward could not be measured ({type(e).__name__}: {str(e)[:120]})")
+            return None
+        dev_type = (self._dev or torch.device("cpu")).type
+        out = Codecs(model, dev_type)
+        for j in (jg, jg_part):
+            if j is None:
+                continue
+            found = found_in[id(j)]
+            picks: dict[int, compressed_mod.Compressed] = {}
+            worth: dict[int, float] = {}
+            for tid, n in found.items():
+                got = measured.get(n.name)
+                t = j.graph.tensors[tid]
+                if got is None or got[1] > tuning.COMPRESS_MAX_RATIO * t.nbytes:
+                    continue
+                c = picks[tid] = compressed_mod.Compressed(n.name, got[0], t.nbytes, got[1],
+                                                           compressed_mod.storage_of(n))
+                codec_s = sum(codec_seconds(c.codec, c.nbytes, dev_type))
+                worth[tid] = (model.op_time(j.graph.stages[t.producer]) - codec_s) / max(t.nbytes - c.size, 1)
+            if picks:
+                out.counts[id(j)] = (sorted(picks, key=lambda t: -worth[t]), picks, found)
+        if not out.counts:
+            notes.append(f"compression: no saved tensor compresses to {tuning.COMPRESS_MAX_RATIO:.0%} or less of its bytes")
+            return None
+        return out
+
+    def _plan_variant(self, v: "Variant", gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any], share: int,
+                      margin: int, others: int, grads: int, model: Any, name: str, least: bool = True) -> "Planned":
+        """A plan for one count of the region (with or without compression) that fits ``share``; raises
+        BudgetInfeasibleError whose ``minimum_bytes`` is the least the region needs (the margin and what is
+        held outside it not included), or None where ``least`` is False (finding it takes a bisection of up
+        to 16 solves: 32 s on ResNet-50 small's count with compression, where it had no plan)."""
+        from ..graph.simulate import simulate
+
+        jg, jg_part = v.jg, v.part
+        g = jg.graph
+        if jg_part is not None and not others and share >= jg_part.graph.peak_bytes() + margin:
+            jg, g = jg_part, jg_part.graph     # PyTorch's own partition fits, as it runs
+        peak = g.peak_bytes()
+        others_keep_all = others * max(g.saved_bytes() - grads, 0)   # the other runs' bytes, keeping all
+        if share >= peak + margin + others_keep_all:
+            time_s = float(simulate(g, None, model, budget=None, check_hash=False).time_s)
+            return Planned(v, jg, None, Decisions(), peak, peak, time_s, 0.0,
+                            "the share holds the keep-all peak: PyTorch's own partition"
+                            + (" with the compressed tensors" if v.compressed else ""), others_keep_all)
+        if not self._can_evict():
+            # nothing but keeping (and the compression this count holds): its keep-all peak is the least
+            raise BudgetInfeasibleError("no plan", peak + others_keep_all)
+        try:
+            try:
+                p, predicted = self._plan_runs(g, share - margin, others, grads, model)
+            except BudgetInfeasibleError:
+                if jg_part is None or others:
+                    raise
+                part = jg_part
+
+                def judge(p: Any) -> int | None:
+                    return realized_peak(gm, joint_inputs, kwargs, part, p, decisions(p), model)
+                p, predicted = self._plan_realized(part.graph, share - margin, model, judge)
+                jg, g = part, part.graph
+                peak = g.peak_bytes()
+        except BudgetInfeasibleError as e:
+            if not least:
+                raise BudgetInfeasibleError("no plan", None) from None
+            # the least budget this solver finds a plan for (bisection), so the error names it
+            if others:  # the least total any of the plans tried needed, beside the other runs
+                least_need = int(e.minimum_bytes if e.minimum_bytes is not None else g.peak_bytes())
+            else:
+                least_need = int(self._solve(g, "min", model).budget_bytes)
+                if jg_part is not None and e.minimum_bytes is not None:
+                    least_need = min(least_need, int(e.minimum_bytes))   # a plan as partitioned
+            raise BudgetInfeasibleError("no plan", least_need) from None
+        d = decisions(p)
+        dev = self._dev or torch.device("cpu")
+        note = ""
+        if d.swap and not overlap(dev):
+            # its copies would run on the compute stream: charged in full, against the plan without swaps
+            p, time_s, note = cheaper(g, p, model, lambda m: self._solve(g, share - margin, m))
+            p.predicted_time_s = time_s
+            d = decisions(p)
+            predicted = int(p.predicted_peak_bytes)
+        if d.swap and not ("swap" in self.policies and dev.type == "cuda"):
+            raise BudgetInfeasibleError(
+                f"hybridmem compile: {name} fits {fmt_bytes(share)} only by swapping {len(d.swap)} tensor(s), "
+                f"which a compiled graph on {dev} cannot (policies {list(self.policies)}); "
+                + ("a larger budget lets recompute alone fit" if "recompute" in self.policies
+                   else "policies with recompute or compress, or a larger budget, may fit"), None)
+        time_s = float(p.predicted_time_s or 0.0)
+        return Planned(v, jg, p, d, peak, predicted, time_s, float(p.info.get("solve_s") or 0.0), note,
+                        others * max(_kept_bytes(g, p) - grads, 0))
+
+    def _can_evict(self) -> bool:
+        """Whether a plan may evict anything: recompute, or swap on CUDA (compression is a count of its own)."""
+        dev = self._dev or torch.device("cpu")
+        return "recompute" in self.policies or ("swap" in self.policies and dev.type == "cuda")
+
+    def _region_stats_of(self, r: "Planned", name: str, least: int, margin: int, share: int,
+                         base_s: float) -> RegionStats:
+        jg, g, d = r.jg, r.jg.graph, r.decisions
+        comp = [(tid, n) for tid, n in jg.compressed.items()]
+        specs = r.variant.compressed
+        records = [{"node": jg.producer_node[t].name, "op": g.stages[g.tensors[t].producer].op,
+                    "bytes": g.tensors[t].nbytes, "policy": policy}
+                   for policy, ids in (("recompute", d.recompute), ("swap", d.swap)) for t in ids]
+        records += [{"node": n.name, "op": str(n.target), "bytes": g.tensors[t].nbytes, "policy": "compress",
+                     "codec": specs[n.name].codec, "to_bytes": specs[n.name].size} for t, n in comp]
+        p = r.plan
+        return RegionStats(
+            name=name, stages=g.num_stages, forward_stages=g.num_forward, keep_all_peak_bytes=r.peak,
+            min_budget_bytes=least, margin_bytes=margin, budget_bytes=share, predicted_peak_bytes=r.predicted,
+            saved_bytes=g.saved_bytes() - d.bytes_of(jg, "recompute") - d.bytes_of(jg, "swap"),
+            recomputed=len(d.recompute), recomputed_bytes=d.bytes_of(jg, "recompute"),
+            swapped=len(d.swap), swapped_bytes=d.bytes_of(jg, "swap"),
+            compressed=len(comp), compressed_bytes=sum(specs[n.name].nbytes for _, n in comp),
+            compressed_to_bytes=sum(specs[n.name].size for _, n in comp),
+            predicted_overhead=(r.time_s / base_s - 1.0) if base_s > 0 else 0.0,
+            gap_to_lower_bound=p.info.get("gap_to_lower_bound") if p is not None else None,
+            solver=p.solver if p is not None else "",
+            plan_from=str(p.info.get("plan_from") or "") if p is not None else "",
+            note=r.note, decisions=sorted(records, key=lambda x: -x["bytes"]))
+
+
+def _kept_bytes(g: Any, p: Any) -> int:
+    """Bytes of saved activations plan ``p`` keeps for the backward (neither recomputed nor swapped)."""
+    d = decisions(p)
+    evicted = set(d.recompute) | set(d.swap)
+    return sum(t.nbytes for t in g.tensors if t.saved and t.evictable and t.id not in evicted)
