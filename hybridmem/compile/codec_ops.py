@@ -23,11 +23,12 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from ..plugins.codecs import LOSSLESS, CodecPasses, Encoded
+from .oplib import define_once
 
 __all__ = ["CodecStats", "dense", "live_payloads", "new_region", "register", "reset_stats", "stats_for"]
 
@@ -160,30 +161,19 @@ def _unpack(token: torch.Tensor, size: Sequence[int], stride: Sequence[int], dty
     return out
 
 
-_REGISTERED = False
-
-
 def register() -> None:
     """Define ``hybridmem::pack_saved`` and ``hybridmem::unpack_saved`` (once per process)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    with _LOCK:
-        if _REGISTERED:
-            return
-        lib = torch.library.Library("hybridmem", "FRAGMENT")
-        lib.define("pack_saved(Tensor x, int region, int planned) -> Tensor")
-        lib.define("unpack_saved(Tensor token, SymInt[] size, SymInt[] stride, ScalarType dtype, Device device, "
-                   "int region) -> Tensor")
-        lib.impl("pack_saved", _pack, "CompositeExplicitAutograd")
-        lib.impl("unpack_saved", _unpack, "CompositeExplicitAutograd")
-        torch.library.register_fake("hybridmem::pack_saved", _pack_fake, lib=lib)
-        torch.library.register_fake("hybridmem::unpack_saved", _unpack_fake, lib=lib)
-        _LIBS.append(lib)
-        _REGISTERED = True
+    define_once("codec", _define)
 
 
-_LIBS: list[Any] = []    # the library objects must outlive the process's use of the ops
+def _define(lib: torch.library.Library) -> None:
+    lib.define("pack_saved(Tensor x, int region, int planned) -> Tensor")
+    lib.define("unpack_saved(Tensor token, SymInt[] size, SymInt[] stride, ScalarType dtype, Device device, "
+               "int region) -> Tensor")
+    lib.impl("pack_saved", _pack, "CompositeExplicitAutograd")
+    lib.impl("unpack_saved", _unpack, "CompositeExplicitAutograd")
+    torch.library.register_fake("hybridmem::pack_saved", _pack_fake, lib=lib)
+    torch.library.register_fake("hybridmem::unpack_saved", _unpack_fake, lib=lib)
 
 
 def _pack_fake(x: torch.Tensor, region: int, planned: int) -> torch.Tensor:

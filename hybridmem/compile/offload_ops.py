@@ -28,6 +28,7 @@ import torch
 
 from ..plugins.swap import PinnedPool, host_empty_like
 from .codec_ops import dense
+from .oplib import define_once
 
 __all__ = ["held", "register"]
 
@@ -174,36 +175,27 @@ def _offload_fake(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((1,), dtype=torch.int64, device="cpu")
 
 
-_REGISTERED = False
-_LIBS: list[Any] = []       # the library objects must outlive the process's use of the ops
-
-
 def register() -> None:
     """Define ``hybridmem::offload``, ``hybridmem::reload_start`` and ``hybridmem::reload_wait`` (once per
     process). ``reload_wait``'s fake tensor comes from the size, strides, dtype and device ``reload_start``
     was given, which the graph rewrite (:func:`hybridmem.compile.offload.rewrite_partition`) puts in its
     node's value."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    with _LOCK:
-        if _REGISTERED:
-            return
-        lib = torch.library.Library("hybridmem", "FRAGMENT")
-        lib.define("offload(Tensor x) -> Tensor")
-        lib.define("reload_start(Tensor token, SymInt[] size, SymInt[] stride, ScalarType dtype, Device device) "
-                   "-> Tensor")
-        lib.define("reload_wait(Tensor token, SymInt[] size, SymInt[] stride, ScalarType dtype, Device device) "
-                   "-> Tensor")
-        lib.impl("offload", _offload, "CompositeExplicitAutograd")
-        lib.impl("reload_start", _reload_start, "CompositeExplicitAutograd")
-        lib.impl("reload_wait", lambda token, size, stride, dtype, device: _reload_wait(token),
-                 "CompositeExplicitAutograd")
-        torch.library.register_fake("hybridmem::offload", _offload_fake, lib=lib)
-        torch.library.register_fake("hybridmem::reload_start", _token_fake, lib=lib)
-        torch.library.register_fake("hybridmem::reload_wait", _wait_fake, lib=lib)
-        _LIBS.append(lib)
-        _REGISTERED = True
+    define_once("offload", _define)
+
+
+def _define(lib: torch.library.Library) -> None:
+    lib.define("offload(Tensor x) -> Tensor")
+    lib.define("reload_start(Tensor token, SymInt[] size, SymInt[] stride, ScalarType dtype, Device device) "
+               "-> Tensor")
+    lib.define("reload_wait(Tensor token, SymInt[] size, SymInt[] stride, ScalarType dtype, Device device) "
+               "-> Tensor")
+    lib.impl("offload", _offload, "CompositeExplicitAutograd")
+    lib.impl("reload_start", _reload_start, "CompositeExplicitAutograd")
+    lib.impl("reload_wait", lambda token, size, stride, dtype, device: _reload_wait(token),
+             "CompositeExplicitAutograd")
+    torch.library.register_fake("hybridmem::offload", _offload_fake, lib=lib)
+    torch.library.register_fake("hybridmem::reload_start", _token_fake, lib=lib)
+    torch.library.register_fake("hybridmem::reload_wait", _wait_fake, lib=lib)
 
 
 def _wait_fake(token: torch.Tensor, size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
