@@ -1,16 +1,18 @@
 """A CPU plan's predicted step time against the measured one: ``python -m bench.step_time [MODELS] [--size bench]``.
 
-For each zoo model: one warm-up step, a capture on this CPU, a plan for ``--device cpu`` at ``--budget`` of the
-keep-all peak (what ``hybridmem plan --model M --device cpu --budget 70%`` makes; where no plan fits that, the
-least budget with one, + 1 %), then ``--steps`` steps under
-the runtime following it (SGD, one thread). Prints the plan's predicted step time (the simulator's, under the
-``cpu`` device model), the measured mean of the steps after the first two (the first records the step, the
-second may still build the steady state), the unmanaged step, measured / predicted, and the same plan replayed
-with the capture's own measured op times (``simulate(..., device="measured")``).
+For each zoo model: one warm-up step, a capture of the step with its optimizer's step on this CPU (after a timed
+plain step, as ``hybridmem plan`` captures), a plan for ``--device cpu`` at ``--budget`` of the keep-all peak (as
+``hybridmem plan --model M --device cpu --budget 70%`` makes it: the capture's own op times, copies on the
+compute stream; where no plan fits that budget, the least budget with one, + 1 %). Then ``--rounds`` rounds of: a fresh capture, whose op times give this round's
+prediction of the same plan; ``--steps`` unmanaged steps; ``--steps`` + 2 steps under the runtime following the
+plan (SGD, one thread; the first two record the step and build the steady state). Prints the round with the
+median measured / predicted (and every round's), its unmanaged step and what the plan predicts for its
+recomputes, copies and codecs.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -19,7 +21,9 @@ import torch
 import hybridmem
 from hybridmem import solvers
 from hybridmem.errors import BudgetInfeasibleError
-from hybridmem.graph.costs import apply_costs, get_cost_model
+from hybridmem.graph.costs import apply_costs, planning_model
+from hybridmem.runtime.core import Runtime
+from hybridmem.runtime.replay import Replayer
 from hybridmem.zoo import MODELS, build
 
 
@@ -29,35 +33,100 @@ def _step(e, opt) -> None:
     opt.step()
 
 
-def measure(name: str, size: str, budget: str, steps: int) -> dict:
+def _capture(e, opt):
+    """The step captured on this CPU with its optimizer's step (after a timed plain step: what a step spends
+    outside its ops), and the cost model a ``cpu`` plan uses for it."""
+    g = hybridmem.capture(e.model, e.inputs, e.loss_fn, device="cpu", optimizer=opt, optimizer_step=True, warmup=1)
+    model = planning_model(g, "cpu")
+    return apply_costs(g, model), model
+
+
+def _timed(e, opt, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        _step(e, opt)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+class HookClock:
+    """Times the runtime's saved-tensor hooks (less the replays run inside an unpack) of a session entered
+    while it is active (the session binds its hooks when it starts): the host cost the ``cpu`` model charges
+    per save (``host_save_s``)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.hooks_s = self.replay_s = 0.0
+        self.saves = 0
+
+    def __enter__(self) -> "HookClock":
+        self._saved = (Runtime._pack_hook, Runtime._unpack_hook, Replayer._call)
+        pack, unpack, call = self._saved
+        clock = self
+
+        def timed(fn, counts):
+            def wrapper(self, *args):
+                t0 = time.perf_counter()
+                try:
+                    return fn(self, *args)
+                finally:
+                    clock.hooks_s += time.perf_counter() - t0
+                    clock.saves += counts
+            return wrapper
+
+        def replay(self, *args):
+            t0 = time.perf_counter()
+            try:
+                return call(self, *args)
+            finally:
+                clock.replay_s += time.perf_counter() - t0
+
+        Runtime._pack_hook, Runtime._unpack_hook, Replayer._call = timed(pack, 1), timed(unpack, 0), replay
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        Runtime._pack_hook, Runtime._unpack_hook, Replayer._call = self._saved
+
+    def per_save_s(self) -> float:
+        return (self.hooks_s - self.replay_s) / max(self.saves, 1)
+
+
+def measure(name: str, size: str, budget: str, steps: int, rounds: int = 3) -> dict:
+    """Plan once, then ``rounds`` rounds of: a capture (this round's op times, the prediction of the same plan),
+    ``steps`` unmanaged steps, ``steps`` + 2 steps following the plan. Each round's ratio pairs a prediction and
+    a measurement a few seconds apart (this machine's load moves a step by up to 20 % over minutes)."""
     e = build(name, size)
     opt = torch.optim.SGD(e.model.parameters(), lr=0.01)
     _step(e, opt)  # warm-up: first-call effects out of the captured op times
     opt.zero_grad(set_to_none=True)
-    g = apply_costs(hybridmem.capture(e.model, e.inputs, e.loss_fn, device="cpu"), get_cost_model("cpu"))
+    g, model = _capture(e, opt)
     try:
-        plan = solvers.plan(g, budget, device="cpu", time_limit=10)
+        plan = solvers.plan(g, budget, device=model, time_limit=10)
     except BudgetInfeasibleError as err:  # VGG-16's largest stage: planned at the least budget that has a plan
         if err.minimum_bytes is None:
             raise
-        plan = solvers.plan(g, int(err.minimum_bytes * 1.01), device="cpu", time_limit=10)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        _step(e, opt)
-    plain = (time.perf_counter() - t0) / steps
-    times = []
-    with hybridmem.session(budget=plan.budget_bytes, plan=plan):
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            _step(e, opt)
-            times.append(time.perf_counter() - t0)
-        st = hybridmem.stats()
-    measured = sum(times[2:]) / max(len(times) - 2, 1)
-    by_ops = hybridmem.simulate(g, plan, device="measured", check_hash=False).time_s  # the capture's own op times
-    return {"model": name, "predicted_s": plan.predicted_time_s, "measured_s": measured, "unmanaged_s": plain,
-            "ratio": measured / plan.predicted_time_s, "plan": st.plan, "note": st.plan_note,
-            "budget_share": plan.budget_bytes / g.peak_bytes(),
-            "predicted_measured_ops_s": by_ops}
+        plan = solvers.plan(g, int(err.minimum_bytes * 1.01), device=model, time_limit=10)
+    rows = []
+    for r in range(rounds):
+        if r:
+            opt.zero_grad(set_to_none=True)
+            g, model = _capture(e, opt)
+        sim = hybridmem.simulate(g, plan, device=model)  # the plan's graph: the structure hash is checked
+        plain = statistics.median(_timed(e, opt, steps))
+        with HookClock() as hooks, hybridmem.session(budget=plan.budget_bytes, plan=plan):
+            _timed(e, opt, 2)  # the first records the step, the second builds the steady state
+            hooks.reset()
+            managed = statistics.median(_timed(e, opt, steps))
+            st = hybridmem.stats()
+        rows.append({"predicted_s": sim.time_s, "measured_s": managed, "unmanaged_s": plain,
+                     "ratio": managed / sim.time_s, "extra_s": sim.recompute_s + sim.copy_s + sim.compress_s,
+                     "host_s": sim.host_s, "hooks_per_save_s": hooks.per_save_s()})
+    mid = sorted(rows, key=lambda x: x["ratio"])[len(rows) // 2]
+    return {"model": name, **mid, "ratios": [x["ratio"] for x in rows], "plan": st.plan, "note": st.plan_note,
+            "budget_share": plan.budget_bytes / g.peak_bytes()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,15 +134,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("models", nargs="*", default=list(MODELS), help="zoo names (default: all)")
     ap.add_argument("--size", default="bench")
     ap.add_argument("--budget", default="70%", help="of the keep-all peak (default 70%%)")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per round and kind (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per model; the median round is printed")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    print("| model | budget / keep-all | predicted | measured | measured/predicted | predicted from the capture's op times "
-          "| unmanaged | plan |\n|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| model | budget / keep-all | predicted | measured | measured/predicted (each round) | unmanaged "
+          "| predicted recompute + copies + codecs | predicted hooks | measured hooks a save |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models:
-        r = measure(name, args.size, args.budget, args.steps)
-        print(f"| {name} | {r['budget_share']:.0%} | {r['predicted_s'] * 1e3:.1f} ms | {r['measured_s'] * 1e3:.1f} ms | {r['ratio']:.2f} | "
-              f"{r['predicted_measured_ops_s'] * 1e3:.1f} ms | {r['unmanaged_s'] * 1e3:.1f} ms | {r['plan']} |", flush=True)
+        r = measure(name, args.size, args.budget, args.steps, args.rounds)
+        each = ", ".join(f"{x:.2f}" for x in r["ratios"])
+        print(f"| {name} | {r['budget_share']:.0%} | {r['predicted_s'] * 1e3:.1f} ms | {r['measured_s'] * 1e3:.1f} ms | "
+              f"{r['ratio']:.2f} ({each}) | {r['unmanaged_s'] * 1e3:.1f} ms | {r['extra_s'] * 1e3:.1f} ms | "
+              f"{r['host_s'] * 1e3:.1f} ms | {r['hooks_per_save_s'] * 1e6:.0f} us |", flush=True)
     return 0
 
 

@@ -222,11 +222,11 @@ def stats_dict(stats: Any) -> dict[str, Any]:
 def _predicted(sim: "SimResult", plan: "Plan | None", graph: "Graph | None") -> dict[str, Any]:
     out = {"peak_bytes": int(sim.peak_bytes), "time_s": float(sim.time_s), "compute_s": float(sim.compute_s),
            "recompute_s": float(sim.recompute_s), "compress_s": float(sim.compress_s), "stall_s": float(sim.stall_s),
+           "copy_s": float(sim.copy_s), "host_s": float(sim.host_s),
            "overhead": float(sim.overhead), "bytes_h2d": int(sim.bytes_h2d), "bytes_d2h": int(sim.bytes_d2h),
            "device": sim.device, "feasible": sim.feasible,
            "budget_bytes": plan.budget_bytes if plan is not None else None}
     if graph is not None:
-    
         out["keep_all_peak_bytes"] = graph.peak_bytes()
         out["min_budget_bytes"] = min_feasible_budget(graph)
         out["saved_bytes"] = graph.saved_bytes()

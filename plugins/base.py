@@ -17,6 +17,12 @@ import torch
 from hybridmem.errors import UnknownNameError
 
 
+class EvictionDeclined(Exception):
+    """Raised by ``Policy.evict`` where the policy's decision for the entry's bytes, made now, differs from
+    the offer it scored with (compress: a codec that paid for the same recorded tensor a step earlier does
+    not pay for these bytes). The entry stays resident; the runtime picks another victim."""
+
+
 class EntryView(Protocol):
     """What a policy sees of one saved storage the runtime manages (the runtime's record is
     :class:`hybridmem.runtime.entry.Entry`, which has more fields that are the runtime's own).

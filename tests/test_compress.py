@@ -8,7 +8,7 @@ import torch
 
 from hybridmem.errors import UnknownNameError
 from hybridmem.plugins import codecs
-from hybridmem.plugins.base import Policy
+from hybridmem.plugins.base import EvictionDeclined, Policy
 from hybridmem.runtime.entry import Entry
 from hybridmem.plugins.codecs import Analysis, bits_dtype, flat_view
 from hybridmem.plugins.compress import CompressPolicy
@@ -240,6 +240,40 @@ def test_decision_carries_over_a_regeneration_and_the_runtimes_rewrapping():
     e.tensor, e.vshift = base, e.version - base._version
     assert p.applicable(e) and p.stats["analyses"] == 1               # no second analysis pass
     assert p.device_tensors(p.evict(e)) and p.stats["evictions"] == 2
+
+
+class _RecordedNode:
+    """Stands for a recorded program's lineage node (weakly referenceable), which a steady-state step binds
+    each save of the same tensor to."""
+
+
+def test_a_later_save_of_the_same_recorded_node_is_offered_without_reading_its_bytes():
+    """The scorer asks every candidate's policies at each eviction pass; on the CPU an analysis reads every byte.
+    A save of a node decided before is offered that decision; evicting decides on its own bytes, and declines
+    (the runtime then picks another victim) where the offer no longer holds."""
+    p = CompressPolicy()
+    node = _RecordedNode()
+    first = entry_of(torch.randn(4096).relu())
+    first.lineage = node
+    assert p.applicable(first) and p.stats["analyses"] == 1
+    again = entry_of(relu_like(4096, seed=1))
+    again.lineage = node
+    assert p.applicable(again) and p.savings(again) > 0 and p.cost(again) < math.inf
+    assert p.stats["analyses"] == 1                                   # offered without an analysis
+    ref = again.tensor.clone()
+    p.evict(again)
+    assert p.stats["analyses"] == 2 and bit_equal(p.regenerate(again), ref)  # encoded from its own analysis
+    dense = entry_of(torch.randn(4096))
+    dense.lineage = node
+    assert p.applicable(dense) and p.stats["analyses"] == 2           # the node's earlier choice
+    with pytest.raises(EvictionDeclined, match="no codec pays"):
+        p.evict(dense)
+    assert dense.tensor is not None and dense.policy is None          # still resident
+    assert not p.applicable(dense) and p.stats["analyses"] == 3       # decided on its bytes now
+    other = entry_of(torch.randn(4096))                               # no recorded node: decided at once
+    assert not p.applicable(other) and p.stats["analyses"] == 4
+    with pytest.raises(ValueError, match="no codec applies"):
+        p.evict(other)
 
 
 def test_cost_from_the_shared_cost_model():

@@ -42,6 +42,7 @@ import torch
 
 import hybridmem
 from hybridmem.errors import BudgetInfeasibleError
+from hybridmem.graph.costs import get_cost_model
 from hybridmem.graph.plan import Plan
 from hybridmem.runtime import Stats
 from tests.helpers.runtime import Case, train
@@ -64,7 +65,7 @@ def _matches_prediction(c: "Captured", p: Plan, measured: int) -> bool:
         return True
     from hybridmem.graph.simulate import simulate
 
-    mem = np.asarray(simulate(c.graph, p, device="cpu", budget=None, strict=False).memory)
+    mem = np.asarray(simulate(c.graph, p, device=OVERLAPPED_CPU, budget=None, strict=False).memory)
     scratch = c.graph.stages[int(np.argmax(mem))].workspace
     return pred - scratch - TOLERANCE * pred <= measured <= pred
 STEPS = 3
@@ -145,11 +146,17 @@ def _train(case: Case, plan: Plan | None, optimizer: str = "sgd") -> tuple[list,
     return out, (replace(first, peak_bytes=whole_peak), followed)
 
 
+# The CPU with its copies beside the compute at 10 GB/s: plans that swap where the `cpu` model's copies, on the
+# compute stream at 2 GB/s, would recompute instead. What these tests check is the follower against the
+# simulator for every kind of action, swaps included.
+OVERLAPPED_CPU = replace(get_cost_model("cpu"), h2d_bw=10e9, d2h_bw=10e9, copies_overlap=True)
+
+
 def _plan(c: Captured, budget: int, solver: str) -> Plan:
     from hybridmem.runtime.follow import annotate
     from hybridmem.solvers import plan as solve
 
-    p = solve(c.graph, budget, device="cpu", solver=solver)
+    p = solve(c.graph, budget, device=OVERLAPPED_CPU, solver=solver)
     if "runtime" not in p.info:
         annotate(p, c.graph)
     return p

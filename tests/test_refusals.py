@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hybridmem
+from hybridmem.plugins.base import EvictionDeclined
 from hybridmem.plugins.compress import CompressPolicy
 from hybridmem.plugins.swap import SwapPolicy
 from hybridmem.runtime import cpumeter
@@ -96,6 +97,29 @@ def test_regeneration_refused_once_is_retried(monkeypatch, one_thread) -> None:
     monkeypatch.setattr(SwapPolicy, "regenerate", regenerate)
     got, st = run(case, steps=2, budget=budget_for(mon, 0.3), policies=("swap",))
     assert refused and st.policies["swap"].regenerated > 0
+    assert got == ref
+
+
+@native
+def test_an_eviction_the_policy_declines_leaves_the_tensor_and_picks_another(monkeypatch, one_thread) -> None:
+    """Compress offers the choice it made for a recorded node's earlier save; where the new bytes do not pay it
+    declines at eviction (EvictionDeclined). The runtime keeps that tensor resident, evicts others, and the
+    steps train bit for bit as unmanaged ones."""
+    case = _case("gpt")
+    ref, _ = run(case, steps=2)
+    _, mon = run(case, steps=2, budget=None)
+    real = CompressPolicy.evict
+    declined = []
+
+    def evict(self, entry):
+        if len(declined) < 3:
+            declined.append(entry.uid)
+            raise EvictionDeclined("compress: no codec pays for these bytes now")
+        return real(self, entry)
+
+    monkeypatch.setattr(CompressPolicy, "evict", evict)
+    got, st = run(case, steps=2, budget=budget_for(mon, 0.6), policies=("compress", "recompute"))
+    assert len(declined) == 3 and sum(p.evicted for p in st.policies.values()) > 0
     assert got == ref
 
 

@@ -30,14 +30,16 @@ def zoo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     import hybridmem
     from hybridmem.zoo import build
     from hybridmem.graph.capture import capture
-    from hybridmem.graph.costs import apply_costs, get_cost_model
+    from hybridmem.graph.costs import apply_costs, planning_model
     from hybridmem.runtime.follow import annotate
     from hybridmem.solvers import plan as solve
 
     torch.set_num_threads(1)
     e = build("resnet50", "tiny", batch=8)
-    g = apply_costs(capture(e.model, e.inputs, e.loss_fn, device="cpu"), get_cost_model("cpu"))
-    p = solve(g, "80%", device="cpu", solver="approx")
+    g = capture(e.model, e.inputs, e.loss_fn, device="cpu")
+    model = planning_model(g, "cpu")   # as `hybridmem plan --device cpu`: the capture's own op times
+    g = apply_costs(g, model)
+    p = solve(g, "80%", device=model, solver="approx")
     if "runtime" not in p.info:
         annotate(p, g)
     d = tmp_path_factory.mktemp("report")
@@ -82,18 +84,20 @@ def test_zoo_report_table_and_reasons(zoo_run: dict) -> None:
 
 def test_zoo_report_agrees_with_simulate_and_stats(zoo_run: dict) -> None:
     """Predicted figures are the simulator's (what `hybridmem simulate` prints for the same graph,
-    plan and device); measured figures are the runtime's ``stats()``."""
+    plan and device: for `--device cpu` and a CPU capture, the capture's op times, the plan's `measured`
+    model); measured figures are the runtime's ``stats()``."""
     from hybridmem.cli import main as cli
 
     g, p, st, d = zoo_run["graph"], zoo_run["plan"], zoo_run["stats"], zoo_run["dir"]
-    rep = build_report(st, p, g, "cpu")
+    assert p.device == "measured"
+    rep = build_report(st, p, g)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert cli(["simulate", "--graph", str(d / "graph.json"), "--plan", str(d / "plan.yaml"),
                     "--device", "cpu", "--json"]) == 0
     sim_cli = json.loads(out.getvalue())
-    sim = simulate(g, p, device="cpu")
-    for key in ("peak_bytes", "time_s", "stall_s", "compute_s", "recompute_s", "bytes_h2d", "bytes_d2h"):
+    sim = simulate(g, p, device="measured")
+    for key in ("peak_bytes", "time_s", "stall_s", "compute_s", "recompute_s", "bytes_h2d", "bytes_d2h", "host_s"):
         assert rep.predicted[key] == sim_cli[key] == getattr(sim, key), key
     assert rep.predicted["min_budget_bytes"] == min_feasible_budget(g)
     assert rep.measured["peak_bytes"] == st.peak_bytes and rep.measured["budget_bytes"] == st.budget_bytes

@@ -19,15 +19,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import fx
 
-from ..graph.costs import DeviceModel, get_cost_model
+from ..graph.costs import NO_LINK_BW, DeviceModel, get_cost_model, without_swaps as no_swap
 from ..graph.simulate import simulate
 from .joint import node_flops, node_nbytes, tensor_vals
-from .partition import decisions
 
 __all__ = ["NO_LINK_BW", "cheaper", "no_swap", "node_ms", "overlap", "reload_timing", "serial_time",
            "stream_ops_work"]
-
-NO_LINK_BW = 1e-3                     # B/s: the host link of a device that cannot swap (planners avoid it)
 
 
 def overlap(device: torch.device) -> bool:
@@ -36,22 +33,12 @@ def overlap(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def no_swap(model: Any) -> Any:
-    """``model`` with a host link so slow that every swap costs more than any recompute: the planners
-    recompute (or keep) instead."""
-    if not isinstance(model, DeviceModel):
-        return model
-    return replace(model, h2d_bw=NO_LINK_BW, d2h_bw=NO_LINK_BW, name=f"{model.name} (no swap)")
-
-
 def serial_time(g: Any, plan: Any, model: Any) -> float:
-    """Predicted step time of ``plan`` on graph ``g`` with its copies on the compute stream: the stages, the
-    recomputes and codecs the simulator counts, and each swap's copy out and back in full (the simulator's
-    stalls were waits for those copies, which the compute stream now runs itself)."""
-    r = simulate(g, plan, model, budget=None, check_hash=False)
-    copies = sum(model.copy_time(g.tensors[t].nbytes, "d2h") + model.copy_time(g.tensors[t].nbytes, "h2d")
-                 for t in decisions(plan).swap)
-    return float(r.compute_s + r.recompute_s + r.compress_s + copies)
+    """Predicted step time of ``plan`` on graph ``g`` with its copies on the compute stream: the simulator with
+    ``model``'s copies not overlapping (``copies_overlap=False``), which charges each swap's copy out and back
+    in full."""
+    serial = replace(model, copies_overlap=False) if isinstance(model, DeviceModel) else model
+    return float(simulate(g, plan, serial, budget=None, check_hash=False).time_s)
 
 
 def cheaper(g: Any, plan: Any, model: Any, solve: Callable[[Any], Any]) -> tuple[Any, float, str]:

@@ -198,7 +198,7 @@ def _identity(x: Any) -> Any:
 def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor] | None = None,
             device: str | torch.device | None = None, granularity: str = "op",
             cost_model: Any = None, optimizer: torch.optim.Optimizer | str | None = "auto", *,
-            grads: str = "auto", optimizer_step: bool = False, hold_outputs: bool = False) -> Graph:
+            grads: str = "auto", optimizer_step: bool = False, hold_outputs: bool = False, warmup: int = 0) -> Graph:
     """Run one forward + backward of ``model`` on ``inputs`` and return its :class:`Graph`.
 
     ``inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments.
@@ -227,6 +227,11 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
     graph (its steps end with backward). ``hold_outputs=True``: the model's output is held until backward
     ends, as by a loop that keeps it (``out = model(x); loss = f(out)``). ``graph.meta["counted"]`` says
     what the graph counts beside forward and backward.
+
+    ``warmup`` (a real device only): plain forward + backward steps run first, unrecorded (their gradients
+    dropped, the buffers and RNG restored with the rest), so the op times measured are a steady step's, not a
+    first call's; the last one's wall time is ``graph.meta["step_s"]``, from which a measured cost model
+    counts what a step spends outside its ops (``outside_s``: the autograd engine, Python, freeing memory).
     """
     found = False
     if isinstance(optimizer, str) and optimizer == "auto":
@@ -238,6 +243,8 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, 'auto' or None, got {optimizer!r}")
     check_grads(grads)
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r}: expected a number of steps, 0 or more")
     if optimizer_step and optimizer is None:
         raise ValueError("optimizer_step=True records the optimizer's step: pass optimizer= too")
     if granularity not in GRANULARITIES:
@@ -247,6 +254,8 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
     dev = _pick_device(model, args, kwargs, device)
     t_start = time.perf_counter()
 
+    if warmup and dev.type == "meta":
+        raise ValueError("warmup runs real steps to time them: it needs a real device (cpu or cuda), not meta")
     if dev.type == "meta":
         run_model = meta_model(model)
         args, kwargs = map_tensors((args, kwargs), meta_like)
@@ -266,6 +275,7 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
     with ExitStack() as stack:
         leaves = [t for t in _flat_tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
         stack.enter_context(PreservedState(run_model, dev))
+        step_s = _warm_steps(run_model, args, kwargs, loss_fn, leaves, dev, warmup) if warmup else None
         names = [n for n, _ in run_model.named_parameters()]
         run_params = list(run_model.parameters())
         user_params = list(model.parameters())
@@ -320,12 +330,14 @@ def capture(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], Tensor
     meta: dict[str, Any] = {
         "model": model_name, "device": dev.type, "granularity": "op",
         "input_shapes": _shapes(args, kwargs), "torch": str(torch.__version__),
-        "num_ops": len(rec.stages), "capture_s": 0.0,
+        "num_ops": len(rec.stages), "saves": rec.saves, "capture_s": 0.0,
     }
     meta["writes_recorded"] = True  # Stage.writes is filled (graph files written before it was are not)
     meta["workspace"] = scratch  # where Stage.workspace (kernel scratch) comes from
     if measure:
         meta["measured_cost_s"] = list(rec.measured)
+    if step_s is not None:
+        meta["step_s"] = step_s
     if rec.mutations:
         meta["mutations"] = rec.mutations
     if opt_meta is not None:
@@ -439,6 +451,29 @@ def _module_hooks(model: torch.nn.Module, rec: Recorder) -> list[Any]:
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post, always_call=True))
     return handles
+
+
+def _warm_steps(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any, leaves: list[Tensor],
+                dev: torch.device, n: int) -> float:
+    """``n`` plain forward + backward steps, unrecorded, each tensor's gradient as it was before them; the last
+    one's wall seconds (on CUDA, synchronised before and after)."""
+    owners = [*model.parameters(), *leaves]
+    grads = [t.grad for t in owners]
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    seconds = 0.0
+    try:
+        for _ in range(n):
+            sync()
+            t0 = time.perf_counter()
+            compute_loss(model(*args, **kwargs), loss_fn).backward()
+            sync()
+            seconds = time.perf_counter() - t0
+            for t in owners:
+                t.grad = None
+    finally:
+        for t, g in zip(owners, grads):
+            t.grad = g
+    return seconds
 
 
 class PreservedState:

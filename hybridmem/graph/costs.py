@@ -17,7 +17,7 @@ The numbers and their sources are in ``docs/devices.md``. Names are looked up wi
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -124,6 +124,11 @@ class DeviceModel:
     are *achieved* pinned-memory copy rates over the host link, not the link's spec. ``efficiency`` is the
     achieved share of peak FLOP/s for the matmul/conv-like ops that dominate FLOPs; ``hbm_efficiency`` the
     achieved share of peak memory bandwidth for streaming ops. ``launch_s`` is charged once per original op.
+    ``copies_overlap``: whether swaps copy beside the compute stream (a GPU's copy engines); where they do
+    not (the CPU as a simulated device: a swap is a copy on the calling thread) the simulator charges each
+    copy to the compute stream in full. ``host_save_s``: what the runtime's saved-tensor hooks (a pack and an
+    unpack per tensor autograd saves) cost the step, charged once per save to a plan that evicts anything:
+    on the CPU the ops wait for them (one thread runs both); 0 where the device runs ahead of the host.
     """
 
     name: str
@@ -136,6 +141,8 @@ class DeviceModel:
     hbm_efficiency: float = 0.8
     launch_s: float = 5e-6
     allow_tf32: bool = False      # float32 matmuls on tensor cores (torch.backends.cuda.matmul.allow_tf32)
+    copies_overlap: bool = True   # swaps copy beside the compute stream
+    host_save_s: float = 0.0      # the runtime's host seconds per saved tensor the step waits for
     link: str = ""                # what the host link is, for reports
     notes: str = ""
 
@@ -197,22 +204,28 @@ class MeasuredCostModel:
     """Per-stage seconds measured on a real run; copies and codecs come from ``base``.
 
     ``stage_s[i]`` is the time of stage ``i``; a graph with another number of stages is refused.
+    ``outside_s``: what a step spends outside its ops (the autograd engine, Python, freeing memory), which
+    every step pays whatever its plan; :meth:`from_graph` reads it from a capture's timed warm-up step.
     """
 
     stage_s: tuple[float, ...]
     base: DeviceModel
     name: str = "measured"
+    outside_s: float = 0.0
 
-    def __init__(self, stage_s: Sequence[float], base: "DeviceModel | str" = "cpu", name: str = "measured"):
+    def __init__(self, stage_s: Sequence[float], base: "DeviceModel | str" = "cpu", name: str = "measured",
+                 outside_s: float = 0.0):
         object.__setattr__(self, "stage_s", tuple(float(x) for x in stage_s))
         object.__setattr__(self, "base", get_cost_model(base) if isinstance(base, str) else base)
         object.__setattr__(self, "name", name)
-        if any(not x >= 0 for x in self.stage_s):
-            raise ValueError("measured stage seconds must be non-negative numbers")
+        object.__setattr__(self, "outside_s", float(outside_s))
+        if any(not x >= 0 for x in self.stage_s) or not self.outside_s >= 0:
+            raise ValueError("measured stage seconds and outside_s must be non-negative numbers")
 
     @classmethod
     def from_graph(cls, graph: "Graph", base: "DeviceModel | str | None" = None) -> "MeasuredCostModel":
-        """Read ``graph.meta["measured_cost_s"]``; ``base`` defaults to ``graph.meta["device"]`` or ``cpu``."""
+        """Read ``graph.meta["measured_cost_s"]``, and ``outside_s`` from ``graph.meta["step_s"]`` where the capture
+        timed a warm-up step (:func:`outside_ops_s`); ``base`` defaults to ``graph.meta["device"]`` or ``cpu``."""
         measured = graph.meta.get("measured_cost_s")
         if measured is None:
             raise ValueError("graph.meta has no 'measured_cost_s': capture with timing, or use an analytic "
@@ -222,11 +235,20 @@ class MeasuredCostModel:
             base = dev if _canonical(dev) in DEVICES else "cpu"
         m = cls(measured, base)
         m._check(graph.num_stages)
+        object.__setattr__(m, "outside_s", outside_ops_s(graph))
         return m
 
     @property
     def memory_bytes(self) -> int:  # type: ignore[override]
         return self.base.memory_bytes
+
+    @property
+    def copies_overlap(self) -> bool:
+        return self.base.copies_overlap
+
+    @property
+    def host_save_s(self) -> float:
+        return self.base.host_save_s
 
     def _check(self, n: int) -> None:
         if len(self.stage_s) != n:
@@ -251,6 +273,50 @@ class MeasuredCostModel:
 
     def decompress_time(self, nbytes: int, codec: str = "", ratio: float | None = None) -> float:
         return self.base.decompress_time(nbytes, codec, ratio)
+
+
+NO_LINK_BW = 1e-3                     # B/s: the host link of a device that cannot swap (planners avoid it)
+
+
+def without_swaps(model: "CostModel") -> "CostModel":
+    """``model`` with a host link so slow that every swap costs more than any recompute: the planners
+    recompute (or keep) instead. Its copies overlap the compute stream, so a swapped tensor's bytes would
+    leave only when its copy ends, long after the step: no plan fits by swapping (on the compute stream the
+    copy would end, however late, and free them). A model of another kind is returned as it is."""
+    if isinstance(model, MeasuredCostModel):
+        return MeasuredCostModel(model.stage_s, without_swaps(model.base), model.name, model.outside_s)
+    if not isinstance(model, DeviceModel):
+        return model
+    return replace(model, h2d_bw=NO_LINK_BW, d2h_bw=NO_LINK_BW, copies_overlap=True, name=f"{model.name} (no swap)")
+
+
+def planning_model(graph: "Graph", device: "str | CostModel") -> "CostModel":
+    """The cost model a plan of ``graph`` for ``device`` is made and judged with: on the device the graph was
+    captured on (the CPU), with the op times that capture measured (``meta["measured_cost_s"]``), what its
+    timed warm-up step spent outside them, and ``device``'s copies and codecs; else ``device``'s own model (a
+    meta capture, or another device)."""
+    model = get_cost_model(device)
+    measured = graph.meta.get("measured_cost_s")
+    if (isinstance(model, DeviceModel) and model.name == "cpu" and graph.meta.get("device") == "cpu"
+            and isinstance(measured, list) and len(measured) == graph.num_stages):
+        return MeasuredCostModel(measured, model, outside_s=outside_ops_s(graph))
+    return model
+
+
+def outside_ops_s(graph: "Graph") -> float:
+    """Seconds a step of ``graph`` spends outside its ops: the capture's timed warm-up step (forward and
+    backward, ``meta["step_s"]``) less the measured times of its forward and backward ops; 0 without one."""
+    step = graph.meta.get("step_s")
+    measured = graph.meta.get("measured_cost_s")
+    if not isinstance(step, (int, float)) or not isinstance(measured, list) or len(measured) != graph.num_stages:
+        return 0.0
+    ops = sum(t for t, s in zip(measured, graph.stages) if s.phase in ("forward", "backward"))
+    return max(0.0, float(step) - ops)
+
+
+def copies_overlap(model: Any) -> bool:
+    """Whether ``model``'s swaps copy beside the compute stream (a model that does not say: they do)."""
+    return bool(getattr(model, "copies_overlap", True))
 
 
 def stage_dtype(graph: "Graph", stage: "Stage") -> str:
@@ -299,9 +365,10 @@ DEVICES: dict[str, DeviceModel] = {
             # 2 vCPUs of an AMD EPYC (Zen 3, AVX2, 2 x 256-bit FMA/cycle) at 2.45 GHz: 2*2.45e9*32 FLOP/s
             # fp32. No native half-precision FMA: fp16/bf16 run at the fp32 rate at best.
             {"float32": 156.8e9, "float16": 156.8e9, "bfloat16": 156.8e9},
-            hbm_bw=20 * GBPS, h2d_bw=10 * GBPS, d2h_bw=10 * GBPS, memory_bytes=_host_memory(),
-            link="memcpy within host DRAM (nominal ~10 GB/s, 2 cores)",
-            notes="this development machine as a simulated device; nominal, not measured"),
+            hbm_bw=20 * GBPS, h2d_bw=2 * GBPS, d2h_bw=2 * GBPS, memory_bytes=_host_memory(),
+            copies_overlap=False, host_save_s=50e-6,
+            link="memcpy on the calling thread into newly allocated pages (~2 GB/s measured, 2 cores)",
+            notes="this development machine as a simulated device; op rates nominal, copy rate measured"),
     )
 }
 

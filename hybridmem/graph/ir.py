@@ -122,11 +122,15 @@ class Graph:
         backward reads it replays bn and ``relu_``). This is what the runtime's lineage replays, and
         what the simulator and the planners charge a recompute.
 
-        A source of those stages that nothing holds any more is rebuilt first, as the runtime's lineage
-        rebuilds it: a forward temporary the backward does not read (not ``saved``: no plan keeps it, and
-        planners free it after its last read) whose last read is before ``before`` (or, with ``before=None``, before the backward: a layer norm's output
-        that only the next matrix product read), its own stages traced the same way; so a recompute of a
-        saved tensor reaches back to tensors a plan can keep, however many such temporaries lie between.
+        An input of those stages that a forward stage wrote in place after the stage read it (and before the
+        replay runs) holds later content: it is rebuilt first as that stage read it (its producer and its
+        writers before the read: ``bn -> clone -> relu_`` regenerating the clone replays bn), as the runtime's
+        lineage rebuilds it, with or without ``trace``. A source of those stages that nothing holds any more is
+        rebuilt first too, as the runtime's lineage rebuilds it: a forward temporary the backward does not read
+        (not ``saved``: no plan keeps it, and planners free it after its last read) whose last read is before
+        ``before`` (or, with ``before=None``, before the backward: a layer norm's output that only the next
+        matrix product read), its own stages traced the same way; so a recompute of a saved tensor reaches
+        back to tensors a plan can keep, however many such temporaries lie between.
 
         ``trace=False`` (default: ``graph.meta["trace_sources"]``, else True) leaves the tracing out: a
         compiled region's joint graph turns it off (its partitioner recomputes what a recompute needs on
@@ -146,22 +150,28 @@ class Graph:
         when = before if before is not None else (self.num_forward if self.num_forward < n else -1)
         out: set[int] = set()
 
-        def add(tid: int) -> None:
+        def add(tid: int, upto: int | None) -> None:
             t = self.tensors[tid]
             if t.producer < 0:
                 return
-            own = [t.producer, *(w for w in ws_all.get(tid, ()) if w > t.producer and (before is None or w < before))]
+            own = [t.producer, *(w for w in ws_all.get(tid, ()) if w > t.producer and (upto is None or w < upto))]
             for r in own:
                 if r in out:
                     continue
                 out.add(r)
-                for j in (self.stages[r].inputs if trace else ()):
+                for j in self.stages[r].inputs:
                     s = self.tensors[j]
-                    if (j != tid and s.kind == "activation" and s.producer >= 0 and not s.saved
+                    if j == tid or s.producer < 0:
+                        continue
+                    if any(r < w < when for w in ws_all.get(j, ())):
+                        # written in place after stage r read it, before the replay runs: the storage holds
+                        # later content, so it is rebuilt as r read it (a clone before an in-place relu)
+                        add(j, r)
+                    elif (trace and s.kind == "activation" and not s.saved
                             and self.stages[s.producer].phase == "forward"
                             and max([s.producer, *s.consumers]) < when):
-                        add(j)
-        add(tensor_id)
+                        add(j, before)
+        add(tensor_id, before)
         return sorted(out)
 
     @property

@@ -62,6 +62,7 @@ class PlanInfo(MutableMapping):
     compute_s: float | None = None              # the step's compute time (nothing regenerated, no stall)
     overhead: float | None = None               # predicted step time / compute_s - 1
     stall_s: float | None = None                # predicted seconds the compute stream waits for copies
+    copies: str | None = None                   # where swaps copy on the compute stream: how the plan chose
     lower_bound_s: float | None = None          # valid bound on any swap/recompute plan's step time
     lower_bound_kind: str | None = None         # which bound gives it: "compute" or "swap/recompute"
     gap_to_lower_bound: float | None = None     # predicted time / lower_bound_s - 1

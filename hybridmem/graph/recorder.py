@@ -53,6 +53,7 @@ class Recorder:
         self.error = 0              # id() of the last exception seen leaving a module
         self.error_module = ""
         self.paused = False         # ops run unrecorded (the optimizer's unrecorded first step)
+        self.saves = 0              # pack-hook calls: each is a pack and an unpack of the runtime's hooks
 
     # -- tensors ---------------------------------------------------------------------------------
     def tid(self, t: Tensor, producer: int) -> tuple[int, bool]:
@@ -91,6 +92,7 @@ class Recorder:
         i, _ = self.tid(t, -1)
         if i >= 0:
             self.tensors[i].saved = True
+        self.saves += 1
         return t.detach()
 
     # -- modules ---------------------------------------------------------------------------------

@@ -3,7 +3,12 @@ One concern, hence one module: the simulator every plan is judged by.
 
 Three streams: one compute stream, and one copy stream per direction of the host link (h2d, d2h). A copy
 occupies its direction exclusively; copies in one direction run FIFO in issue order, each for
-``copy_time(nbytes)``. Opposite directions overlap each other and the compute stream.
+``copy_time(nbytes)``. Opposite directions overlap each other and the compute stream. Where the cost model's
+copies do not overlap (``copies_overlap`` False: the CPU, where a swap is a copy on the calling thread), each
+copy runs on the compute stream where it is issued and the step pays all of it (``SimResult.copy_s``). A plan
+that evicts anything is also charged the runtime's saved-tensor hooks where the model says the step waits for
+them (``host_save_s``, :func:`host_time`: ``SimResult.host_s``), and every step what a measured model says a
+step spends outside its ops (``SimResult.outside_s``).
 
 Per stage ``t``, in this order (plan.py's timing rules, made exact):
 
@@ -83,13 +88,18 @@ class SimResult:
     # what the peak counts: the graph's own account (``graph.meta["counted"]``, from capture) and the bytes of
     # each kind of tensor that exists before the step, which every stage holds (see :func:`counted_bytes`)
     counted: dict[str, Any] = field(default_factory=dict)
+    copy_s: float = 0.0           # swaps copying on the compute stream (a cost model whose copies do not overlap)
+    host_s: float = 0.0           # the runtime's saved-tensor hooks the step waits for (cost model's host_save_s)
+    outside_s: float = 0.0        # what every step spends outside its ops (a measured cost model's outside_s)
 
     @property
     def overhead(self) -> float:
-        """Slow-down against running the ops alone: ``time_s / compute_s - 1``."""
+        """Slow-down against running the ops alone: ``(time_s - outside_s) / compute_s - 1`` (what a step spends
+        outside its ops it spends whatever the plan)."""
+        busy = self.time_s - self.outside_s
         if self.compute_s <= 0:
-            return 0.0 if self.time_s <= 0 else math.inf
-        return self.time_s / self.compute_s - 1.0
+            return 0.0 if busy <= 0 else math.inf
+        return busy / self.compute_s - 1.0
 
     @property
     def feasible(self) -> bool:
@@ -99,7 +109,8 @@ class SimResult:
         """JSON-friendly: arrays as lists, violations as {stage, tensor, reason}."""
         return {
             "time_s": self.time_s, "compute_s": self.compute_s, "recompute_s": self.recompute_s,
-            "compress_s": self.compress_s, "stall_s": self.stall_s, "overhead": self.overhead,
+            "compress_s": self.compress_s, "stall_s": self.stall_s, "copy_s": self.copy_s, "host_s": self.host_s,
+            "outside_s": self.outside_s, "overhead": self.overhead,
             "peak_bytes": self.peak_bytes, "host_peak_bytes": self.host_peak_bytes,
             "bytes_h2d": self.bytes_h2d, "bytes_d2h": self.bytes_d2h, "budget_bytes": self.budget_bytes,
             "device": self.device, "op_costs": self.op_costs, "solver": self.solver,
@@ -138,11 +149,28 @@ def simulate(graph: "Graph", plan: "Plan | None" = None, device: "str | CostMode
     actions = list(plan.actions) if plan is not None else []
     sim = _Replay(graph, actions, model, op_s, budget_b, strict)
     res = sim.run()
+    if actions:
+        res.host_s = host_time(graph, model)
+    res.outside_s = float(getattr(model, "outside_s", 0.0) or 0.0)
+    res.time_s += res.host_s + res.outside_s
     res.device, res.op_costs = model.name, op_costs
     res.solver = plan.solver if plan is not None else "keep-all"
     res.budget_bytes = budget_b
     res.counted = counted_bytes(graph, res.peak_bytes)
     return res
+
+
+def host_time(graph: "Graph", model: Any) -> float:
+    """Seconds the runtime's saved-tensor hooks add to a step that follows a plan on ``model``'s device: one
+    pack and one unpack per save the capture counted (``meta["saves"]``; a graph from before it counted them:
+    one per saved tensor), at ``model.host_save_s`` each. A plan that evicts nothing runs light packs: none."""
+    per = float(getattr(model, "host_save_s", 0.0) or 0.0)
+    if not per:
+        return 0.0
+    saves = graph.meta.get("saves")
+    if not isinstance(saves, int):
+        saves = sum(1 for t in graph.tensors if t.saved)
+    return saves * per
 
 
 # what each kind of tensor that exists before the step is called in ``counted``
@@ -313,8 +341,9 @@ class _Replay:
         self.host_bytes = 0
         self.pending: list[tuple[float, int, int, int]] = []  # (time, seq, tensor, bytes) deferred releases
         self.seq = 0
-        self.compute_s = self.recompute_s = self.compress_s = self.stall_s = 0.0
+        self.compute_s = self.recompute_s = self.compress_s = self.stall_s = self.copy_s = 0.0
         self.bytes_h2d = self.bytes_d2h = 0
+        self.serial = not getattr(model, "copies_overlap", True)
         self.violations: list[InfeasiblePlanError] = []
         self.t = 0
         self.stage_peak = 0
@@ -456,7 +485,7 @@ class _Replay:
         mem, host = np.array(memory, dtype=np.int64), np.array(host_memory, dtype=np.int64)
         return SimResult(
             time_s=total, compute_s=self.compute_s, recompute_s=self.recompute_s, compress_s=self.compress_s,
-            stall_s=self.stall_s, peak_bytes=int(mem.max()) if n else self.g.fixed_bytes(),
+            stall_s=self.stall_s, copy_s=self.copy_s, peak_bytes=int(mem.max()) if n else self.g.fixed_bytes(),
             host_peak_bytes=int(host.max()) if n else 0, bytes_h2d=self.bytes_h2d,
             bytes_d2h=self.bytes_d2h, memory=mem, host_memory=host,
             stage_start=np.array(start, dtype=np.float64), stage_end=np.array(end, dtype=np.float64),
@@ -489,8 +518,11 @@ class _Replay:
             return
         nbytes = s.n
         self.alloc(x, nbytes)                           # allocated at issue
-        begin = max(self.clock, self.h2d_free, s.d2h_end)  # FIFO stream; the host copy must be complete
-        s.arrival = self.h2d_free = begin + self.model.copy_time(nbytes, "h2d")
+        if self.serial:
+            s.arrival = self.serial_copy(nbytes, "h2d", s.d2h_end)
+        else:
+            begin = max(self.clock, self.h2d_free, s.d2h_end)  # FIFO stream; the host copy must be complete
+            s.arrival = self.h2d_free = begin + self.model.copy_time(nbytes, "h2d")
         s.state, s.live = _RESIDENT, nbytes
         self.bytes_h2d += nbytes
 
@@ -598,14 +630,26 @@ class _Replay:
             return
         s = self.ts[a.tensor]
         nbytes = s.n
-        begin = max(self.clock, self.d2h_free, s.arrival)  # FIFO stream; the data must have landed
-        s.d2h_end = self.d2h_free = begin + self.model.copy_time(nbytes, "d2h")
+        if self.serial:
+            s.d2h_end = self.serial_copy(nbytes, "d2h", s.arrival)
+        else:
+            begin = max(self.clock, self.d2h_free, s.arrival)  # FIFO stream; the data must have landed
+            s.d2h_end = self.d2h_free = begin + self.model.copy_time(nbytes, "d2h")
         s.swapped_at = self.t
         self.bytes_d2h += nbytes
         if not s.host:
             s.host = True
             self.host_bytes += nbytes
             self.host_peak = max(self.host_peak, self.host_bytes)
+
+    def serial_copy(self, nbytes: int, direction: str, ready: float) -> float:
+        """A copy on the compute stream (``copies_overlap`` False): it starts once ``ready`` and the stream
+        are, and the stream runs it; return when it ends."""
+        self.wait(ready)
+        dt = self.model.copy_time(nbytes, direction)
+        self.clock += dt
+        self.copy_s += dt
+        return self.clock
 
     def compress(self, a: "Action") -> None:
         if not self._resident_or_fail(a, False):

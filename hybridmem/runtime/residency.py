@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Protocol
 import numpy as np
 import torch
 
-from hybridmem.plugins.base import Policy
+from hybridmem.plugins.base import EvictionDeclined, Policy
 
 from .entry import Entry
 from .meter import Meter
@@ -30,7 +30,8 @@ from .saved import SavedStore
 from .stats import StatsRecorder
 from .survey import Survey
 
-_REFUSED = object()  # Residency._evict_by: the policy found no room for what its eviction allocates
+# Residency._evict_by: the policy found no room for what its eviction allocates, or declined on the bytes
+_REFUSED = object()
 
 Tensor = torch.Tensor
 
@@ -122,7 +123,8 @@ class Residency:
 
     def _evict_by(self, e: Entry, policy: Policy) -> Any:
         """``policy.evict(e)`` with the entry's digest kept for ``verify``; :data:`_REFUSED` (``e`` resident
-        again) where the policy found no room for what it allocates."""
+        again) where the policy found no room for what it allocates, or declined once it read the bytes
+        (:class:`~hybridmem.plugins.base.EvictionDeclined`)."""
         if self.verify is not None and not getattr(policy, "lossy_codecs", None):
             with self.mode.quiet():
                 self.verify[e.uid] = (digest(e.tensor), policy.name)
@@ -130,8 +132,10 @@ class Residency:
         try:
             with self.mode.quiet():
                 return policy.evict(e)
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, EvictionDeclined):
             self.store.resident[e.uid] = e
+            if self.verify is not None:
+                self.verify.pop(e.uid, None)
             return _REFUSED
 
     def dropped(self, e: Entry) -> None:
