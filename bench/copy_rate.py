@@ -44,9 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.copy_rate", description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1,4,16,64,256", help="MiB, comma-separated")
     args = ap.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        ap.error(f"--sizes {args.sizes!r}: expected MiB as whole numbers of 1 or more, comma-separated (e.g. 1,64)")
     torch.set_num_threads(1)
     print("| size | out (swap-out) | back (swap-in) | into a reused buffer |\n|---:|---:|---:|---:|")
-    for mib in (int(s) for s in args.sizes.split(",")):
+    for mib in sizes:
         r = rates(mib)
         print(f"| {mib} MiB | {r['out']:.1f} GB/s | {r['back']:.1f} GB/s | {r['reused']:.1f} GB/s |", flush=True)
     return 0

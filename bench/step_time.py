@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="measured steps per round and kind (default 3)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per model; the median round is printed")
     args = ap.parse_args(argv)
+    for flag, value in (("--steps", args.steps), ("--rounds", args.rounds)):
+        if value < 1:
+            ap.error(f"{flag} {value}: expected 1 or more")
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown zoo model(s) {unknown}; accepted: {', '.join(MODELS)}")
     torch.set_num_threads(1)
     print("| model | budget / keep-all | predicted | measured | measured/predicted (each round) | unmanaged "
           "| predicted recompute + copies + codecs | predicted hooks | measured hooks a save |\n"

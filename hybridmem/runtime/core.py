@@ -442,6 +442,8 @@ class Runtime:
         self._root_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
 
     def _step_inputs(self, tensors: list[torch.Tensor]) -> None:
+        if self.recorder is not None:
+            self.recorder.as_inputs(tensors)
         count = self.store.count_external
         if count is not None:
             # the batch is training state even where autograd saves none of it (an attention mask)

@@ -170,6 +170,10 @@ def _barrier(reason: str) -> tuple[OpRecord, int]:
     return OpRecord(None, (), {}, None, reason), -1
 
 
+_DROPPED = "its lineage was dropped at the end of its step"
+_INPUT = "it is an input of the step (a tensor argument of its first module call)"
+
+
 class Node:
     """The lineage of one activation storage: its producer op, then the in-place ops that wrote it.
 
@@ -193,6 +197,13 @@ class Node:
         self._deps: tuple[int, float, tuple[tuple["Node", int], ...]] | None = None
         # own_ok's records and fixed references of the ops up to a version (what it reads again each time)
         self._checks: tuple[int, tuple[OpRecord, ...], tuple[FixedRef, ...]] | None = None
+
+    @property
+    def dropped(self) -> bool:
+        """Its ops forgotten, its content not written since: made in an earlier step, or between steps and
+        given to this one as an input (a data loader's batch)."""
+        return (len(self.ops) == 1 and not self.stale and self.ops[0][0].func is None
+                and self.ops[0][0].why_not in (_DROPPED, _INPUT))
 
     def own_ok(self, v: int) -> bool:
         """Whether the node's own ops up to ``v`` can be replayed now (``replay._own_reason`` is "", inputs
@@ -322,7 +333,12 @@ class Recorder:
             node = slot.node
             if node is None:
                 return OPAQUE
-            return NodeRef(node, len(node.ops), View.of(t))
+            if not node.dropped:
+                return NodeRef(node, len(node.ops), View.of(t))
+            # Made in an earlier step and kept past it (a dataset made after enable(), the batch a data loader
+            # stacks from it between steps): to this step it is an input like a parameter, held by the
+            # reference and its version checked at replay. As a node its dropped lineage would refuse every
+            # chain through it (the whole step's recomputes, left to the online scorer).
         # The tensor itself (its autograd base), not a detached alias: this runs below autograd,
         # where a new alias would get a version counter of its own and in-place writes would go
         # unnoticed. Pre-existing tensors cannot hold the runtime's handles, so no cycle forms.
@@ -398,6 +414,22 @@ class Recorder:
         """Forget the ops of this step's nodes that no live entry depends on."""
         self._prune()
 
+    def as_inputs(self, tensors: list[Tensor]) -> None:
+        """The tensor arguments of the step's first module call: where one was made since ``enable()`` (a
+        batch a data loader stacked between steps) its ops are forgotten, so that this step's ops read it as
+        they read an input made before: a fixed reference (held, its version checked at replay), where a
+        recompute's chain starts. Followed back through the loader's ops it would reach the dataset, and a
+        steady-state program cannot replay ops outside the step."""
+        for t in tensors:
+            try:
+                slot = self.lookup(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+            node = slot.node if slot is not None else None
+            if node is not None and not node.stale and node.entry is None:
+                node.ops = [_barrier(_INPUT)]
+                node._deps = node._checks = node.ok_memo = None
+
     def maybe_prune(self) -> None:
         """Bound lineage kept by forward passes that never reach a backward pass (grad-mode eval)."""
         if len(self._step_nodes) > PRUNE_AFTER:
@@ -419,7 +451,7 @@ class Recorder:
                 self._step_nodes.append(n)
             elif not (len(n.ops) == 1 and n.ops[0][0].func is None):
                 # the live content (if any) stays usable as version 1; nothing before it is replayable
-                n.ops = [_barrier("its lineage was dropped at the end of its step")]
+                n.ops = [_barrier(_DROPPED)]
                 n.stale = False
                 n._checks = None  # own_ok keeps nothing of the dropped lineage reachable
 
