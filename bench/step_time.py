@@ -67,24 +67,19 @@ class HookClock:
         pack, unpack, call = self._saved
         clock = self
 
-        def timed(fn, counts):
+        def timed(fn, field, saves):
             def wrapper(self, *args):
                 t0 = time.perf_counter()
                 try:
                     return fn(self, *args)
                 finally:
-                    clock.hooks_s += time.perf_counter() - t0
-                    clock.saves += counts
+                    setattr(clock, field, getattr(clock, field) + time.perf_counter() - t0)
+                    clock.saves += saves
             return wrapper
 
-        def replay(self, *args):
-            t0 = time.perf_counter()
-            try:
-                return call(self, *args)
-            finally:
-                clock.replay_s += time.perf_counter() - t0
-
-        Runtime._pack_hook, Runtime._unpack_hook, Replayer._call = timed(pack, 1), timed(unpack, 0), replay
+        Runtime._pack_hook = timed(pack, "hooks_s", 1)
+        Runtime._unpack_hook = timed(unpack, "hooks_s", 0)
+        Replayer._call = timed(call, "replay_s", 0)
         return self
 
     def __exit__(self, *exc: object) -> None:

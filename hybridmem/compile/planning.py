@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from ..errors import BudgetInfeasibleError
-from ..graph.costs import DeviceModel
+from ..graph.costs import DeviceModel, copies_overlap
 from ..graph.units import fmt_bytes, parse_bytes
 from ..plugins.compress import codec_seconds
 from ..runtime.core import cost_model_for
@@ -499,11 +499,14 @@ class Planning:
         dev = self._dev or torch.device("cpu")
         note = ""
         if d.swap and not overlap(dev):
-            # its copies would run on the compute stream: charged in full, against the plan without swaps
-            p, time_s, note = cheaper(g, p, model, lambda m: self._solve(g, share - margin, m))
-            p.predicted_time_s = time_s
-            d = decisions(p)
-            predicted = int(p.predicted_peak_bytes)
+            if copies_overlap(model):
+                # its copies would run on the compute stream: charged in full, against the plan without swaps
+                p, time_s, note = cheaper(g, p, model, lambda m: self._solve(g, share - margin, m))
+                p.predicted_time_s = time_s
+                d = decisions(p)
+                predicted = int(p.predicted_peak_bytes)
+            else:  # the model's copies are on the compute stream (`cpu`): solvers.plan charged and chose already
+                note = str(p.info.get("copies") or "")
         if d.swap and not ("swap" in self.policies and dev.type == "cuda"):
             raise BudgetInfeasibleError(
                 f"hybridmem compile: {name} fits {fmt_bytes(share)} only by swapping {len(d.swap)} tensor(s), "

@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .costs import DEFAULT_DEVICE, DEVICES, CostModel, MeasuredCostModel, _canonical, get_cost_model
+from .costs import (DEFAULT_DEVICE, DEVICES, CostModel, MeasuredCostModel, _canonical, copies_overlap,
+                    get_cost_model)
 from ..errors import InfeasiblePlanError, PlanFormatError, StalePlanError
 from .plan import ACTION_KINDS
 from .units import fmt_bytes, plan_budget_bytes
@@ -343,7 +344,7 @@ class _Replay:
         self.seq = 0
         self.compute_s = self.recompute_s = self.compress_s = self.stall_s = self.copy_s = 0.0
         self.bytes_h2d = self.bytes_d2h = 0
-        self.serial = not getattr(model, "copies_overlap", True)
+        self.serial = not copies_overlap(model)
         self.violations: list[InfeasiblePlanError] = []
         self.t = 0
         self.stage_peak = 0
