@@ -1,12 +1,15 @@
-"""The eager runtime against what it must beat, on a GPU, side by side in one process.
+"""The eager runtime against what it must beat, on a GPU, side by side, each row in a process of its own.
 
     python bench/gpu_bench.py                           # CUDA: ResNet-50 b64 224 and GPT-2 small seq 1024 b8
     python bench/gpu_bench.py --device cpu --size tiny  # the same rows on the CPU in seconds (a dry run)
     python bench/gpu_bench.py --profile prof/           # and cProfile + torch.profiler of one managed step
+    python bench/gpu_bench.py --both-modes              # every row with and without deterministic algorithms
 
 For each model (the zoo's ``paper`` sizes by default: ``resnet50`` is torchvision's ResNet-50 at batch 64,
 224 px; ``gpt`` a GPT-2 small, 12 x 768, sequence 1024, batch 8, vocabulary 50,257), fp32, SGD with momentum,
-the same seeds in every row, each row's memory freed before the next:
+the same seeds in every row. On CUDA each row runs in a subprocess of its own (``--no-isolate``: all in this
+process): no row's allocator state (cached segments, settings, a registered callback) or leftover tensors
+reach the next, and the rows compare through their results and CPU snapshots of their losses and parameters:
 
 ==================  ==============================================================================
 row                 what runs
@@ -24,18 +27,27 @@ default@70          hybridmem, default policies, budget = 70 % of the unmanaged 
 swap@70             hybridmem, swap only, the same budget
 ==================  ==============================================================================
 
-Columns: ``step ms`` is the median wall time of the steps after the first three (a hybridmem step 1 runs
-under the dispatch mode, step 2 records the program, the rest run in the steady state), with the device
-synchronised at each step's end; ``x`` is that over the unmanaged step; ``peak`` the largest
-``torch.cuda.max_memory_allocated`` of any step, the first included (reset before each); ``host ms`` the
-time until the step's last call returned, before that synchronisation (below ``step ms``: the host ran
-ahead of the device); ``dev ms`` the device's busy time in one more step, from ``torch.profiler`` (the sum
-of its kernels and copies); ``syncs`` the synchronising CUDA calls per measured step
-(``torch.cuda.set_sync_debug_mode``); ``same`` whether every loss and the last gradients are bit-identical to
-the unmanaged row's, and so are the parameters after the steps (cuDNN's and cuBLAS's deterministic
-algorithms are asked for: ``--no-deterministic`` not);
-``copy`` for hybridmem's swap: the swap-in time per step hidden behind compute / exposed. The pinned host
-link is measured first (one 256 MiB copy each way). The results go to ``--md`` (markdown, for
+Columns: ``step ms`` is the min / median / p90 wall time of the steps after the first three (a hybridmem
+step 1 runs under the dispatch mode, step 2 records the program, the rest run in the steady state; a
+hybridmem row with fewer steady steps than that is flagged in its note: it measured the dispatch mode), with
+the device synchronised at each step's end; ``x`` is the median over the unmanaged row's; ``alloc`` and
+``reserved`` the largest ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` of any step, the
+first included (reset before each): reserved bytes are what a smaller card must hold, and what the cap
+(``within``) is checked against; the @ckpt budgets are the checkpoint row's *allocated* peak, the @70 ones
+70 % of the unmanaged row's; ``host ms`` the time until the step's last call returned, before that
+synchronisation (below ``step ms``: the host ran ahead of the device); ``device work ms`` the sum of the
+kernels' and copies' own times in one more step, from ``torch.profiler`` (copies on side streams overlap
+compute: it may exceed the wall time; it is not busy time); ``syncs`` the synchronising CUDA calls per
+measured step that ``torch.cuda.set_sync_debug_mode`` sees, and ``allocator`` the caching allocator's own
+per measured step, from ``torch.cuda.memory_stats`` deltas (which the debug mode misses): syncs of all
+streams (``num_sync_all_streams``: its cache flushes) / retries after a flush (``num_alloc_retries``) /
+``cudaMalloc`` and ``cudaFree`` calls (``num_device_alloc``, ``num_device_free``) / refusals (``num_ooms``),
+then hybridmem's free-memory callback calls; ``same`` whether every loss and the parameters after the
+steps (so every gradient) are bit-identical to the unmanaged row's in the same mode; ``det`` whether
+cuDNN's and cuBLAS's deterministic algorithms were asked for (``--deterministic``, the default;
+``--no-deterministic`` is production speed; ``--both-modes`` runs every row both ways); ``copy`` for
+hybridmem's swap: the swap-in time per step hidden behind compute / exposed. The pinned host link is
+measured first (one 256 MiB copy each way). The results go to ``--md`` (markdown, for
 ``docs/gpu-results.md``) and ``--json``; under ``$OUT`` by default when that is set.
 """
 from __future__ import annotations
@@ -49,8 +61,11 @@ import io
 import json
 import os
 import pstats
+import math
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -72,7 +87,10 @@ from hybridmem.zoo import build  # noqa: E402
 ROWS = ("unmanaged", "checkpoint", "selective", "save_on_cpu", "watch", "online@ckpt", "planned@ckpt",
         "default@70", "swap@70")
 WARMUP = 3      # steps not timed: the dispatch-mode step, the recorded step, the first steady one
+STEPS = 20      # steps per row by default: medians and p90s of 17 timed steps
 SHARE = 0.7     # of the unmanaged peak, for the @70 rows
+# the caching allocator's counters whose per-step deltas are reported (torch.cuda.memory_stats keys)
+ALLOCATOR = ("num_sync_all_streams", "num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
 aten = torch.ops.aten
 # selective checkpointing keeps what is costly to recompute
 SAVED_BY_SAC = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default,
@@ -85,17 +103,24 @@ SAVED_BY_SAC = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.conv
 class Result:
     model: str
     row: str
+    deterministic: bool = True
     budget: int = 0
-    step_ms: float = 0.0
+    step_ms: float = 0.0           # median
+    step_min_ms: float = 0.0
+    step_p90_ms: float = 0.0
     host_ms: float = 0.0
-    device_ms: float | None = None
-    peaks: list[int] = field(default_factory=list)
+    device_work_ms: float | None = None
+    peaks: list[int] = field(default_factory=list)           # max_memory_allocated per step
+    reserved_peaks: list[int] = field(default_factory=list)  # max_memory_reserved per step
     syncs: float = 0.0
+    allocator: dict[str, float] = field(default_factory=dict)  # per measured step: memory_stats deltas, callback
     same: str = "-"
     steady: int = 0
+    steady_expected: int = 0       # steps after the first two (hybridmem rows): all of them steady, when 0 flags
     hidden_ms: float = 0.0
     exposed_ms: float = 0.0
     evicted: dict[str, int] = field(default_factory=dict)
+    swap: dict[str, float] = field(default_factory=dict)      # swap-outs in flight: peak bytes, throttled
     note: str = ""
     error: str = ""
 
@@ -104,10 +129,20 @@ class Result:
         return max(self.peaks, default=0)
 
     @property
+    def reserved_peak(self) -> int:
+        return max(self.reserved_peaks, default=0)
+
+    @property
     def within(self) -> str:
+        """The budget against the reserved peak on CUDA (what the cap holds), the runtime's peak elsewhere."""
         if not self.budget or not self.peaks:
             return "-"
-        return "yes" if self.peak <= self.budget else "NO"
+        held = self.reserved_peak if self.reserved_peaks else self.peak
+        return "yes" if held <= self.budget else "NO"
+
+    @property
+    def not_steady(self) -> bool:
+        return self.steady_expected > 0 and self.steady < self.steady_expected
 
 
 # ---- the step ---------------------------------------------------------------------------------------
@@ -157,10 +192,33 @@ def _peak(device: torch.device, session: Any = None) -> int:
     return session.stats().peak_bytes if session is not None else 0
 
 
+def _allocator_counts(device: torch.device) -> dict[str, int]:
+    """The caching allocator's counters (:data:`ALLOCATOR`) and hybridmem's callback calls, now."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    out = {k: int(stats.get(k, 0)) for k in ALLOCATOR}
+    from hybridmem.runtime import cpumeter
+
+    native = cpumeter.load()
+    out["callback_calls"] = native.cuda_calls if native is not None else 0
+    return out
+
+
+def spread(xs: list[float]) -> tuple[float, float, float]:
+    """(min, median, p90) of ``xs`` (nearest rank), 0s when empty."""
+    if not xs:
+        return 0.0, 0.0, 0.0
+    ordered = sorted(xs)
+    return ordered[0], statistics.median(ordered), ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+
+
 def timed_steps(r: Runner, steps: int, res: Result, session: Any = None) -> None:
-    """``steps`` steps: each one's peak, and the median wall and host times and syncs of those after WARMUP."""
+    """``steps`` steps: each one's allocated and reserved peaks; of those after WARMUP the min / median / p90
+    wall time, the median host time, the syncs and the allocator's counter deltas per step."""
     dev = r.device
     walls, hosts, syncs = [], [], []
+    deltas: dict[str, int] = {}
     for i in range(steps):
         _sync(dev)
         _reset_peak(dev)
@@ -168,21 +226,27 @@ def timed_steps(r: Runner, steps: int, res: Result, session: Any = None) -> None
             res.steady += session.stats().steady_steps  # what the reset below zeroes
             session.reset_stats()
         measured = i >= WARMUP
+        before = _allocator_counts(dev) if measured else {}
         t0 = time.perf_counter()
         n = _counting_syncs(r.step, dev) if measured else (r.step(), 0)[1]
         t1 = time.perf_counter()
         _sync(dev)
         t2 = time.perf_counter()
         res.peaks.append(_peak(dev, session))
+        if dev.type == "cuda":
+            res.reserved_peaks.append(torch.cuda.max_memory_reserved(dev))
         if measured:
             walls.append(t2 - t0)
             hosts.append(t1 - t0)
             syncs.append(n)
+            for k, v in _allocator_counts(dev).items():
+                deltas[k] = deltas.get(k, 0) + v - before[k]
     if session is not None:
         res.steady += session.stats().steady_steps
-    res.step_ms = statistics.median(walls) * 1e3 if walls else 0.0
+    res.step_min_ms, res.step_ms, res.step_p90_ms = (x * 1e3 for x in spread(walls))
     res.host_ms = statistics.median(hosts) * 1e3 if hosts else 0.0
     res.syncs = statistics.mean(syncs) if syncs else 0.0
+    res.allocator = {k: v / len(walls) for k, v in deltas.items()} if walls else {}
 
 
 def _counting_syncs(fn: Callable[[], None], device: torch.device) -> int:
@@ -200,8 +264,9 @@ def _counting_syncs(fn: Callable[[], None], device: torch.device) -> int:
     return sum("synchroniz" in str(w.message).lower() for w in seen)
 
 
-def device_busy_ms(r: Runner) -> float | None:
-    """The device's busy time in one more step: the sum of its kernels' and copies' own times."""
+def device_work_ms(r: Runner) -> float | None:
+    """The device's work in one more step: the sum of its kernels' and copies' own times (copies on side
+    streams overlap compute: not busy time, may exceed the wall time)."""
     if r.device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -244,8 +309,8 @@ def _sac_context() -> Any:
 
 # ---- one row ---------------------------------------------------------------------------------------
 def run_row(name: str, row: str, entry: Any, device: torch.device, steps: int, budgets: dict[str, int],
-            profile_dir: Path | None = None) -> tuple[Result, Runner | None]:
-    res = Result(name, row)
+            profile_dir: Path | None = None, deterministic: bool = True) -> tuple[Result, Runner | None]:
+    res = Result(name, row, deterministic)
     r: Runner | None = None
     try:
         if row in ("unmanaged", "checkpoint", "selective", "save_on_cpu"):
@@ -258,14 +323,16 @@ def run_row(name: str, row: str, entry: Any, device: torch.device, steps: int, b
             with watch as w, ctx:
                 timed_steps(r, steps, res, w)
                 r.snap()
-                res.device_ms = device_busy_ms(r)
+                res.device_work_ms = device_work_ms(r)
             return res, r
         budget, policies, plan = _hybridmem_setting(row, entry, device, budgets, res)
         r = Runner(entry, device)
         with hybridmem.session(budget=budget, policies=policies, plan=plan, device=str(device)) as s:
             timed_steps(r, steps, res, s)
+            if budget is not None or plan is not None:
+                res.steady_expected = steps - 2  # every step after the dispatch-mode one and the recorded one
             r.snap()
-            res.device_ms = device_busy_ms(r)
+            res.device_work_ms = device_work_ms(r)
             if profile_dir is not None:
                 profile_step(r, profile_dir, f"{name}-{row}")
             st = s.stats()
@@ -275,13 +342,17 @@ def run_row(name: str, row: str, entry: Any, device: torch.device, steps: int, b
                 c = swap.stats
                 res.hidden_ms = c.get("hidden_s", 0.0) * 1e3 / max(r.k, 1)
                 res.exposed_ms = c.get("exposed_s", 0.0) * 1e3 / max(r.k, 1)
+                res.swap = {k: c[k] for k in ("inflight_peak", "throttled") if k in c}
         res.budget = budget or 0
+        if res.not_steady:
+            res.note = _join(res.note, f"NOT STEADY: {res.steady} of {res.steady_expected} steps after the "
+                                       f"first two (measured the dispatch mode)")
         left = [n for n in st.notes if n.startswith(("steady state: not used", "steady state left"))]
         if left:
-            res.note = (res.note + "; " if res.note else "") + left[0]
+            res.note = _join(res.note, left[0])
         res.evicted = {n: p.evicted for n, p in st.policies.items() if p.evicted}
         if device.type != "cuda":
-            res.note = (res.note + "; " if res.note else "") + "peak: the runtime's (CPU)"
+            res.note = _join(res.note, "peak: the runtime's (CPU)")
         return res, r
     except Exception as e:  # noqa: BLE001  (the row says what ended it; the next rows still run)
         traceback.print_exception(e, file=sys.stderr)
@@ -290,6 +361,10 @@ def run_row(name: str, row: str, entry: Any, device: torch.device, steps: int, b
         if named:
             res.error += f" (named minimum {named / 2**20:.1f} MiB)"
         return res, None
+
+
+def _join(note: str, more: str) -> str:
+    return f"{note}; {more}" if note else more
 
 
 def _hybridmem_setting(row: str, entry: Any, device: torch.device, budgets: dict[str, int],
@@ -364,11 +439,13 @@ class _nothing:
         return None
 
 
-def _same(a: Runner, b: Runner) -> str:
+Snapshot = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+def _same(a: Snapshot, b: Snapshot) -> str:
     """``yes`` where every loss and the parameters after the steps (so every gradient) are bit-identical, else
     the largest relative difference."""
-    assert a.snapshot is not None and b.snapshot is not None
-    pairs = list(zip(a.snapshot[0], b.snapshot[0])) + list(zip(a.snapshot[1], b.snapshot[1]))
+    pairs = list(zip(a[0], b[0])) + list(zip(a[1], b[1]))
     if all(torch.equal(x, y) for x, y in pairs):
         return "yes"
     worst = max(((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-30)).item()
@@ -408,24 +485,37 @@ def pinned_link(device: torch.device, nbytes: int = 256 << 20) -> tuple[float, f
 
 
 # ---- report -------------------------------------------------------------------------------------------
+COLUMNS = ("model", "row", "det", "budget MiB", "alloc MiB", "reserved MiB", "within", "step ms min/med/p90",
+           "x", "host ms", "device work ms", "syncs", "allocator syncs/retries/mallocs/frees/ooms, callback",
+           "same", "steady", "copy hidden/exposed ms", "evicted", "note")
+
+
+def _allocator_cell(r: Result) -> str:
+    if not r.allocator:
+        return "-"
+    a = r.allocator
+    return "/".join(f"{a.get(k, 0):g}" for k in ALLOCATOR) + f", {a.get('callback_calls', 0):g}"
+
+
 def table(results: list[Result]) -> list[str]:
-    base = {r.model: r for r in results if r.row == "unmanaged" and not r.error}
-    head = (f"| model | row | budget MiB | peak MiB | within | step ms | x | host ms | dev ms | syncs | same | "
-            f"steady | copy hidden/exposed ms | evicted | note |")
-    lines = [head, "|" + "---|" * 15]
+    base = {(r.model, r.deterministic): r for r in results if r.row == "unmanaged" and not r.error}
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in results:
-        b = base.get(r.model)
+        b = base.get((r.model, r.deterministic))
         x = f"{r.step_ms / b.step_ms:.2f}" if b is not None and b.step_ms and r.step_ms else "-"
+        det = "on" if r.deterministic else "off"
         if r.error:
-            lines.append(f"| {r.model} | {r.row} | {r.budget / 2**20:.0f} | - | - | - | - | - | - | - | - | - | - | - | "
-                         f"{r.error} |")
+            cells = [r.model, r.row, det, f"{r.budget / 2**20:.0f}", *["-"] * (len(COLUMNS) - 5), r.error]
+            lines.append("| " + " | ".join(cells) + " |")
             continue
         copy_ms = f"{r.hidden_ms:.1f}/{r.exposed_ms:.1f}" if r.hidden_ms or r.exposed_ms else "-"
-        lines.append(f"| {r.model} | {r.row} | {r.budget / 2**20:.0f} | {r.peak / 2**20:.0f} | {r.within} | "
-                     f"{r.step_ms:.1f} | {x} | {r.host_ms:.1f} | "
-                     f"{'-' if r.device_ms is None else f'{r.device_ms:.1f}'} | {r.syncs:g} | {r.same} | "
-                     f"{r.steady} | {copy_ms} | {', '.join(f'{k} {v}' for k, v in r.evicted.items()) or '-'} | "
-                     f"{r.note} |")
+        reserved = f"{r.reserved_peak / 2**20:.0f}" if r.reserved_peaks else "-"
+        cells = [r.model, r.row, det, f"{r.budget / 2**20:.0f}", f"{r.peak / 2**20:.0f}", reserved, r.within,
+                 f"{r.step_min_ms:.1f}/{r.step_ms:.1f}/{r.step_p90_ms:.1f}", x, f"{r.host_ms:.1f}",
+                 "-" if r.device_work_ms is None else f"{r.device_work_ms:.1f}", f"{r.syncs:g}", _allocator_cell(r),
+                 r.same, f"{r.steady}" + (" (!)" if r.not_steady else ""), copy_ms,
+                 ", ".join(f"{k} {v}" for k, v in r.evicted.items()) or "-", r.note]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -445,15 +535,121 @@ def environment(device: torch.device, link: tuple[float, float] | None) -> list[
     return lines
 
 
+def set_deterministic(on: bool) -> None:
+    """Ask cuDNN and cuBLAS for deterministic algorithms (``on``), or leave them free to pick kernels."""
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = on, False
+    torch.use_deterministic_algorithms(on, warn_only=True)
+
+
+@dataclass
+class ModelRun:
+    """What one model's rows need: where they run, how many steps, in which mode, until when."""
+
+    name: str
+    size: str
+    device: torch.device
+    rows: list[str]
+    steps: int
+    deterministic: bool
+    deadline_at: float
+    profile: Path | None
+    isolate: bool
+
+
+def run_model(plan: ModelRun) -> list[Result]:
+    """The rows of one model in one mode; each hybridmem row's budget from the rows before it, and each row
+    compared with the unmanaged one through CPU snapshots (no row's model or optimizer state stays on the
+    device for the next)."""
+    results: list[Result] = []
+    budgets: dict[str, int] = {}
+    base: Snapshot | None = None
+    set_deterministic(plan.deterministic)
+    entry = None if plan.isolate else build(plan.name, plan.size, device=plan.device)
+    for row in plan.rows:
+        if time.perf_counter() > plan.deadline_at:
+            results.append(Result(plan.name, row, plan.deterministic, error="not run: past the deadline"))
+            continue
+        prof = plan.profile if plan.profile is not None and row == "online@ckpt" else None
+        if plan.isolate:
+            res, snap = run_isolated(plan, row, budgets, prof)
+        else:
+            _free(plan.device)
+            res, r = run_row(plan.name, row, entry, plan.device, plan.steps, budgets, prof, plan.deterministic)
+            snap = r.snapshot if r is not None else None
+            del r  # its model and momentum leave the device before the next row
+        if not res.error:
+            budgets[row] = res.peak
+            if row == "unmanaged":
+                base = snap
+            elif base is not None and snap is not None:
+                res.same = _same(snap, base)
+        results.append(res)
+        print(f"# {plan.name} {row} (deterministic {'on' if plan.deterministic else 'off'}): {res.step_ms:.1f} ms, "
+              f"alloc {res.peak / 2**20:.0f} MiB, reserved {res.reserved_peak / 2**20:.0f} MiB"
+              + (f", {res.error}" if res.error else ""), flush=True)
+    del entry
+    _free(plan.device)
+    return results
+
+
+def run_isolated(plan: ModelRun, row: str, budgets: dict[str, int], prof: Path | None) -> tuple[Result, Snapshot | None]:
+    """One row in a fresh Python process (``--child``): its result and its CPU snapshot."""
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-row-") as tmp:
+        spec = {"name": plan.name, "row": row, "size": plan.size, "device": str(plan.device), "steps": plan.steps,
+                "budgets": budgets, "deterministic": plan.deterministic, "out": tmp,
+                "profile": None if prof is None else str(prof)}
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        left = max(60.0, plan.deadline_at - time.perf_counter() + 120.0)  # a row started runs to its end
+        try:
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(path)], timeout=left)
+            rc: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timed out after {left:.0f} s"
+        result = Path(tmp) / "result.json"
+        if not result.is_file():
+            return Result(plan.name, row, plan.deterministic, error=f"row process ended without a result ({rc})"), None
+        res = Result(**json.loads(result.read_text()))
+        snap_file = Path(tmp) / "snapshot.pt"
+        snap = torch.load(snap_file) if snap_file.is_file() else None
+        return res, snap
+
+
+def child(spec_file: Path) -> int:
+    """``--child SPEC``: run the one row SPEC names, write its result and snapshot next to SPEC."""
+    spec = json.loads(spec_file.read_text())
+    device = torch.device(spec["device"])
+    set_deterministic(spec["deterministic"])
+    entry = build(spec["name"], spec["size"], device=device)
+    prof = Path(spec["profile"]) if spec["profile"] else None
+    res, r = run_row(spec["name"], spec["row"], entry, device, spec["steps"], spec["budgets"], prof,
+                     spec["deterministic"])
+    out = Path(spec["out"])
+    if r is not None and r.snapshot is not None:
+        torch.save(r.snapshot, out / "snapshot.pt")
+    (out / "result.json").write_text(json.dumps(asdict(res)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--child"]:
+        return child(Path(argv[1]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--models", default="resnet50,gpt", help="zoo names, comma-separated")
     ap.add_argument("--size", default=None, help="zoo size (default: paper on CUDA, tiny on the CPU)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
-    ap.add_argument("--steps", type=int, default=8, help=f"steps per row (the first {WARMUP} are not timed)")
+    ap.add_argument("--steps", type=int, default=STEPS, help=f"steps per row (the first {WARMUP} are not timed)")
     ap.add_argument("--deadline", type=float, default=330.0, help="no row starts after this many seconds")
-    ap.add_argument("--no-deterministic", action="store_true", help="leave cuDNN/cuBLAS free to pick kernels")
+    ap.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                    help="ask cuDNN/cuBLAS for deterministic algorithms (default); --no-deterministic leaves "
+                         "them free to pick kernels (production speed)")
+    ap.add_argument("--both-modes", action="store_true", help="run every row with and without deterministic "
+                    "algorithms (each compared with the unmanaged row of its mode)")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="each row in a subprocess of its own (default on CUDA)")
     ap.add_argument("--profile", type=Path, default=None, help="write cProfile and torch.profiler tables here "
                     "(one more step of the online@ckpt rows)")
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(".")
@@ -470,43 +666,26 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     size = a.size or ("paper" if device.type == "cuda" else "tiny")
-    if not a.no_deterministic:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    isolate = device.type == "cuda" if a.isolate is None else a.isolate
+    modes = (True, False) if a.both_modes else (a.deterministic,)
     start = time.perf_counter()
     link = pinned_link(device)
     results: list[Result] = []
     for name in [m for m in a.models.split(",") if m]:
-        entry = build(name, size, device=device)
-        budgets: dict[str, int] = {}
-        base: Runner | None = None
-        for row in rows:
-            if time.perf_counter() - start > a.deadline:
-                results.append(Result(name, row, error=f"not run: past the {a.deadline:.0f} s deadline"))
-                continue
-            _free(device)
-            prof = a.profile if a.profile is not None and row == "online@ckpt" else None
-            res, r = run_row(name, row, entry, device, a.steps, budgets, prof)
-            if not res.error:
-                budgets[row] = res.peak
-                if row == "unmanaged":
-                    base = r
-                elif base is not None and r is not None:
-                    res.same = _same(r, base)
-            if r is not None and r is not base:
-                del r
-            results.append(res)
-            print(f"# {name} {row}: {res.step_ms:.1f} ms, peak {res.peak / 2**20:.0f} MiB"
-                  + (f", {res.error}" if res.error else ""), flush=True)
-        del base, entry
-        _free(device)
-    lines = ["## GPU benchmark (`python bench/gpu_bench.py`)", "", *environment(device, link), "", *table(results)]
+        for det in modes:
+            results += run_model(ModelRun(name, size, device, rows, a.steps, det, start + a.deadline, a.profile, isolate))
+    lines = ["## GPU benchmark (`python bench/gpu_bench.py`)", "", *environment(device, link),
+             f"- {a.steps} steps per row, the first {WARMUP} untimed; "
+             f"{'each row in its own process' if isolate else 'all rows in one process'}", "", *table(results)]
     text = "\n".join(lines) + "\n"
     print(text)
     a.md.parent.mkdir(parents=True, exist_ok=True)
     a.md.write_text(text)
-    a.json.write_text(json.dumps({"environment": environment(device, link), "size": size,
-                                  "results": [asdict(r) | {"peak": r.peak} for r in results]}, indent=1))
+    a.json.write_text(json.dumps({"environment": environment(device, link), "size": size, "steps": a.steps,
+                                  "isolated": isolate,
+                                  "results": [asdict(r) | {"peak": r.peak, "reserved_peak": r.reserved_peak,
+                                                           "within": r.within, "not_steady": r.not_steady}
+                                              for r in results]}, indent=1))
     return 0
 
 

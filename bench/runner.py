@@ -548,7 +548,7 @@ def _cpu_plan(graph: Any, run: Any, time_limit: float) -> Any:
         run.plan_solver = p.solver
         if "runtime" not in (p.info or {}):
             # What the runtime needs to map plan stages onto the ops it sees (if the planner left it out).
-            from hybridmem.runtime.follow import annotate
+            from hybridmem.graph.signature import annotate
 
             annotate(p, graph)
         return p

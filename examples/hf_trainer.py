@@ -1,10 +1,13 @@
-"""Train a small GPT-2 with the Hugging Face Trainer; hybridmem needs no change to the script.
+"""Fine-tune a small GPT-2 with the Hugging Face Trainer; hybridmem needs no change to the script.
 
-    python examples/hf_trainer.py                                   # unmanaged
-    HYBRIDMEM_BUDGET=10MiB HYBRIDMEM_DEVICE=cpu python examples/hf_trainer.py   # evicts to fit
-    HYBRIDMEM_BUDGET=10MiB HYBRIDMEM_DEVICE=cpu python examples/hf_trainer.py --gradient-checkpointing
+    python examples/hf_trainer.py                                           # unmanaged
+    HYBRIDMEM_BUDGET=24MiB HYBRIDMEM_DEVICE=cpu python examples/hf_trainer.py   # under a budget
+    HYBRIDMEM_BUDGET=24MiB HYBRIDMEM_DEVICE=cpu python examples/hf_trainer.py --gradient-checkpointing
 
-The model is built from a config (no download) and trained on random tokens made from a seed. The last
+The loop a fine-tuning script runs: the model built from a config (no download), random token sequences of
+varied lengths padded per batch by ``DataCollatorWithPadding`` (so every batch has a length of its own),
+gradient accumulation over 2 micro-batches, and bf16 autocast where the machine supports it (``--no-bf16``
+turns it off). Under a budget it prints hybridmem's summary (what it evicted and what that cost). The last
 line printed is JSON: the loss of every step, a hash of the trained parameters, and (when hybridmem is
 enabled) its peak and evicted bytes, so that runs can be compared bit for bit.
 """
@@ -17,21 +20,12 @@ import tempfile
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from common import summary  # examples/common.py, beside this script
+from common import PadWithLabels, VariableTokens, bf16_supported, print_hybridmem, summary  # beside this script
 
 
-class RandomTokens(torch.utils.data.Dataset):
-    """``n`` sequences of random token ids (the labels are the inputs: causal language modelling)."""
-
-    def __init__(self, n: int, length: int, vocab: int, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, vocab, (n, length), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+# the option's name: transformers 5 renamed gradient checkpointing to activation checkpointing
+CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+                 else "gradient_checkpointing")
 
 
 class Losses(TrainerCallback):
@@ -45,21 +39,31 @@ class Losses(TrainerCallback):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lengths", default="24-64", help="shortest-longest sequence, in tokens")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast (default: where the machine supports it)")
     args = p.parse_args()
+    lo, hi = (int(x) for x in args.lengths.split("-"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bf16 = bf16_supported(device) if args.bf16 is None else args.bf16
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2)
+    config = GPT2Config(vocab_size=256, n_positions=hi + 8, n_embd=64, n_layer=args.layers, n_head=2,
+                        bos_token_id=1, eos_token_id=1, use_cache=False)
     model = GPT2LMHeadModel(config)
     losses = Losses()
     with tempfile.TemporaryDirectory() as out:
-        targs = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=8,
-                                  learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
-                                  use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
-                                  gradient_checkpointing=args.gradient_checkpointing)
-        trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(64, 64, config.vocab_size),
-                          callbacks=[losses])
+        targs = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=4,
+                                  gradient_accumulation_steps=2, bf16=bf16, use_cpu=device == "cpu",
+                                  learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=0,
+                                  dataloader_num_workers=0, disable_tqdm=True,
+                                  **{CHECKPOINTING: args.gradient_checkpointing})
+        trainer = Trainer(model=model, args=targs, data_collator=PadWithLabels(config.vocab_size),
+                          train_dataset=VariableTokens(8 * args.steps, lo, hi, config.vocab_size), callbacks=[losses])
         trainer.train()
+    print_hybridmem()
     print(json.dumps(summary(model, losses.losses)))
 
 

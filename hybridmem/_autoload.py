@@ -18,7 +18,6 @@ without the budget the user asked for. ``HYBRIDMEM_VERBOSE=1`` prints ``hybridme
 from __future__ import annotations
 
 import atexit
-import importlib.machinery
 import os
 import runpy
 import sys
@@ -65,6 +64,9 @@ def _enable_from_env() -> None:
     if os.environ.get("WORLD_SIZE") or os.environ.get("LOCAL_RANK"):  # torchrun and similar launchers
         from .runtime.distributed import prepare_clean_exit
         prepare_clean_exit()  # the process group's threads joined before the interpreter finalizes
+    # enabled again (`hybridmem run` after the start-up hook): the exit hooks still run once
+    atexit.unregister(_print_stats)
+    atexit.unregister(_save_report)
     if runtime._current is not None and runtime._current.cfg.verbose:
         atexit.register(_print_stats)
     if report is not None:
@@ -133,10 +135,18 @@ def _save_report(path: str) -> None:
 
 
 class _TorchImportHook:
-    """Finds ``torch`` through the other finders and enables hybridmem once its module has run (a meta
-    path finder by duck typing: importlib.abc would cost the start of every process milliseconds)."""
+    """Enables hybridmem once ``torch`` has been imported (a meta path finder by duck typing: importlib.abc
+    would cost the start of every process milliseconds).
+
+    It also counts the ``hybridmem.*`` modules being executed. Enabling imports the runtime, and the runtime
+    imports most of hybridmem: when the import of torch came from a hybridmem module (``hybridmem run``'s
+    own imports, or a program that imports ``hybridmem.solvers`` before torch), that module and the ones
+    importing it are half-initialized, and enabling right then fails on a circular import. Enabling then
+    waits until the outermost of them has finished."""
 
     installed = False
+    depth = 0          # hybridmem modules executing now, nested
+    pending = False    # torch was imported while depth > 0: enable when depth returns to 0
 
     @classmethod
     def install(cls) -> None:
@@ -144,25 +154,37 @@ class _TorchImportHook:
             sys.meta_path.insert(0, cls())
             cls.installed = True
 
+    @classmethod
+    def uninstall(cls) -> None:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, cls)]
+        cls.installed = False
+
+    @classmethod
+    def enable_now_or_later(cls) -> None:
+        if cls.depth:
+            cls.pending = True
+            return
+        cls.pending = False
+        cls.uninstall()
+        _enable_from_env()
+
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "torch":
+        if fullname != "torch" and not fullname.startswith("hybridmem."):
             return None
-        sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding us again
-        type(self).installed = False
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None:
-            for finder in sys.meta_path:
-                find = getattr(finder, "find_spec", None)
-                spec = find(fullname, path, target) if find is not None else None
-                if spec is not None:
-                    break
+        spec = None
+        for finder in sys.meta_path:  # the other finders, in order: what the import would have found
+            find = None if isinstance(finder, _TorchImportHook) else getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
         if spec is not None and spec.loader is not None:
-            spec.loader = _EnablingLoader(spec.loader)
+            spec.loader = (_EnablingLoader if fullname == "torch" else _CountingLoader)(spec.loader)
         return spec
 
 
 class _EnablingLoader:
-    """Wraps torch's loader: run torch's ``__init__``, then enable hybridmem."""
+    """Wraps torch's loader: run torch's ``__init__``, then enable hybridmem (now, or after the hybridmem
+    module that imported torch)."""
 
     def __init__(self, inner: Any):
         self.inner = inner
@@ -172,10 +194,25 @@ class _EnablingLoader:
 
     def exec_module(self, module: Any) -> None:
         self.inner.exec_module(module)
-        _enable_from_env()
+        _TorchImportHook.enable_now_or_later()
 
     def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, ... of the real loader
         return getattr(self.inner, name)
+
+
+class _CountingLoader(_EnablingLoader):
+    """Wraps a hybridmem module's loader: counts it as executing; the outermost enables if torch came in."""
+
+    def exec_module(self, module: Any) -> None:
+        hook = _TorchImportHook
+        hook.depth += 1
+        try:
+            self.inner.exec_module(module)
+        finally:
+            hook.depth -= 1
+            module.__loader__ = module.__spec__.loader = self.inner  # no trace of the wrapper left
+        if hook.pending and not hook.depth:
+            hook.enable_now_or_later()
 
 
 def run_script(argv: Sequence[str], settings: Mapping[str, str] | None = None) -> int:

@@ -16,7 +16,7 @@ from .factory import bench_module, cwd_importable, load_model, make_optimizer, p
 from .graph.capture import capture
 from .graph.costs import apply_costs, get_cost_model, planning_model
 from .graph.ir import Graph
-from .graph.multishape import cli_plan, dim_names_of, parse_dims, zoo_factory
+from .planbooks import cli_plan, dim_names_of, parse_dims, zoo_factory
 from .graph.plan import Plan
 from .graph.simulate import simulate
 from .graph.units import fmt_bytes, plan_budget_bytes

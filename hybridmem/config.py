@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from .graph.units import parse_budget, parse_bytes
+from .devices import BARE_MIN, parse_device_budget  # noqa: F401  (BARE_MIN: its old place)
+from .graph.units import parse_bytes
 
 DEFAULT_POLICIES = ("swap", "recompute", "compress")
 
@@ -115,18 +116,8 @@ def _as_bool(value: Any, key: str) -> bool:
                      f"{', '.join(TRUE[:1] + FALSE[:1] + TRUE[2:] + FALSE[2:])}")
 
 
-# a bare number (no unit) below this is refused: bytes that few are a unit left off ("--budget 12"), no budget
-BARE_MIN = 2**20
-
-
 def _as_budget(value: Any, key: str) -> Any:
-    if isinstance(value, str) and value.strip().lower() in ("none", "off", "monitor"):
-        return None
-    if isinstance(value, str) and value.strip().isdigit() and 0 < int(value) < BARE_MIN:
-        n = int(value)
-        raise ValueError(f"a bare number is bytes, and {n} bytes is less than any training step holds: give a "
-                         f"unit, e.g. '{n}MiB' or '{n}GiB' (bare numbers of bytes start at {BARE_MIN}, 1 MiB)")
-    return parse_budget(value)  # percentages stay strings: they need the device
+    return parse_device_budget(value)  # percentages stay strings: they need the device
 
 
 def _as_monitor(value: Any, key: str) -> str:

@@ -48,3 +48,10 @@ class UnknownNameError(HybridMemError, ValueError):
 
 class CaptureError(HybridMemError, RuntimeError):
     """The model (or its loss) raised while being captured; the message says where."""
+
+
+class StepDivergedError(HybridMemError, RuntimeError):
+    """A steady-state step left its recorded program part-way after the allocator had already freed tensors
+    it had matched to the program by their saves alone: rebuilding them by the recorded ops could give wrong
+    values, so the step stops rather than train on them. The next step records anew."""
+

@@ -25,7 +25,7 @@ class EvictionDeclined(Exception):
 
 class EntryView(Protocol):
     """What a policy sees of one saved storage the runtime manages (the runtime's record is
-    :class:`hybridmem.runtime.entry.Entry`, which has more fields that are the runtime's own).
+    :class:`hybridmem.entry.Entry`, which has more fields that are the runtime's own).
 
     ``tensor`` covers the whole storage while the bytes are on the device and is ``None`` while evicted;
     ``handle`` is what the evicting policy keeps. A policy that regenerates a tensor with a fresh version

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from hybridmem.errors import UnknownNameError
-from hybridmem.runtime.scorer import lazy_njit
+from hybridmem._jit import lazy_njit
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 24          # torch path: elements per chunk (bounds its temporary masks and values)

@@ -28,7 +28,7 @@ import torch
 
 from hybridmem.errors import UnknownNameError
 from hybridmem.graph.costs import get_cost_model
-from hybridmem.runtime.entry import Entry
+from hybridmem.entry import Entry
 
 from .base import EntryView, EvictionDeclined
 from .codecs import (LOSSLESS, LOSSY, PENDING, Analysis, Codec, CodecPasses, Encoded, Geometry, Span, Stamp,

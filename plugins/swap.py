@@ -4,9 +4,14 @@ On CUDA the copies run on two side streams (device-to-host and host-to-device) i
 from a size-bucketed pool, ordered by events, never by host synchronization:
 
 - evict: the D2H stream waits for the compute stream (the producer's kernels are queued there), copies
-  ``non_blocking``, records an event; ``record_stream`` tells the caching allocator that the device
-  block is in use by the D2H stream, so dropping the last reference releases the bytes at once
-  (``memory_allocated`` drops) while the block is only reused after the copy has finished.
+  ``non_blocking``, records an event. The source stays referenced (*outbound*) until its copy is done: its
+  bytes count as allocated, as they are (the budget and the allocator's callback see them), and the block
+  goes back to the allocator only when it is reusable at once. Finished copies are found by ``query()``
+  at each swap-out and swap-in and at the step's end (no host wait). Bytes outbound are bounded
+  (``max_inflight_bytes``): past the bound, the compute stream waits on the device for the oldest copy,
+  after which its block is safe to reuse on the compute stream (the stream it was produced on). No
+  ``record_stream`` on the source: the allocator would hold the block until every copy queued on the D2H
+  stream before its free had run, and a cache miss meanwhile makes it synchronise on those events.
 - prefetch: allocates the device buffer on the compute stream, makes the H2D stream wait for the compute
   stream (the block may have just been freed there) and for the D2H event, and copies. Called a few
   stages before the backward op that needs the tensor, the copy hides behind compute.
@@ -17,9 +22,13 @@ from a size-bucketed pool, ordered by events, never by host synchronization:
 The host copy is kept after a swap-in (*host checkpoint*): evicting the same bytes again releases the
 device copy without a second D2H copy. On the CPU (the simulated device) the same steps run
 synchronously: the host copy is a separate CPU tensor and dropping the "device" tensor frees its bytes.
+
+While the current CUDA stream captures a graph nothing is swapped (``applicable`` is False: pinned
+allocation and event queries are illegal there) and no event is queried (:mod:`hybridmem.runtime.capture`).
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import weakref
@@ -30,6 +39,8 @@ import numpy as np
 import torch
 
 from hybridmem.graph.costs import get_cost_model
+from hybridmem.graph.units import parse_bytes
+from hybridmem.runtime.capture import capturing
 
 from .base import EntryView as Entry  # the policy's view of the runtime's record
 from .codecs import Geometry, Stamp, entry_version, flat_view, supported
@@ -37,6 +48,9 @@ from .codecs import Geometry, Stamp, entry_version, flat_view, supported
 # Copy-time estimates when no cost model is given: (bytes/s, latency s). CPU: allocate + copy on the
 # development machine (16 MiB: 1.6 GB/s median, 6.8 best; fresh pages fault in); CUDA: pinned PCIe.
 _LINK = {"cpu": (2e9, 20e-6), "cuda": (20e9, 10e-6)}
+# Bytes of swap-outs in flight by default: a share of the budget, within bounds (without a budget: the
+# upper bound). More lets compute run further ahead of the copies; all of it is held as allocated meanwhile.
+INFLIGHT_SHARE, INFLIGHT_MIN, INFLIGHT_MAX = 1 / 16, 64 << 20, 1 << 30
 
 
 # --------------------------------------------------------------------------------------------------
@@ -87,6 +101,9 @@ class PinnedPool:
         return HostBuffer(self._new(size))
 
     def _new(self, size: int) -> torch.Tensor:
+        if self.pin and capturing():
+            raise RuntimeError("hybridmem swap: no pinned host buffer can be allocated while a CUDA graph is "
+                               "captured (cudaHostAlloc is not capturable); nothing is swapped during capture")
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
     def release(self, buf: HostBuffer) -> None:
@@ -150,6 +167,8 @@ class _Counters:
     d2h_s: float = 0.0
     h2d_s: float = 0.0
     exposed_s: float = 0.0                # time the compute stream waited for swap-ins
+    throttled: int = 0                    # swap-outs past max_inflight_bytes: compute waited for an older one
+    inflight_peak: int = 0                # largest bytes of swap-outs in flight at once
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,17 +218,27 @@ class _SyncTransport:
     def poll(self, block: bool = False) -> None:
         pass
 
+    def retire(self) -> None:
+        pass
+
+    outbound_bytes = 0
+
 
 class _CudaTransport:
-    """Side streams, events and pinned buffers for one CUDA device. ``cuda`` is injectable (tests)."""
+    """Side streams, events and pinned buffers for one CUDA device. ``cuda`` is injectable (tests).
+    ``max_inflight``: bytes of swap-outs in flight past which the compute stream waits for the oldest."""
 
     def __init__(self, device: torch.device, counters: _Counters, pool: PinnedPool, timing: bool,
-                 cuda: Any = None):
+                 cuda: Any = None, max_inflight: int = INFLIGHT_MAX):
         self.cuda = cuda if cuda is not None else torch.cuda
         self.device, self.c, self.pool, self.timing = device, counters, pool, timing
+        self.max_inflight = max_inflight
         self.d2h = self.cuda.Stream(device)
         self.h2d = self.cuda.Stream(device)
         self._timers: list[tuple[str, Any, Any]] = []   # (counter, start event, end event)
+        # swap-outs in flight, oldest first: (copy done, the source it reads, its bytes, the compute stream)
+        self._outbound: collections.deque[tuple[Any, torch.Tensor, int, Any]] = collections.deque()
+        self.outbound_bytes = 0
         self._lock = threading.Lock()
 
     def _event(self, timing: bool = False) -> Any:
@@ -217,8 +246,9 @@ class _CudaTransport:
 
     def _timed(self, counter: str, stream: Any, fn) -> Any:
         """Run ``fn`` with ``stream`` current; record its end event (and start, when timing)."""
-        start = self._event(True) if self.timing else None
-        end = self._event(self.timing)
+        timing = self.timing and not capturing()  # a timed event cannot be queried in a captured graph
+        start = self._event(True) if timing else None
+        end = self._event(timing)
         with self.cuda.stream(stream):
             if start is not None:
                 start.record(stream)
@@ -232,6 +262,7 @@ class _CudaTransport:
         return end
 
     def store(self, src: torch.Tensor, geom: Geometry) -> HostCopy:
+        self.retire()                              # sources of finished copies: their blocks free again
         buf = self.pool.acquire(geom.nbytes)
         host = buf.tensor[: geom.nbytes]
         compute = self.cuda.current_stream(self.device)
@@ -239,13 +270,37 @@ class _CudaTransport:
         if buf.last_use is not None:
             self.d2h.wait_event(buf.last_use)      # a previous owner's copy may still read the buffer
         done = self._timed("d2h_s", self.d2h, lambda: host.copy_(src, non_blocking=True))
-        self._record_stream(src, self.d2h)         # block reusable only after the copy: see module doc
+        # the source stays allocated until its copy is done (see module doc): no record_stream
+        self._outbound.append((done, src, geom.nbytes, compute))
+        self.outbound_bytes += geom.nbytes
+        self.c.inflight_peak = max(self.c.inflight_peak, self.outbound_bytes)
+        self._throttle()
         buf.last_use = done
         copy = HostCopy(geom, host, _Lease(self.pool, buf), d2h_done=done)
         weakref.finalize(copy, copy.lease.give_back)   # dropped without release(): recycle the buffer
         return copy
 
+    def retire(self) -> None:
+        """Let go of the sources whose copies are done (``query()``, oldest first: one D2H stream runs them
+        in order). No host wait."""
+        q = self._outbound
+        if not q or capturing():                   # no event may be queried during capture
+            return
+        while q and q[0][0].query():
+            self.outbound_bytes -= q.popleft()[2]
+
+    def _throttle(self) -> None:
+        """Past ``max_inflight`` bytes outbound (the newest copy aside), the compute stream waits on the device
+        for the oldest copy; its source is then free to reuse on that stream, which produced it."""
+        q = self._outbound
+        while self.outbound_bytes > self.max_inflight and len(q) > 1:
+            done, _, nbytes, compute = q.popleft()
+            compute.wait_event(done)
+            self.outbound_bytes -= nbytes
+            self.c.throttled += 1
+
     def load(self, copy: HostCopy) -> None:
+        self.retire()
         compute = self.cuda.current_stream(self.device)
         dev = torch.empty(copy.geom.nbytes, dtype=torch.uint8, device=self.device)  # compute-stream block
         self.h2d.wait_stream(compute)              # the block may have been freed by queued compute work
@@ -263,11 +318,12 @@ class _CudaTransport:
     def wait(self, copy: HostCopy) -> None:
         """Make the compute stream wait for the swap-in (no host sync); time the stall."""
         compute = self.cuda.current_stream(self.device)
-        if self.timing:
+        timing = self.timing and not capturing()
+        if timing:
             before = self._event(True)
             before.record(compute)
         compute.wait_event(copy.h2d_done)
-        if self.timing:
+        if timing:
             after = self._event(True)
             after.record(compute)
             with self._lock:
@@ -278,7 +334,14 @@ class _CudaTransport:
             copy.lease.give_back()                 # keeps last_use: the next owner waits on it
 
     def poll(self, block: bool = False) -> None:
-        """Add finished timings to the counters (all of them when ``block``: synchronizes)."""
+        """Add finished timings to the counters (all of them when ``block``: synchronizes); let go of the
+        sources of finished swap-outs. Nothing during graph capture (no event may be queried there)."""
+        if capturing():
+            return
+        if block:
+            for done, *_ in self._outbound:
+                done.synchronize()
+        self.retire()
         with self._lock:
             timers, self._timers = self._timers, []
         keep = []
@@ -312,19 +375,30 @@ class SwapPolicy:
     moves_to_host = True          # the runtime's meter: a host copy is not device memory
 
     def __init__(self, hidden_fraction: float | None = None, cost_model: Any = None, timing: bool = True,
-                 pool: PinnedPool | None = None, max_cached_bytes: int | None = None):
+                 pool: PinnedPool | None = None, max_cached_bytes: int | None = None,
+                 max_inflight_bytes: int | str | None = None):
         self.hidden_fraction = hidden_fraction
         self.cost_model = _resolve_cost_model(cost_model)
         self.timing = timing
         self.pool = pool
         self._max_cached = max_cached_bytes
+        # bytes of swap-outs in flight before compute waits for the oldest (CUDA); None: from the budget (bind)
+        self.max_inflight_bytes = (None if max_inflight_bytes is None
+                                   else parse_bytes(max_inflight_bytes, what="swap: max_inflight_bytes"))
         self._c = _Counters()
         self._copies: weakref.WeakKeyDictionary[Entry, HostCopy] = weakref.WeakKeyDictionary()
         self._transports: dict[torch.device, Any] = {}
         self._lock = threading.Lock()
 
+    def bind(self, runtime: Any) -> None:
+        """The runtime using this policy: the in-flight bound follows its budget unless one was given."""
+        if self.max_inflight_bytes is None and getattr(runtime, "budget", None):
+            self.max_inflight_bytes = inflight_bound(runtime.budget)
+
     # ---- Policy protocol -------------------------------------------------------------------------
     def applicable(self, entry: Entry) -> bool:
+        if capturing():
+            return False                          # no pinned allocation nor event during graph capture
         return supported(entry.tensor) and entry.tensor.untyped_storage().nbytes() > 0
 
     def savings(self, entry: Entry) -> int:
@@ -406,7 +480,9 @@ class SwapPolicy:
         """Drop ``entry``'s host copy (its pinned buffer returns to the pool)."""
         copy = self._copies.pop(entry, None)
         if copy is not None:
-            self._transport(copy.geom.device).free(copy)
+            tr = self._transport(copy.geom.device)
+            tr.free(copy)
+            tr.retire()                            # entries die as backward ends: sources done by then go too
         if entry.policy == self.name:
             entry.handle, entry.policy = None, None
 
@@ -418,9 +494,20 @@ class SwapPolicy:
 
     def step_ended(self) -> None:
         """The runtime's step ended: fold the copies' finished timings in (event queries, no wait), so that the
-        next step's costs use the share of swap-in time the last ones hid (``_hidden_fraction``)."""
+        next step's costs use the share of swap-in time the last ones hid (``_hidden_fraction``), and let go
+        of the sources of finished swap-outs."""
         for tr in list(self._transports.values()):
             tr.poll()
+
+    def retire(self) -> None:
+        """Let go of the sources of finished swap-outs (one event query each, no wait): call it at each pack."""
+        for tr in self._transports.values():
+            tr.retire()
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Bytes of swap-outs whose copy may still run: allocated on the device until it is done."""
+        return sum(tr.outbound_bytes for tr in self._transports.values())
 
     def synchronize(self) -> None:
         """Wait for every copy in flight and fold their timings into ``stats`` (tests, step end)."""
@@ -462,7 +549,8 @@ class SwapPolicy:
                 self.pool = PinnedPool(pin=True, max_cached_bytes=self._max_cached)
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            return _CudaTransport(device, self._c, self.pool, self.timing)
+            bound = INFLIGHT_MAX if self.max_inflight_bytes is None else self.max_inflight_bytes
+            return _CudaTransport(device, self._c, self.pool, self.timing, max_inflight=bound)
         return _SyncTransport(self._c)
 
     def _hidden_fraction(self, kind: str) -> float:
@@ -472,6 +560,11 @@ class SwapPolicy:
             return 0.0                          # CPU: copies run on the caller's thread
         c = self._c
         return 0.5 if c.h2d_s <= 0 else max(0.0, 1.0 - c.exposed_s / c.h2d_s)
+
+
+def inflight_bound(budget: int) -> int:
+    """The default bound on swap-out bytes in flight under ``budget``."""
+    return int(min(INFLIGHT_MAX, max(INFLIGHT_MIN, budget * INFLIGHT_SHARE)))
 
 
 def _hand_over(entry: Entry, t: torch.Tensor, version: int) -> None:

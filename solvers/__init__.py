@@ -57,7 +57,7 @@ from hybridmem.graph.costs import copies_overlap, get_cost_model, without_swaps
 from hybridmem.errors import BudgetInfeasibleError, UnknownNameError
 from hybridmem.graph.ir import Graph
 from hybridmem.graph.plan import Plan
-from hybridmem.runtime.follow import annotate
+from hybridmem.graph.signature import annotate
 from hybridmem.graph.simulate import min_feasible_budget, simulate
 from hybridmem.graph.units import fmt_bytes, plan_budget_bytes
 

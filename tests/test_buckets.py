@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hybridmem.graph.multishape import parse_dims, plan_buckets, zoo_factory
+from hybridmem.planbooks import parse_dims, plan_buckets, zoo_factory
 from hybridmem.graph.planbook import BookFormatError, PlanBook, ShapeKey, TensorSpec, is_book
 from hybridmem.runtime.buckets import RootCallWatcher
 from hybridmem.errors import StalePlanError

@@ -138,6 +138,7 @@ def _rank_case(rank: int, world: int, name: str, wrap: str) -> dict[str, Any]:
         "losses_identical": all(_bits_equal(a, b) for a, b in zip(ref_losses, losses)),
         "grads_identical": len(grads) == len(ref_grads) and all(_bits_equal(a, b) for a, b in zip(ref_grads, grads)),
         "loss": float(losses[-1]), "n_grads": len(grads), "times": (round(t_ref, 2), round(t_mon, 2), round(t_cap, 2)),
+        "steady": st.steady_steps, "notes": st.notes,
     }
 
 
@@ -167,6 +168,8 @@ def test_identical_under_budget(name: str, wrap: str) -> None:
         # FSDP: the process-wide allocator also holds gloo's buffers for the all-gathers, whose lifetimes
         # move the monitor-only peak (and so the budget) from run to run: the cap may not have to bite
         assert r["evicted"] > 0 or wrap == "fsdp", r
+        # step 1 runs under the dispatch mode, step 2 records, step 3 follows: no per-op work, each rank its own
+        assert r["steady"] == STEPS - 2, r
     assert res[0]["loss"] != res[1]["loss"]  # the ranks really trained on different batches
 
 

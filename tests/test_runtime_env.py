@@ -204,3 +204,20 @@ def test_startup_hook_imports_only_the_standard_library_before_torch() -> None:
     res = subprocess.run([sys.executable, "-c", "import torch, hybridmem; print(hybridmem.enabled())"],
                          capture_output=True, text=True, timeout=120, env={**env, "HYBRIDMEM_DEVICE": "cpu"})
     assert res.stdout.strip() == "True", res.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["-m", "hybridmem.cli", "run", "train.py"],             # hybridmem run: the CLI's imports bring torch in
+    ["-c", "import hybridmem.solvers, torch, hybridmem; print('enabled', hybridmem.enabled())"],
+    ["-c", "import hybridmem.runtime.core, torch, hybridmem; print('enabled', hybridmem.enabled())"],
+])
+def test_torch_imported_by_hybridmem_enables_after_that_import(tmp_path: Path, command: list[str]) -> None:
+    # torch imported first by a hybridmem module: enabling waits until that import has finished, instead of
+    # importing the runtime while its own modules are half-initialized (a circular-import ImportError, exit 2)
+    (tmp_path / "c.yaml").write_text("budget: 64MiB\n")
+    (tmp_path / "train.py").write_text("import hybridmem\nprint('enabled', hybridmem.enabled())\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HYBRIDMEM_")}, "HYBRIDMEM_CONFIG": "c.yaml"}
+    res = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "enabled True" in res.stdout and "cannot enable" not in res.stderr

@@ -117,16 +117,50 @@ def test_unseen_models_new_batch_each_step() -> None:
     assert _rc(per[-1]).regenerated > _rc(per[1]).regenerated
 
 
-def test_a_step_that_differs_leaves_the_steady_state_and_says_why() -> None:
+def test_a_step_with_other_inputs_records_its_own_program_and_the_first_is_followed_again() -> None:
     model, batch, loss_fn = _cnn()
-    batches = [batch(), batch(), batch(n=4), batch(n=4), batch(n=4), batch(n=4)]
+    batches = [batch(), batch(), batch(n=4), batch(n=4), batch(n=4), batch(), batch(n=4)]
     ref, _ = _train(model, batches, loss_fn)
-    got, st, _, _ = _budget_run(model, batches, loss_fn, cut=0.3)
+    got, st, _, per = _budget_run(model, batches, loss_fn, cut=0.3)
     assert got == ref
-    assert any("steady state left at step 3" in n and "[4, " in n for n in st.notes), st.notes
-    # step 1 runs under the dispatch mode, 2 records, 3 diverges (it ran without the mode), 4 records
-    # anew, 5 and 6 follow
-    assert st.steady_steps == 3, st.notes
+    # step 1 runs under the dispatch mode, 2 records; 3 has other inputs: it switches to the dispatch mode at
+    # its first module call (before any op) and records their program; 4 and 5 follow it, 6 follows the
+    # first program again, 7 the second
+    assert [p.steady_steps for p in per] == [0, 0, 0, 1, 2, 3, 4], st.notes
+    assert not any("steady state left" in n for n in st.notes), st.notes
+    assert any("one program per input shape" in n for n in st.notes), st.notes
+
+
+def test_a_step_that_leaves_its_program_part_way_says_why_and_records_again() -> None:
+    """Same inputs, other saves (a branch taken on the data): the step leaves its program at the first save
+    that differs and keeps what it saves from there; the next step records anew and later ones follow."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(64, 256)
+            self.b = nn.Linear(256, 256)
+            self.rest = nn.ModuleList(nn.Linear(256, 256) for _ in range(6))
+            self.c = nn.Linear(256, 1)
+
+        def forward(self, x: torch.Tensor, deep: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            if bool(deep):
+                h = torch.tanh(self.b(h)) * 0.5
+            for m in self.rest:
+                h = torch.tanh(m(h))
+            return self.c(h).square().mean()
+
+    torch.manual_seed(0)
+    model = Branchy()
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(512, 64, generator=g), torch.tensor(i == 3)) for i in range(7)]
+    ref, _ = _train(model, batches, lambda m, x, d: m(x, d))
+    got, st, _, per = _budget_run(model, batches, lambda m, x, d: m(x, d), cut=0.3)
+    assert got == ref
+    assert any("steady state left at step 4" in n for n in st.notes), st.notes
+    # 1 dispatch, 2 records, 3 follows, 4 leaves part-way (counted: it started steady), 5 records, 6-7 follow
+    assert [p.steady_steps for p in per] == [0, 0, 1, 2, 2, 3, 4], st.notes
 
 
 def test_in_place_write_to_a_saved_tensor_is_caught_in_the_steady_state() -> None:

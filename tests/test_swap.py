@@ -169,11 +169,12 @@ def test_cuda_protocol_orders_copies_with_events_not_host_syncs():
     del t
     copy = p.evict(e)
     log = fake.log
-    # D2H: waits for compute, copies on d2h, then marks the source block as used by d2h
+    # D2H: waits for compute, copies on d2h; the source block is held (counted as allocated) until its copy
+    # is done, not handed to the allocator early with record_stream
     assert log[0] == ("wait_stream", "d2h", "compute")
     i_enter = _index(log, lambda x: x == ("enter", "d2h"))
     assert _index(log, lambda x: x[0] == "record" and x[2] == id(copy.d2h_done)) > i_enter
-    assert ("record_stream", "d2h", ptr) in log
+    assert ("record_stream", "d2h", ptr) not in log and tr.outbound_bytes == 4000
     assert copy.lease.buf.last_use is copy.d2h_done
 
     fake.log.clear()

@@ -32,11 +32,11 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
+from ..devices import budget_needs_cuda, parse_device_budget, resolve_device
 from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import get_cost_model
-from ..graph.units import BUDGET_FORMS, fmt_bytes, parse_budget
+from ..graph.units import fmt_bytes
 from ..runtime import cpumeter
-from ..runtime.core import resolve_device
 from . import codec_ops
 from . import trial as trial_mod
 from . import tuning
@@ -113,7 +113,7 @@ class _Partitioner:
         if prep.offload and not stream_ops_work():
             # torch's stream ops do not trace (torch 2.11): hybridmem's own offload ops copy beside the compute
             # stream instead (hybridmem.compile.offload)
-            moved = offload_mod.rewrite_partition(fw, bw, prep.offloaded)
+            moved = offload_mod.rewrite_partition(fw, bw, prep.offloaded, prep.model)
             if prep.stats is not None:
                 prep.stats.add_note(f"swaps copied by hybridmem's offload ops beside the compute stream (torch "
                                     f"{torch.__version__}'s stream ops do not trace)"
@@ -138,6 +138,8 @@ class _Partitioner:
                 warnings.warn(f"hybridmem compile: {prep.stats.name}: {len(missed)} tensor(s) the plan compressed were "
                               f"not saved as planned: the step may hold {fmt_bytes(lost)} more than the plan counted",
                               RuntimeWarning, stacklevel=2)
+        if prep.stats is not None:
+            _note_host_tokens(prep.stats, offload_mod.host_tokens(fw))
         return fw, bw
 
     def uuid(self) -> str:
@@ -191,20 +193,17 @@ class CompileBackend(Planning):
         if time_limit is not None and not (isinstance(time_limit, (int, float)) and time_limit > 0):
             raise ValueError(f"time_limit {time_limit!r}: expected seconds > 0, or None")
         self.device = None if device is None else resolve_device(device)
-        if budget is None or isinstance(budget, bool):
-            raise ValueError("budget: expected bytes (an int, '8GiB'; on CUDA also '60%' of device memory), "
-                             f"got {budget!r}")
+        # the eager runtime's checks, but no 'none': a compiled region is planned for a budget or not
+        # compiled by this backend
+        parsed = parse_device_budget(budget, setting=False)
         self.budget = budget
         self._budget_b: int | None = None
-        # the eager runtime's checks (a positive whole number of bytes, a percentage in (0, 100]), but
-        # 'none': a compiled region is planned for a budget or not compiled by this backend
-        parsed = parse_budget(budget, forms=BUDGET_FORMS[:-1])
         if not isinstance(parsed, str):
             self._budget_b = parsed
-        elif self.device.type != "cuda" if self.device is not None else not torch.cuda.is_available():
-            raise ValueError(f"budget {budget!r}: a percentage needs a CUDA device (of its memory)"
-                             + ("" if self.device is not None else ", and none is available here")
-                             + "; give bytes, e.g. '2GiB'")
+        elif self.device is not None and self.device.type != "cuda":
+            raise budget_needs_cuda(budget, f"this backend's device is {self.device}")
+        elif self.device is None and not torch.cuda.is_available():
+            raise budget_needs_cuda(budget, "none is available here")
         self.solver, self.time_limit, self.compiler, self.scratch = solver, time_limit, compiler, bool(scratch)
         self.cost_model_name = cost_model
         if cost_model is not None:
@@ -583,6 +582,15 @@ class CompileBackend(Planning):
                 now = codec_ops.stats_for(st.codec_region)
                 st.codec = replace(now, codecs=dict(now.codecs))
         return list(self._regions.values())
+
+
+def _note_host_tokens(st: RegionStats, tokens: int) -> None:
+    """Record that the region's forward saves ``tokens`` values as host tokens: cudagraph trees skip such a
+    graph, which torch does not say."""
+    st.host_tokens = tokens
+    if tokens:
+        st.add_note(f"{tokens} saved tensor(s) held through host tokens (hybridmem's offload and compress ops): "
+                    "CUDA graphs (mode='reduce-overhead', cudagraph trees) skip its graphs")
 
 
 def _make_partitioner(backend: CompileBackend) -> Any:

@@ -14,25 +14,30 @@ twice. Where no codec shrinks ``x`` at run time, the token holds ``x`` itself (n
 region's stats count it.
 
 Each call runs in Python (a codec pass over the tensor, Numba kernels on the CPU): what it costs is the
-codec's, once per saved tensor per step, not per op.
+codec's, once per saved tensor per step, not per op. On a device (CUDA) the host must not read the tensor's
+values to choose (one device drain per saved tensor per step): there only the codecs that decide without
+reading the bytes apply (:func:`codecs_for`: ``bitmask`` for bool tensors), and every other tensor is held
+as it is. The token is a host tensor: CUDA graphs (cudagraph trees) skip a graph that holds one.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from ..plugins.codecs import LOSSLESS, CodecPasses, Encoded
-from .oplib import define_once
+from ..plugins.codecs import LOSSLESS, Codec, CodecPasses, Encoded
+from .oplib import TokenTable, define_once, tensor_fake, token_fake
 
-__all__ = ["CodecStats", "dense", "live_payloads", "new_region", "register", "reset_stats", "stats_for"]
+__all__ = ["CodecStats", "codecs_for", "dense", "live_payloads", "new_region", "register", "reset_stats",
+           "stats_for"]
 
 CODECS = tuple(LOSSLESS.values())
+# the codecs that choose without reading the bytes on the host: the ones a device tensor may use
+DEVICE_CODECS = tuple(c for c in CODECS if not c.reads_bytes)
 
 
 @dataclass
@@ -61,9 +66,8 @@ class _Payload:
     raw: torch.Tensor | None
 
 
-_LOCK = threading.Lock()
-_KEYS = itertools.count(1)
-_PAYLOADS: dict[int, _Payload] = {}
+_LOCK = threading.Lock()               # the regions' stats
+_PAYLOADS: TokenTable[_Payload] = TokenTable("encoding")
 _REGIONS: dict[int, CodecStats] = {}
 _REGION_IDS = itertools.count(1)
 
@@ -90,6 +94,17 @@ def live_payloads() -> int:
     return len(_PAYLOADS)
 
 
+def _on_device(x: torch.Tensor) -> bool:
+    """Whether reading ``x``'s values on the host waits for a device."""
+    return x.device.type != "cpu"
+
+
+def codecs_for(x: torch.Tensor) -> tuple[Codec, ...]:
+    """The codecs ``hybridmem::pack_saved`` chooses among for ``x``: every lossless one on the CPU; on a
+    device only those that decide without a host read of its values (:data:`DEVICE_CODECS`)."""
+    return DEVICE_CODECS if _on_device(x) else CODECS
+
+
 def dense(x: torch.Tensor) -> bool:
     """Whether ``x``'s elements fill one block of its storage, each once (any order of dimensions)."""
     from torch._prims_common import is_non_overlapping_and_dense_or_false
@@ -102,11 +117,6 @@ def _dense_flat(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((x.numel(),), (1,), x.storage_offset())
 
 
-def _drop(key: int) -> None:
-    with _LOCK:
-        _PAYLOADS.pop(key, None)
-
-
 def _pack(x: torch.Tensor, region: int, planned: int) -> torch.Tensor:
     t0 = time.perf_counter()
     st = stats_for(region)
@@ -116,7 +126,7 @@ def _pack(x: torch.Tensor, region: int, planned: int) -> torch.Tensor:
     flat = _dense_flat(x)
     nbytes = x.numel() * x.element_size()
     passes = CodecPasses(x.dtype, nbytes, lambda vdt: flat.view(vdt))
-    best = passes.smallest(CODECS, nbytes - 1)
+    best = passes.smallest(codecs_for(x), nbytes - 1)
     if best is None:
         payload = _Payload(None, x)
         st.raw += 1
@@ -127,12 +137,8 @@ def _pack(x: torch.Tensor, region: int, planned: int) -> torch.Tensor:
         payload = _Payload(codec.encode(passes.flat(vdt), info), None)
         out_bytes = payload.enc.nbytes  # type: ignore[union-attr]
         st.codecs[codec.name] = st.codecs.get(codec.name, 0) + 1
-    key = next(_KEYS)
-    token = torch.full((1,), key, dtype=torch.int64)
-    with _LOCK:
-        _PAYLOADS[key] = payload
     # the encoding is freed with the token: after the backward, or when autograd drops the graph
-    weakref.finalize(token.untyped_storage(), _drop, key)
+    token = _PAYLOADS.put(payload)
     st.packed += 1
     st.bytes_in += nbytes
     st.bytes_out += out_bytes
@@ -144,12 +150,7 @@ def _pack(x: torch.Tensor, region: int, planned: int) -> torch.Tensor:
 def _unpack(token: torch.Tensor, size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
             device: torch.device, region: int) -> torch.Tensor:
     t0 = time.perf_counter()
-    key = int(token.item())
-    with _LOCK:
-        payload = _PAYLOADS.get(key)
-    if payload is None:
-        raise RuntimeError(f"hybridmem::unpack_saved: no encoding for token {key}: its forward's saved tensors "
-                           "were freed already (a second backward through a graph without retain_graph=True?)")
+    _, payload = _PAYLOADS.get(token, "unpack_saved")
     out = torch.empty_strided(tuple(size), tuple(stride), dtype=dtype, device=device)
     if payload.enc is None:
         out.copy_(payload.raw)  # a copy: the backward may write into what it reads; the held tensor stays
@@ -172,14 +173,5 @@ def _define(lib: torch.library.Library) -> None:
                "int region) -> Tensor")
     lib.impl("pack_saved", _pack, "CompositeExplicitAutograd")
     lib.impl("unpack_saved", _unpack, "CompositeExplicitAutograd")
-    torch.library.register_fake("hybridmem::pack_saved", _pack_fake, lib=lib)
-    torch.library.register_fake("hybridmem::unpack_saved", _unpack_fake, lib=lib)
-
-
-def _pack_fake(x: torch.Tensor, region: int, planned: int) -> torch.Tensor:
-    return x.new_empty((1,), dtype=torch.int64, device="cpu")
-
-
-def _unpack_fake(token: torch.Tensor, size: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
-                 device: torch.device, region: int) -> torch.Tensor:
-    return token.new_empty_strided(tuple(size), tuple(stride), dtype=dtype, device=device)
+    torch.library.register_fake("hybridmem::pack_saved", token_fake, lib=lib)
+    torch.library.register_fake("hybridmem::unpack_saved", tensor_fake, lib=lib)

@@ -209,6 +209,7 @@ def rewrite_partition(fw: fx.GraphModule, bw: fx.GraphModule, chosen: Iterable[C
     from torch._subclasses.fake_tensor import extract_tensor_metadata
 
     codec_ops.register()
+    fence = getattr(torch.ops.hybridmem, "offload_wait", None)     # defined where a graph offloads
     wanted = {c.storage: c for c in chosen if c.storage is not None}
     out_node = next(iter(fw.graph.find_nodes(op="output")))
     outs = list(out_node.args[0])
@@ -227,7 +228,9 @@ def rewrite_partition(fw: fx.GraphModule, bw: fx.GraphModule, chosen: Iterable[C
                 and val.numel() * val.element_size() == c.nbytes):
             done[c.node] = False          # saved in a form that does not cover the storage: it stays alive
             continue
-        readers = _effective_users(node, views)
+        # an offload's fence may read the value to order itself after it (hybridmem.compile.offload): no read
+        # of its data
+        readers = [r for r in _effective_users(node, views) if fence is None or r.target is not fence.default]
         last = max(readers, key=order.__getitem__) if readers else node
         fake = getattr(val, "fake_mode", None)
         with fw.graph.inserting_after(last):

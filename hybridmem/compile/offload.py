@@ -6,27 +6,38 @@ rewrites the partition instead: the forward offloads the value right after its l
 (``hybridmem::offload``, which returns a token) and saves the token in its place; the backward starts its
 reload one kernel before its first read (``hybridmem::reload_start``) and waits for it right before
 (``hybridmem::reload_wait``) (:mod:`hybridmem.compile.offload_ops`), so that the copy runs beside that
-kernel. The codec ops' rewrite (:func:`hybridmem.compile.compressed.rewrite_partition`) is the same shape.
+kernel. A fence (``hybridmem::offload_wait``) a few nodes after the offload, where the copy out is predicted
+done, reads the value: Inductor keeps its buffer (does not hand it to a later kernel) until the compute
+stream has waited for the copy; the forward saves the fence's token. The codec ops' rewrite
+(:func:`hybridmem.compile.compressed.rewrite_partition`) is the same shape.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+import itertools
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import fx
 
 from . import offload_ops
 from .compressed import _effective_users, _static, storage_of
+from .copies import node_ms
 
-__all__ = ["rewrite_partition"]
+__all__ = ["FENCE_NODES", "host_tokens", "rewrite_partition"]
+
+FENCE_NODES = 3     # without a cost model: the copy out runs beside this many forward nodes before its fence
+# the ops whose output is a host token a forward saves in a tensor's place
+TOKEN_OPS = ("offload", "offload_wait", "pack_saved")
 
 
-def rewrite_partition(fw: fx.GraphModule, bw: fx.GraphModule, storages: Iterable[Any]) -> list[str]:
+def rewrite_partition(fw: fx.GraphModule, bw: fx.GraphModule, storages: Iterable[Any], model: Any = None) -> list[str]:
     """Offload the forward's saved values whose storage is one of ``storages`` (:func:`~hybridmem.compile.
     compressed.storage_of` of the nodes the plan swaps) after their last forward read and reload them in the
-    backward (the module docstring). Returns the names of the saved values rewritten; one saved in a form
-    that does not cover its storage densely is left as it is (held on the device)."""
+    backward (the module docstring). ``model``: a device model (:class:`hybridmem.graph.costs.DeviceModel`)
+    that places each fence after the nodes its copy out is predicted to take; without one, after
+    :data:`FENCE_NODES` nodes. Returns the names of the saved values rewritten; one saved in a form that
+    does not cover its storage densely is left as it is (held on the device)."""
     from torch._functorch.partitioners import get_default_op_list
     from torch._subclasses.fake_tensor import extract_tensor_metadata
 
@@ -47,7 +58,8 @@ def rewrite_partition(fw: fx.GraphModule, bw: fx.GraphModule, storages: Iterable
         if not (isinstance(val, torch.Tensor) and _static(val) and offload_ops.dense(val)
                 and val.numel() * val.element_size() == val.untyped_storage().nbytes()):
             continue
-        readers = _effective_users(node, views)
+        # an earlier fence may read the value to order itself (not a read of its data)
+        readers = [r for r in _effective_users(node, views) if not _hybridmem_op(r)]
         last = max(readers, key=order.__getitem__) if readers else node
         with fw.graph.inserting_after(last):
             off = fw.graph.call_function(torch.ops.hybridmem.offload.default, (node,),
@@ -56,10 +68,15 @@ def rewrite_partition(fw: fx.GraphModule, bw: fx.GraphModule, storages: Iterable
         with fake if fake is not None else contextlib.nullcontext():
             token = torch.empty((1,), dtype=torch.int64, device="cpu")
         off.meta["val"], off.meta["tensor_meta"] = token, extract_tensor_metadata(token)
-        outs[k] = off
+        point, after = _fence_point(off, views, _copy_done(model, val))
+        with fw.graph.inserting_before(point):
+            fence = fw.graph.call_function(torch.ops.hybridmem.offload_wait.default, (off, node, after),
+                                           name=f"hybridmem_offload_wait_{node.name}")
+        fence.meta.update(off.meta)
+        outs[k] = fence
         old = bw_inputs[node.name]
         with bw.graph.inserting_after(old):
-            ph = bw.graph.placeholder(off.name)
+            ph = bw.graph.placeholder(fence.name)
         ph.meta.update(off.meta)
         nodes = list(bw.graph.nodes)
         first = min(old.users, key=nodes.index) if old.users else next(iter(bw.graph.find_nodes(op="output")))
@@ -85,3 +102,47 @@ def rewrite_partition(fw: fx.GraphModule, bw: fx.GraphModule, storages: Iterable
             g.recompile()
     return done
 
+
+def _copy_done(model: Any, val: torch.Tensor) -> Callable[[fx.Node], bool]:
+    """A clock for one offload of ``val``: given each forward node that runs after it, in turn, whether the
+    nodes so far cover its copy out (by ``model``'s estimate of both, else :data:`FENCE_NODES` of them)."""
+    if model is None or not hasattr(model, "copy_time"):
+        count = itertools.count(1)
+        return lambda node: next(count) >= FENCE_NODES
+    ms = node_ms(model)
+    left = [model.copy_time(val.numel() * val.element_size(), "d2h") * 1e3]
+
+    def ran(node: fx.Node) -> bool:
+        left[0] -= ms(node)
+        return left[0] <= 0
+    return ran
+
+
+def _fence_point(off: fx.Node, views: Any, covers: Callable[[fx.Node], bool]) -> tuple[fx.Node, list[fx.Node]]:
+    """The node an offload's fence goes before: the one after the kernel with which ``covers`` says the
+    kernels since the offload cover its copy (views and hybridmem's ops are none), else the output; and the
+    last of those kernels with a tensor value, for the fence to read: Inductor's scheduler orders by data,
+    and would otherwise run the fence right after the offload, with nothing beside the copy."""
+    ran: list[fx.Node] = []
+    node = off.next
+    while node.op != "output":
+        here, node = node, node.next
+        if here.op == "call_function" and not views.is_view(here) and not _hybridmem_op(here):
+            ran.append(here)
+            if covers(here):
+                break
+    anchor = next((n for n in reversed(ran) if isinstance(n.meta.get("val"), torch.Tensor)), None)
+    return node, [anchor] if anchor is not None else []
+
+
+def _hybridmem_op(node: fx.Node) -> bool:
+    return getattr(node.target, "namespace", None) == "hybridmem"
+
+
+def host_tokens(fw: fx.GraphModule) -> int:
+    """The values the forward ``fw`` saves for its backward as host tokens (hybridmem's offload and codec
+    ops): CUDA graphs (cudagraph trees) skip a graph that holds one."""
+    ops = {getattr(torch.ops.hybridmem, name).default for name in TOKEN_OPS if hasattr(torch.ops.hybridmem, name)}
+    out = next(iter(fw.graph.find_nodes(op="output")))
+    saved = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    return sum(1 for n in saved if isinstance(n, fx.Node) and n.target in ops)

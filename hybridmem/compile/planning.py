@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from torch import fx
 
+from ..devices import cost_model_for, device_budget_bytes
 from ..errors import BudgetInfeasibleError
 from ..graph.costs import DeviceModel, copies_overlap
-from ..graph.units import fmt_bytes, parse_bytes
+from ..graph.units import fmt_bytes
 from ..plugins.compress import codec_seconds
-from ..runtime.core import cost_model_for
 from . import codec_ops, probe
 from . import compressed as compressed_mod
 from . import tuning
@@ -143,12 +143,8 @@ class Planning:
         return best
 
     def _budget_bytes(self, dev: torch.device) -> int:
-        if self._budget_b is None:
-            if dev.type != "cuda":
-                raise ValueError(f"budget {self.budget!r}: a percentage needs a CUDA device; this region runs "
-                                 f"on {dev}: give bytes, e.g. '2GiB'")
-            total = torch.cuda.get_device_properties(dev).total_memory
-            return parse_bytes(self.budget, what="budget", total=total)
+        if self._budget_b is None:   # a percentage, of the region's device's memory
+            return device_budget_bytes(self.budget, dev, capacity=False, what="this region")
         return self._budget_b
 
     def _prepare(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> Prepared:

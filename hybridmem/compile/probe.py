@@ -19,7 +19,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..plugins.codecs import LOSSLESS, CodecPasses
+from ..plugins.codecs import CodecPasses
 from .sizes import size_hint
 
 __all__ = ["measure"]
@@ -86,14 +86,15 @@ def measure(gm: fx.GraphModule, forward: Sequence[fx.Node], primals: Sequence[to
 
 
 def _smallest(v: torch.Tensor) -> tuple[str, int] | None:
-    from .codec_ops import dense
+    from .codec_ops import codecs_for, dense
     if not dense(v) or v.numel() == 0:
         return None
     flat = v.as_strided((v.numel(),), (1,), v.storage_offset())
     nbytes = v.numel() * v.element_size()
     # on the CPU, Numba's kernels where Numba works (the backend loads them while Dynamo traces): torch's,
-    # the fallback, allocate temporaries at compile time, which the first step's real peak then holds
-    best = CodecPasses(v.dtype, nbytes, lambda vdt: flat.view(vdt)).smallest(LOSSLESS.values(), nbytes - 1)
+    # the fallback, allocate temporaries at compile time, which the first step's real peak then holds. The
+    # codecs pack_saved will choose among on this device: on CUDA those that read no values on the host
+    best = CodecPasses(v.dtype, nbytes, lambda vdt: flat.view(vdt)).smallest(codecs_for(v), nbytes - 1)
     return None if best is None else (best[1].name, int(best[0]))
 
 

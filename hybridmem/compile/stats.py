@@ -52,6 +52,9 @@ class RegionStats:
     room_bytes: int = 0
     room_replans: int = 0
     note: str = ""
+    # saved tensors its forward hands the backward as host tokens (offload, compress ops): CUDA graphs
+    # (cudagraph trees) skip a graph that holds one
+    host_tokens: int = 0
     # what the compress ops did in the steps run so far (None: nothing compressed)
     codec: codec_ops.CodecStats | None = None
     codec_region: int = 0             # the compress ops' region id (0: none)

@@ -105,11 +105,6 @@ def is_stage_op(func: Any) -> bool:
     return info.stage
 
 
-def op_name(func: Any) -> str:
-    """Short op name used in stage ids: ``addmm`` (default overload), ``add.Tensor``, ``ns::op.ov``."""
-    return op_info(func).name
-
-
 def _make_info(func: Any) -> OpInfo:
     schema = getattr(func, "_schema", None)
     packet = getattr(func, "_opname", None) or getattr(func, "__name__", str(func)).split(".")[0]

@@ -15,7 +15,7 @@ At each step the runtime (:class:`~hybridmem.runtime.buckets.BucketSwitch`, enab
 step's first op and asks ``book.lookup(key)``: the bucket's plan, or ``None`` (no plan for that
 shape, or one that cannot be trusted): then the step runs on the online scorer, the shape is named in
 ``Stats.notes`` and remembered in ``book.unplanned``, to be captured and planned later
-(:func:`~hybridmem.graph.multishape.plan_buckets`). A plan is never applied to a graph it was not made for: the book refuses an
+(:func:`~hybridmem.planbooks.plan_buckets`). A plan is never applied to a graph it was not made for: the book refuses an
 entry whose plan, graph file and key disagree (structure hashes), and each bucket's plan follower
 checks the plan's op signature against the bucket's first step before following it (a mismatch
 refuses that bucket only).
@@ -23,7 +23,7 @@ refuses that bucket only).
 Planning several buckets at once (``hybridmem plan --model transformer --size tiny --shapes 8x16
 8x24 --budget 80% --device cpu -o book``)::
 
-    book = hybridmem.graph.multishape.plan_buckets("transformer", ["8x16", "8x24"], "80%", device="cpu", out_dir="book")
+    book = hybridmem.planbooks.plan_buckets("transformer", ["8x16", "8x24"], "80%", device="cpu", out_dir="book")
 """
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ def plan_budget_bytes(budget: object, keep_all_peak: int) -> int:
     """A budget when planning or simulating, in bytes: an int, a size string (``"8GiB"``), or a
     percentage of the step's keep-all peak (``"60%"``: of ``graph.peak_bytes()``, nothing evicted).
     The one place that percentage is resolved; at run time a percentage means something else
-    (:func:`hybridmem.runtime.budget.device_budget_bytes`: of the CUDA device's memory)."""
+    (:func:`hybridmem.devices.device_budget_bytes`: of the CUDA device's memory)."""
     return parse_bytes(budget, what="budget", total=keep_all_peak if is_percentage(budget) else None)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -57,11 +58,19 @@ def _live() -> Any:
 
 def _after_fork_in_child() -> None:
     """A forked child starts unmanaged: its copy of the runtime would count the parent's bytes against
-    the parent's budget. The child may enable its own."""
+    the parent's budget. The child may enable its own. The release calls no CUDA where the parent had
+    initialised it (``runtime.device``: any CUDA call raises in such a child); whatever else fails in it
+    is said once as a warning, and the child goes on unmanaged (an exception here would only reach
+    ``sys.unraisablehook`` and stop the release halfway)."""
     global _current, _orphan
     rt, _current, _orphan = _current, None, None
-    if rt is not None:
+    if rt is None:
+        return
+    try:
         rt.release()
+    except Exception as e:  # noqa: BLE001  (a fork handler cannot raise to anyone)
+        warnings.warn(f"hybridmem: a forked child could not fully release its parent's runtime "
+                      f"({type(e).__name__}: {e}); the child runs unmanaged", RuntimeWarning, stacklevel=1)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

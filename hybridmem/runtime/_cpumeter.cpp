@@ -73,9 +73,15 @@
 
 #ifdef HM_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #endif
 
 #define HM_EXPORT extern "C" __attribute__((visibility("default")))
+
+// The page rounding an expandable segment may add to a request at the allocator's fraction check
+// (allocconf.EXPANDABLE_SLACK): a cache miss needs this much room under the cap beyond the request.
+constexpr int64_t kExpandableSlack = int64_t{20} << 20;
 
 namespace {
 
@@ -148,10 +154,11 @@ Registry& registry() {
 
 void meter_delete(void* ptr) noexcept;
 
-// Frees droppable registered storages of `device_type`, lowest priority first, until `need` bytes
-// were taken out or none is left; returns the bytes taken out. Only storages whose memory the
-// meter allocated count on the CPU (`metered_only`): freeing anything else would not lower the count.
-int64_t reclaim(int64_t need, c10::DeviceType device_type, bool metered_only) {
+// Frees droppable registered storages of `device_type` (and of device `index`, where >= 0), lowest
+// priority first, until `need` bytes were taken out or none is left; returns the bytes taken out. Only
+// storages whose memory the meter allocated count on the CPU (`metered_only`): freeing anything else
+// would not lower the count.
+int64_t reclaim(int64_t need, c10::DeviceType device_type, bool metered_only, int index = -1) {
   Registry& r = registry();
   std::vector<c10::DataPtr> victims;
   int64_t taken = 0;
@@ -172,6 +179,9 @@ int64_t reclaim(int64_t need, c10::DeviceType device_type, bool metered_only) {
       }
       if (metered_only && dp.get_deleter() != &meter_delete) {
         continue;
+      }
+      if (index >= 0 && dp.device().index() != index) {
+        continue;  // another device's memory: freeing it does not help this device's allocation
       }
       order.push_back({{e.priority, e.seq}, key});
     }
@@ -498,11 +508,45 @@ HM_EXPORT int64_t hm_reg_pending() {
   return static_cast<int64_t>(r.dropped.size());
 }
 
+#ifdef HM_WITH_CUDA
+namespace {
+std::atomic<int64_t> cuda_budget{-1};
+std::atomic<int64_t> cuda_headroom{0};
+std::atomic<int> cuda_device{0};
+std::atomic<int64_t> cuda_calls{0};
+std::atomic<int64_t> cuda_freed{0};
+}  // namespace
+#endif
+
+// What the CUDA free-memory callback frees on a cache miss: the bytes by which the device's reserved bytes,
+// plus the page rounding an expandable segment may add to the request (`slack`), pass the budget less its
+// headroom; 0 when a new segment still fits (the allocator grows under the cap, nothing is freed). Reserved,
+// not allocated: the per-process fraction caps what the allocator reserves, and a miss near that cap falls
+// back to releasing every cached block (a device synchronisation). Freed blocks return to the cache, where
+// the request is looked for again. Exported for tests (no CUDA needed).
+HM_EXPORT int64_t hm_cuda_need(int64_t reserved, int64_t slack, int64_t budget, int64_t headroom) {
+  if (budget < 0) {
+    return 0;
+  }
+  const int64_t need = reserved + slack - (budget - headroom);
+  return need > 0 ? need : 0;
+}
+
+// The page rounding the CUDA callback allows for (kExpandableSlack).
+HM_EXPORT int64_t hm_cuda_slack() {
+  return kExpandableSlack;
+}
+
 // A forked child starts unmanaged: no cap, an empty registry (its references are the parent's
 // objects, copied; they are leaked, never touched), and a device holding nothing of the parent's.
 HM_EXPORT void hm_after_fork_child() {
   State& s = state();
   s.budget.store(-1, std::memory_order_relaxed);
+#ifdef HM_WITH_CUDA
+  // A child of a CUDA-initialised parent cannot use CUDA: the parent's budget must not make the callback
+  // read the allocator's statistics there (it would reach into the parent's copied allocator state).
+  cuda_budget.store(-1, std::memory_order_relaxed);
+#endif
   // The parent's registry (and its lock, in whatever state another thread left it) is abandoned.
   the_registry.store(new Registry(), std::memory_order_release);
   // The child's device starts empty: what the parent held is marked inherited (freed uncounted). The
@@ -527,15 +571,31 @@ HM_EXPORT void hm_reset_peak() {
 
 #ifdef HM_WITH_CUDA
 // ---- CUDA: the caching allocator asks registered callbacks to free memory on a cache miss, before
-// cudaMalloc. Ours frees registered CUDA storages while the device's allocated bytes are above the
-// CUDA budget minus a headroom. It runs inside the caching allocator's malloc, which holds the
-// allocator's (recursive) mutex: freeing blocks from here re-enters it on the same thread.
+// cudaMalloc. Ours frees registered CUDA storages of the budgeted device while its reserved bytes leave
+// no room for a new segment under the CUDA budget minus a headroom (hm_cuda_need). It runs inside the
+// caching allocator's malloc, which holds that device's (recursive) allocator mutex: freeing blocks of the
+// same device re-enters it on the same thread. A miss on another device is left alone: its statistics
+// are not the budget's, and taking the budgeted device's mutex from inside another device's malloc could
+// invert the lock order with a thread allocating on the budgeted device.
 namespace {
-std::atomic<int64_t> cuda_budget{-1};
-std::atomic<int64_t> cuda_headroom{0};
-std::atomic<int> cuda_device{0};
-std::atomic<int64_t> cuda_calls{0};
-std::atomic<int64_t> cuda_freed{0};
+// While the current stream captures a CUDA graph the miss is the graph's private pool's: blocks freed now
+// go back to other pools only once the capture ends, and a registered storage may be one the graph reads.
+bool capturing() noexcept {
+  try {
+    return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  } catch (...) {
+    return true;  // the status could not be read: do nothing rather than free under a capture
+  }
+}
+
+// The current device, or -1 where it cannot be read (no exception may leave the allocator's callback).
+int current_device() noexcept {
+  try {
+    return static_cast<int>(c10::cuda::current_device());
+  } catch (...) {
+    return -1;
+  }
+}
 }  // namespace
 
 namespace c10 {
@@ -546,15 +606,22 @@ class HybridmemFreeMemoryCallback : public FreeMemoryCallback {
     if (b < 0) {
       return false;
     }
+    const int device = cuda_device.load();
+    // The caching allocator mallocs on the current device (NativeCachingAllocator::malloc takes it from
+    // c10::cuda::GetDevice): that is the device whose allocation missed.
+    if (current_device() != device || capturing()) {
+      return false;
+    }
     cuda_calls.fetch_add(1, std::memory_order_relaxed);
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_device.load());
-    const int64_t allocated =
-        stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
-    const int64_t need = allocated - (b - cuda_headroom.load(std::memory_order_relaxed));
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+    const int64_t reserved =
+        stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+    const int64_t need =
+        hm_cuda_need(reserved, kExpandableSlack, b, cuda_headroom.load(std::memory_order_relaxed));
     if (need <= 0) {
       return false;
     }
-    const int64_t freed = reclaim(need, c10::DeviceType::CUDA, false);
+    const int64_t freed = reclaim(need, c10::DeviceType::CUDA, false, device);
     cuda_freed.fetch_add(freed, std::memory_order_relaxed);
     return freed > 0;
   }

@@ -1,7 +1,7 @@
 """The runtime's half of plan books: each step's plan picked by its input shapes.
 
 The book itself (keys, file format, lookup) is :mod:`hybridmem.graph.planbook`; planning a book is
-:mod:`hybridmem.graph.multishape`.
+:mod:`hybridmem.planbooks`.
 """
 from __future__ import annotations
 

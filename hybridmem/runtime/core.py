@@ -21,20 +21,21 @@ from hybridmem.plugins.base import Policy, get_policy, known_policy_names
 from ..graph.planbook import PlanBook, is_book
 from .buckets import BucketSwitch
 from ..config import Config
+from ..devices import cost_model_for, device_budget_bytes, resolve_device
 from .distributed import FsdpStorageSync
 from ..errors import CaptureError, UnknownNameError
 from .meter import Meter
-from ..graph.costs import get_cost_model
 from ..graph.units import fmt_bytes, parse_bytes
 from ..graph.outputs import storage_of
 from ..graph.optstate import optimizer_state
 from ..graph.plan import Plan
 from .ledger import TensorLog
 from . import ckpt
-from .budget import device_budget_bytes
+from .allocconf import SavedAllocator
+from .capture import capturing
 from .cpumeter import load, unavailable_reason
 from .estimate import OutputEstimator
-from .device import native_device, planned_first
+from .device import cuda_usable, native_device, planned_first
 from .fixed import FixedMarker
 from .follow import PlanFollower
 from .lineage import OpCost, Recorder
@@ -45,40 +46,13 @@ from .monitor import NOTE as MONITOR_NOTE, NOTE_CUDA as MONITOR_NOTE_CUDA, Alloc
 from .prefetch import Prefetcher
 from .produced import ProducedTable
 from .program import ProgramRecorder, StepProgram
+from .programs import ProgramSet, signature_of
 from .residency import NoMode, Residency
 from .saved import REGISTER_BELOW, Saved, SavedStore
 from .steady import SteadyParts, SteadyStep
 from .stats import Stats, StatsRecorder
 from .steps import FORWARD, IDLE, Clock, StepTracker
 from .threads import OwnerThread, drop_hooks, leave_mode
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None``: the current CUDA device if there is one, else the CPU (a simulated device)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"invalid device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'") from e
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available here; use 'cpu' (a simulated device)")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise ValueError(f"device {device!r} is not supported: expected 'cpu', 'cuda' or 'cuda:N'")
-    return dev
-
-
-def cost_model_for(device: torch.device, name: str | None = None) -> Any:
-    """The cost model recompute costs come from: ``name`` (the config's ``plugins: {cost_model: NAME}``),
-    else the CPU model, or on CUDA the model named like the GPU (H100, H200, A100, V100; else H100)."""
-
-    if name is None and device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device).lower()
-        name = next((n for n in ("h200", "h100", "a100", "v100") if n in gpu), "h100")
-    return get_cost_model(name or "cpu")
 
 
 # keys of the 'plugins' section that are not policies
@@ -248,10 +222,10 @@ class Runtime:
             self._far, self.stats.saved, self.residency.evict_early, self.store.sole_owner,
             # prefetch pays where copies overlap compute (CUDA side streams); on the simulated CPU device it
             # is a synchronous regeneration done early, memory spent for nothing
-            self._prefetch_one if self.device.type == "cuda" else None)
+            self._prefetch_one if self.device.type == "cuda" else None, self.store.claim)
         self._registrable = self.store.registrable  # the allocator's order without a plan (runtime.device)
         self.plan_recomputes: set[Any] = set()      # program nodes a followed plan recomputes (steady state)
-        self.program: StepProgram | None = None
+        self.programs = ProgramSet()  # recorded programs by input signature (runtime.programs)
         self._program_rec: ProgramRecorder | None = None
         self._steady: SteadyStep | None = None
         self._packfn: Any = self._pack
@@ -259,7 +233,6 @@ class Runtime:
         self._registered_before = 0
         self._refused_before = 0
         self._rescues_before: dict[str, int] = {}
-        self._divergences = 0
         self._calls = 0                      # module calls in this step (random ops' states are read at them)
         self._last_random_call = -1          # the module call after which the last random op ran
         self._module: torch.nn.Module | None = None
@@ -268,6 +241,11 @@ class Runtime:
             self.recorder.on_random = self._random_recorded
         self.mode_on = False  # the dispatch mode is entered (off during steady-state steps)
         self.survey_error: torch.OutOfMemoryError | None = None  # set by uninstall (runtime.survey)
+
+    @property
+    def program(self) -> StepProgram | None:
+        """The program the next step starts with (the one recorded or followed last)."""
+        return self.programs.last
 
     def _op_peak(self) -> tuple[Any, Any]:
         """(start, read): ``read(start())`` after an op is the bytes at its peak (a surveyed step measures each
@@ -337,6 +315,7 @@ class Runtime:
             self.meter.on_pressure = self.residency.relieve_oom  # allocation failure: evict, retry
             if self.budget is not None and self.cfg.extra.get("cuda_cap", False):
                 self.meter.budget_bytes = self.budget
+                self._saved_alloc = SavedAllocator.now(self.device)
                 self.meter.apply_cuda_cap()
         self.mode.__enter__()
         self.mode_on = True
@@ -396,8 +375,7 @@ class Runtime:
         self._hooks = None
         self.mode = None
         self.mode_on = False
-        if self.program is not None:
-            self.program.unbind()  # no tensor of the last step stays reachable from a disabled runtime
+        self.programs.unbind()  # no tensor of the last step stays reachable from a disabled runtime
         self._module = None
         self._steady = None
         self._packfn = self._pack
@@ -405,7 +383,8 @@ class Runtime:
         if self.native is not None:
             self.native.uninstall()
         elif self.device.type == "cuda" and self.cfg.extra.get("cuda_cap", False):
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            if cuda_usable():
+                self._saved_alloc.restore()
 
     # ---- steps ---------------------------------------------------------------------------------
     def _module_called(self, module: torch.nn.Module) -> None:
@@ -423,7 +402,15 @@ class Runtime:
         if self._calls == 1 and self._root_hook is None:
             self._watch_inputs(module)
         steady = self._steady
-        if steady is not None and self._calls in steady.program.random_at and not steady.off:
+        if steady is None:
+            return
+        if steady.off:
+            if not self.mode_on and _get_current_dispatch_mode() is None:
+                # the step left its program part-way: the dispatch mode takes the rest of it over from this
+                # module call, evicting as the budget needs (the allocator alone frees only what is registered)
+                self.mode.__enter__()
+                self.mode_on = True
+        elif self._calls in steady.program.random_at:
             why = steady.program.module_called(self._calls, module, self._rng_now)
             if why:
                 steady.leave(why)
@@ -451,14 +438,39 @@ class Runtime:
                 st = storage_of(t) if t.device == self.device else None
                 if st is not None:
                     count(st)
-        if self._program_rec is not None:
-            self._program_rec.step_inputs(tensors)
         steady = self._steady
         if steady is not None and not steady.off:
             why = steady.program.bind_inputs(tensors)
-            if why:
+            if why and steady.k == 0:
+                self._restart_step(steady, tensors)  # no op has run: follow their program, or record one
+            elif why:
                 steady.leave(why)
+        if self._program_rec is not None:
+            self._program_rec.step_inputs(tensors)
 
+    def _restart_step(self, steady: SteadyStep, tensors: list[torch.Tensor]) -> None:
+        """The step's inputs differ from those of the program it started with (another sequence length or
+        batch): follow the program recorded for their signature, or run this step under the dispatch mode and
+        record one. Called at the step's first module call, before any of its ops."""
+        steady.program.unbind()
+        prog = self.programs.get(signature_of((t.shape, t.dtype) for t in tensors))
+        if prog is not None:
+            prog.start_step()
+            prog.bind_inputs(tensors)
+            self._steady = SteadyStep(prog, self._steady_parts)
+            self._packfn = self._steady
+            if 1 in prog.random_at and self._module is not None:  # the random ops after this very call
+                why = prog.module_called(1, self._module, self._rng_now)
+                if why:
+                    self._steady.leave(why)
+            return
+        self._steady = None
+        self.mode.__enter__()
+        self.mode_on = True
+        if self.programs.may_record(self.steps.steps):
+            self._begin_recording()
+        else:
+            self._packfn = self._pack
     def _rng_now(self) -> Any:
         return rng_state(self.device)
 
@@ -470,9 +482,13 @@ class Runtime:
             self._program_rec.random_at(rec, self._calls if first else 0, self._module)
 
     def _pack_hook(self, t: torch.Tensor) -> Any:
+        if capturing():  # CUDA graph capture: kept as it is (no eviction, pinned allocation, event or RNG read)
+            return self.store.keep(t)
         return self._packfn(t)
 
     def _unpack_hook(self, h: Any) -> torch.Tensor:
+        if capturing():  # kept during capture: no steady-state bookkeeping, no eviction for room
+            return self.store.unpack(h)
         steady = self._steady
         if steady is not None:
             if not self.steps.in_backward:
@@ -483,8 +499,7 @@ class Runtime:
                 self._steady_after()
             steady.unpacked(h)
             t = self.store.unpack(h)
-            if self.store.pending:
-                self._steady_after()  # what this read rebuilt: the allocator may free it for the op reading it
+            self._steady_after()  # what this read rebuilt may be freed for the op reading it; room for that op
             return t
         if self._program_rec is not None and type(h) is Saved:
             self._program_rec.read(h.entry)
@@ -501,7 +516,7 @@ class Runtime:
     def _choose_step(self) -> None:
         """Before a step starts: steady state if a program is ready and the dispatch mode can be left
         (nothing entered above it), else the dispatch mode, recording a program."""
-        prog, mode = self.program, self.mode
+        prog, mode = self.programs.last, self.mode
         if mode is None:
             return
         follower = self.follower
@@ -523,7 +538,7 @@ class Runtime:
         self._steady = None
         # The first step is not recorded: the optimizer's state appears after it, so later steps hold more.
         # (With a plan, the first step verifies it: the step after, which follows it, is recorded.)
-        if self._divergences < 3 and self.steps.steps >= 1 and not verifying:
+        if self.steps.steps >= 1 and not verifying and self.programs.may_record(self.steps.steps):
             self._program_rec = ProgramRecorder()
             self._packfn = self._pack_recording
         else:
@@ -547,22 +562,30 @@ class Runtime:
         return self.budget is None or self.budget - self.meter.current_bytes >= self.budget // 2
 
     def _steady_after(self) -> None:
-        store = self.store
-        if not store.pending or self.budget is None:
+        """After each save and read of a steady step: what the dispatch mode does before each op, per saved
+        tensor. A step whose recording came near the budget registers each entry as it is made (the allocator
+        frees it at allocation time); and the most new bytes an op of the recorded step needed stay free, by
+        eviction where the allocator alone could not free them (an op's own allocations cannot be retried
+        without the dispatch mode)."""
+        budget = self.budget
+        if budget is None:
             return
         steady = self._steady
-        # A step whose recording came near the budget registers each entry as it is made: the dispatch mode
-        # registers before each op that nears the budget (mode._cap), and no op is seen here.
-        if (steady is not None and steady.program.pressure) \
-                or self.budget - self.meter.current_bytes < self.budget // REGISTER_BELOW:
+        store = self.store
+        free = budget - self.meter.current_bytes
+        if store.pending and ((steady is not None and steady.program.pressure) or free < budget // REGISTER_BELOW):
             store.register_pending()
+        room = steady.program.headroom if steady is not None else 0
+        if free < room:
+            self.residency.relieve(room - free)
 
     def _diverged(self, why: str) -> None:
-        self._divergences += 1
-        self.program = None
+        steady = self._steady
+        resume = self.programs.left(steady.program if steady is not None else None, self.steps.steps + 1)
         self.stats.note(f"steady state left at step {self.steps.steps + 1}: {why}; the dispatch mode runs "
-                        f"again from the next step" + ("" if self._divergences < 3 else
-                                                       " (and stays: the steps keep changing)"))
+                        f"again from the next step" + ("" if not resume else
+                                                       f" (the steps keep changing: recording again at step "
+                                                       f"{resume + 1})"))
         if self.follower is not None and self.follower.state == "following":
             self.stats.plan_note = (f"{_first_clause(self.stats.plan_note)}; steady state left at step "
                                     f"{self.steps.steps + 1} ({why}): the dispatch mode follows the plan again")
@@ -581,7 +604,13 @@ class Runtime:
             self.stats.note(f"steady state: not used ({why})")
             return
         prog.stages, prog.pressure = stages, pressure
-        self.program = prog
+        if self.mode is not None:
+            prog.headroom = self.mode.most_new + self.residency.reserve
+        for old in self.programs.add(prog):
+            old.unbind()
+        if len(self.programs) > 1:
+            self.stats.note("steady state: one program per input shape (a new shape costs one step under the "
+                            "dispatch mode, recorded)")
         if prog.offload:
             by = {n: sum(1 for p in prog.offload.values() if p == n) for n in sorted(set(prog.offload.values()))}
             self.stats.note(f"steady state from step {self.steps.steps + 1}: "
@@ -590,7 +619,7 @@ class Runtime:
                             + ("; swap-ins prefetched in the recorded read order" if "swap" in by
                                and self._steady_parts.prefetch is not None else ""))
         if self.recorder is not None:
-            self.recorder.keep = prog.keep
+            self.recorder.keep = self.programs.keep()
         follower = self.follower
         if follower is not None and follower.state == "following":
             # what the plan recomputes goes first when the allocator frees; the rest after it, so that real
@@ -606,8 +635,6 @@ class Runtime:
             return "the step saved nothing"
         if not self.steps.modules:
             return "steps start at module calls only"
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return "distributed training keeps the dispatch mode"
         refused = self._refusals() - self._refused_before
         rescues = {n: c - self._rescues_before.get(n, 0) for n, c in self.residency.rescues.items()}
         # what swap or compress evicted to make room is evicted as it is saved in the steady state; what
@@ -664,15 +691,26 @@ class Runtime:
         self.residency.forget_offers()
         if self.follower is not None:
             self.follower.step_started()
-        rec = self._program_rec
-        if rec is not None:
-            self._evicted_before = {n: p.evicted for n, p in self.stats.policies.items()}
-            self._registered_before = self.store.registrations
-            self._refused_before = self._refusals()
-            self._rescues_before = dict(self.residency.rescues)
-            self.residency.on_evicted = rec.evicted_entry
+        if self._program_rec is not None:
+            self._count_from_here(self._program_rec)
         else:
             self.residency.on_evicted = None
+
+    def _begin_recording(self) -> None:
+        """Record this step's program (the step has started; none of its ops has run)."""
+        self._program_rec = ProgramRecorder()
+        self._packfn = self._pack_recording
+        self._count_from_here(self._program_rec)
+
+    def _count_from_here(self, rec: ProgramRecorder) -> None:
+        """What the recorded step evicts, registers and is refused is counted from here."""
+        self._evicted_before = {n: p.evicted for n, p in self.stats.policies.items()}
+        self._registered_before = self.store.registrations
+        self._refused_before = self._refusals()
+        self._rescues_before = dict(self.residency.rescues)
+        self.residency.on_evicted = rec.evicted_entry
+        if self.mode is not None:
+            self.mode.most_new = 0
 
     def _step_ended(self, stages: int) -> None:
         self._module = None
@@ -685,9 +723,13 @@ class Runtime:
             self._packfn = self._pack
             stages = steady.program.stages
             self.stats.steady_steps += 1
-            if self.program is not None and not steady.complete:
+            if steady.complete:
+                self.programs.followed()
+            elif not steady.off:
+                self._steady = steady  # _diverged reads the program the step left
                 self._diverged(f"the step saved {steady.k} tensors where the recorded step saved "
                                f"{len(steady.saves)}")
+                self._steady = None
         elif self._program_rec is not None:
             self._finish_program(stages)
         self.store.drain()

@@ -214,6 +214,13 @@ class CpuAllocatorMeter:
             raise RuntimeError("hybridmem's native library was built without CUDA: " + (_CUDA_NOTE or ""))
         self._lib.hm_cuda_set_budget(int(device), -1 if budget is None else int(budget), int(headroom))
 
+    def cuda_need(self, reserved: int, budget: int | None, headroom: int, slack: int | None = None) -> int:
+        """The bytes the CUDA callback frees on a cache miss with ``reserved`` bytes reserved (the same C
+        function; no CUDA needed): those by which ``reserved + slack`` passes ``budget - headroom``, else 0.
+        ``slack``: the expandable-segment page rounding the callback allows for (default: its own)."""
+        s = int(self._lib.hm_cuda_slack()) if slack is None else int(slack)
+        return int(self._lib.hm_cuda_need(int(reserved), s, -1 if budget is None else int(budget), int(headroom)))
+
     @property
     def cuda_registered(self) -> bool:
         """True when c10's CUDA free-memory callback registry holds hybridmem's callback."""
@@ -448,6 +455,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("hm_reg_add", i32, [i64, ctypes.c_size_t, i64, ctypes.c_double]),
         ("hm_reg_claim", i32, [i64]), ("hm_reg_drain", i64, [ctypes.POINTER(i64), i64]),
         ("hm_reg_pending", i64, []), ("hm_after_fork_child", None, []), ("hm_cuda_hook", i32, []),
+        ("hm_cuda_need", i64, [i64, i64, i64, i64]), ("hm_cuda_slack", i64, []),
     ]:
         fn = getattr(lib, name)
         fn.restype = res

@@ -17,6 +17,14 @@ new bytes; the allocator catches what no estimate saw. On CUDA, where the native
 against CUDA, the same registry answers the caching allocator's free-memory callback (a cache miss
 before ``cudaMalloc``) and ``torch.cuda.set_per_process_memory_fraction`` is the backstop; elsewhere the
 CUDA budget is enforced at op boundaries and by that backstop only, which ``stats().notes`` says.
+
+On CUDA the device changes the caching allocator's process-wide settings (expandable segments, the
+memory fraction) and puts them back as they were at uninstall (:class:`~.allocconf.SavedAllocator`). The
+callback frees down to the budget less a headroom of at least two expandable-segment roundings plus the
+workspace room, and the dispatch mode keeps as much free at each op (``Residency.reserve``; a quarter of
+the budget at most): the fraction cap is checked on reserved bytes with that rounding added, and a miss
+past it makes the allocator release its whole cache (a device synchronisation). A forked child of a CUDA-initialised
+process (a DataLoader worker) cannot call CUDA: its release leaves the allocator alone.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .allocconf import EXPANDABLE_SLACK, SavedAllocator
 from .cpumeter import cuda_note, load, unavailable_reason
 from .entry import Entry
 from .meter import cap_cuda
@@ -32,6 +41,21 @@ if TYPE_CHECKING:
     from .core import Runtime
 
 NOTE_CPU = "budget: the CPU allocator's bytes (native device: kernel scratch counted, enforced at allocation time)"
+NOTE_PEAK = ("peak: torch.cuda.max_memory_allocated is left as it was at enable (it held a peak from before): "
+             "stats().peak_bytes reads it, an upper bound, until hybridmem.reset_stats()")
+
+
+def cuda_usable() -> bool:
+    """False in a forked child of a CUDA-initialised process, where any CUDA call raises."""
+    return not torch.cuda._is_in_bad_fork()
+
+
+def cuda_headroom(rt: "Runtime") -> int:
+    """Room the free-memory callback keeps under the budget: the workspace room plus the larger of the
+    slack and two expandable-segment roundings (a miss checks reserved bytes plus one rounding against the
+    fraction cap; the request itself may need another)."""
+    res = rt.residency
+    return res.workspace + max(res.slack, 2 * EXPANDABLE_SLACK)
 
 
 class NativeDevice:
@@ -41,15 +65,28 @@ class NativeDevice:
         self.native = native
         self.rt = rt
         self.cuda = rt.device.type == "cuda"
+        self.saved: SavedAllocator | None = None  # the allocator's settings before install (CUDA)
+        self._installed = False                     # installed before (a session's outer runtime, again)
 
     def install(self) -> None:
         rt, native = self.rt, self.native
         if self.cuda:
-            # a cache miss frees down to the budget less this: the slack, and the room kept for a workspace
-            # (the miss may be one: the hook does not see the request's size)
-            native.set_cuda_budget(rt.device.index or 0, rt.budget, rt.residency.slack + rt.residency.workspace)
+            # a cache miss frees down to the budget less this (the miss may be a workspace: the hook does not
+            # see the request's size)
+            native.set_cuda_budget(rt.device.index or 0, rt.budget, cuda_headroom(rt))
+            # and so does the dispatch mode at each op (a quarter of the budget at most: a tiny budget still runs)
+            res = rt.residency
+            res.reserve = max(res.reserve, min(res.workspace + 2 * EXPANDABLE_SLACK, rt.budget // 4))
+            self.saved = SavedAllocator.now(rt.device)
             # The backstop: the caching allocator itself refuses memory past the budget (reserved bytes).
             rt.stats.note(cap_cuda(rt.device, rt.budget, rt.cfg.extra.get("expandable", True)))
+            counters = rt.meter.cuda
+            if not self._installed and counters is not None and counters.peak() > counters.allocated():
+                # enable() leaves the user's reading alone (the meter's next reset_peak is the runtime's own);
+                # a later reset_stats() resets it, as asked
+                rt.meter.keep_allocator_peak = True
+                rt.stats.note(NOTE_PEAK)
+            self._installed = True
         else:
             native.install()
             rt.meter.attach_native(native)
@@ -68,9 +105,10 @@ class NativeDevice:
             idx = rt.device.index or 0
             if lifted:
                 native.set_cuda_budget(idx, None)
-                torch.cuda.set_per_process_memory_fraction(1.0, rt.device)
+                # uncapped means as the user capped it (their own fraction), not past it
+                torch.cuda.set_per_process_memory_fraction(self.saved.fraction if self.saved else 1.0, rt.device)
             else:
-                native.set_cuda_budget(idx, rt.budget, rt.residency.slack + rt.residency.workspace)
+                native.set_cuda_budget(idx, rt.budget, cuda_headroom(rt))
                 cap_cuda(rt.device, rt.budget, rt.cfg.extra.get("expandable", True))
         else:
             native.set_budget(None if lifted else rt.budget)
@@ -88,7 +126,10 @@ class NativeDevice:
         rt.fsdp_sync.on_gather = None
         if self.cuda:
             native.set_cuda_budget(rt.device.index or 0, None)
-            torch.cuda.set_per_process_memory_fraction(1.0, rt.device)
+            rt.meter.keep_allocator_peak = False
+            saved, self.saved = self.saved, None
+            if saved is not None and cuda_usable():  # a forked child has no CUDA to restore (and cannot call it)
+                saved.restore()
         else:
             native.set_budget(None)
             rt.store.count_external = None

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 MAX_OPS_PER_NODE = 64   # a storage written in place more often than this (an accumulator) is not replayed
-PRUNE_AFTER = 200_000   # nodes recorded without a step end (forward passes without backward) before pruning
 
 
 _new, _set = object.__new__, object.__setattr__
@@ -429,11 +428,6 @@ class Recorder:
             if node is not None and not node.stale and node.entry is None:
                 node.ops = [_barrier(_INPUT)]
                 node._deps = node._checks = node.ok_memo = None
-
-    def maybe_prune(self) -> None:
-        """Bound lineage kept by forward passes that never reach a backward pass (grad-mode eval)."""
-        if len(self._step_nodes) > PRUNE_AFTER:
-            self._prune()
 
     def _prune(self) -> None:
         nodes, self._step_nodes = self._step_nodes, []

@@ -5,7 +5,8 @@
     m.peak_bytes
 
 **CUDA.** ``current_bytes`` is the caching allocator's allocated bytes (``torch.cuda.memory_allocated``),
-``peak_bytes`` their peak (``max_memory_allocated``; reset by ``reset_peak()`` and on entering the meter),
+``peak_bytes`` their peak (``max_memory_allocated``; reset by ``reset_peak()`` and on entering the meter,
+except once after ``keep_allocator_peak`` is set: the runtime's enable leaves the user's reading alone),
 both read in C where hybridmem's native library has its CUDA hook (:mod:`.counters`). To make
 the budget a real cap, call :meth:`Meter.apply_cuda_cap` (the caching allocator then raises
 ``torch.OutOfMemoryError`` beyond it). Allocation failures reach the runtime in two ways: every op
@@ -143,6 +144,8 @@ class Meter:
         self._peak = 0
         self._relieving = False
         self.oom_retries = 0  # allocator refusals caught and retried (retry_oom, the mode's ops)
+        # CUDA: the next reset_peak leaves torch's max_memory_allocated as it is (the user's reading)
+        self.keep_allocator_peak = False
         self._mode: MeterMode | None = None
         self.native: Any = None                  # the native allocator device while attached
         self._frozen: tuple[int, int] | None = None  # its (peak, current) when detached
@@ -208,6 +211,8 @@ class Meter:
             self._frozen = (self._frozen[1], self._frozen[1])
         if self.simulated:
             self._peak = self._current
+        elif self.keep_allocator_peak:
+            self.keep_allocator_peak = False
         else:
             torch.cuda.reset_peak_memory_stats(self.device)
 

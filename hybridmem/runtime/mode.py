@@ -86,6 +86,7 @@ class RuntimeMode(MeterMode):
         self.stats = rt.stats
         self.clock = rt.clock
         self._stage = -1
+        self.most_new = 0       # the most new bytes an op was estimated to need (since the runtime reset it)
         # below this headroom, new saved activations are registered with the native allocator device
         self._register_below = (self.budget or 0) // REGISTER_BELOW
         self._facts: OpFacts | None = None
@@ -367,6 +368,8 @@ class RuntimeMode(MeterMode):
         if headroom < self._register_below and self.store.pending:
             self.store.register_pending()  # near the budget: let the allocator free what recompute rebuilds
         est = self.estimator.estimate(stage, func, args, kwargs, headroom, self.budget)
+        if est > self.most_new:
+            self.most_new = est
         if est + self.residency.reserve > headroom:
             self.residency.make_room(est, f"op {f.name}")
 

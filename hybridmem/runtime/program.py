@@ -212,8 +212,17 @@ class ProgramRecorder:
         elif got is not None and got[1]() is storage:  # saved by the step: bound again at that pack
             s = self.saves[got[0]]
             s.rebind.append((r, _delta(r, s.root_version)))
+        elif _no_elements(r):
+            # an empty tensor (an empty key/value cache that torch.cat extends): any empty tensor of its dtype
+            # stands for it in every step; the recorded step's own is not held
+            r.alias, r.version = torch.empty(0, dtype=r.view.dtype, device=r.alias.device), -1
         else:
             temporaries.append(r)  # a temporary of the recorded step: nothing in a later step stands for it
+
+
+def _no_elements(r: FixedRef) -> bool:
+    """Whether the recorded op read no element through ``r`` (an empty view)."""
+    return any(n == 0 for n in r.view.size)
 
 
 def _explicit_generator(rec: Any) -> bool:
@@ -268,6 +277,7 @@ class StepProgram:
         self.temporaries = temporaries  # references to tensors no later step has
         self.stages = 0                 # stage ops the recorded step counted (reported for steady-state steps)
         self.pressure = False           # the recorded step came near its budget
+        self.headroom = 0               # bytes kept free after each save and read (the most an op needed)
         # per tensor argument of the step's first module call: the references bound to it, and its signature
         self.inputs: list[list[tuple[FixedRef, int]]] = []
         self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []

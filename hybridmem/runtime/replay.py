@@ -10,7 +10,8 @@ with the state saved before them (:mod:`.rng`); arguments an op writes besides t
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -163,6 +164,9 @@ class Replayer:
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # once for the chain, not per op
         try:
+            if torch._C._is_any_autocast_enabled():
+                with _no_autocast():
+                    return self._materialize(node, version, held)
             return self._materialize(node, version, held)
         finally:
             torch._C._set_grad_enabled(grad)
@@ -383,3 +387,34 @@ def _device_of(args: list[Any]) -> torch.device:
         if isinstance(a, Tensor):
             return a.device
     return torch.device("cpu")
+
+
+@contextmanager
+def _no_autocast() -> Iterator[None]:
+    """Autocast off on every device type for a replay. Recorded ops are the ones autocast already cast
+    (the dispatch mode sees them below the autocast key); the state at unpack (a ``backward()`` inside
+    ``torch.autocast``) would cast them again: an fp32 op of an ``autocast(enabled=False)`` block would
+    replay in bf16, into a storage sized for fp32."""
+    on = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+    for d in on:
+        torch.set_autocast_enabled(d, False)
+    try:
+        yield
+    finally:
+        for d in on:
+            torch.set_autocast_enabled(d, True)
+
+
+def _autocast_devices() -> tuple[str, ...]:
+    """The device types this torch has an autocast state for."""
+    out = []
+    for d in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "privateuseone"):
+        try:
+            torch.is_autocast_enabled(d)
+        except (RuntimeError, ValueError, TypeError):
+            continue
+        out.append(d)
+    return tuple(out)
+
+
+_AUTOCAST_DEVICES = _autocast_devices()

@@ -25,7 +25,7 @@ from hybridmem.plugins.base import EvictionDeclined, Policy
 from .entry import Entry
 from .meter import Meter
 from ..graph.units import fmt_bytes
-from .scorer import select_victims
+from ..scorer import select_victims
 from .saved import SavedStore
 from .stats import StatsRecorder
 from .survey import Survey

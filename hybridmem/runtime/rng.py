@@ -2,6 +2,11 @@
 
 A replay runs with the state its op drew from and puts the training run's state back afterwards, so
 recomputing never moves the program's random stream.
+
+During CUDA graph capture the CUDA generator's state cannot be read (``get_rng_state`` raises; the
+captured graph draws from offsets it advances at replay): :func:`rng_state` records :data:`CAPTURED` for it
+instead, and a replay of such an op refuses to run. The runtime keeps every tensor saved during capture
+(:mod:`.capture`), so none is ever recomputed.
 """
 from __future__ import annotations
 
@@ -9,7 +14,10 @@ from typing import Any
 
 import torch
 
+from .capture import capturing
+
 Tensor = torch.Tensor
+CAPTURED = b""  # the CUDA state of an op recorded during graph capture: unknown, not replayable
 
 
 class RngBefore:
@@ -22,8 +30,14 @@ class RngBefore:
 
 
 def rng_state(device: torch.device) -> tuple[bytes, bytes | None]:
-    """The default generators' states an RNG op on ``device`` draws from (CPU, and CUDA if used)."""
-    cuda = host_state(torch.cuda.get_rng_state(device)) if device.type == "cuda" else None
+    """The default generators' states an RNG op on ``device`` draws from (CPU, and CUDA if used; during graph
+    capture :data:`CAPTURED`)."""
+    if device.type != "cuda":
+        cuda = None
+    elif capturing():
+        cuda = CAPTURED
+    else:
+        cuda = host_state(torch.cuda.get_rng_state(device))
     return host_state(torch.get_rng_state()), cuda
 
 
@@ -46,6 +60,12 @@ class _ForkedRNG:
         self.state, self.device = state, device
 
     def __enter__(self) -> "_ForkedRNG":
+        if self.state[1] == CAPTURED:
+            raise RuntimeError("hybridmem: a random op recorded during CUDA graph capture cannot be replayed "
+                               "(its generator state was not readable); tensors saved during capture are kept")
+        if capturing():
+            raise RuntimeError("hybridmem: a random op cannot be replayed during CUDA graph capture (the "
+                               "generator's state cannot be set there)")
         self.saved = rng_state(self.device)
         self.rewind()
         return self

@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 
 from .program import StepProgram, _bind
+from ..errors import StepDivergedError
 from .saved import Saved
 
 Tensor = torch.Tensor
@@ -65,6 +66,7 @@ class SteadyParts:
     offload: Callable[[Any, str], bool]              # evict an entry now by the named policy
     sole_owner: Callable[[Any], bool]                # only the runtime references the entry's storage
     prefetch: Callable[[Any], bool] | None           # start regenerating an evicted entry (False: no room)
+    claim: Callable[[Any], bool]                     # SavedStore.claim: take an entry back from the allocator
 
 
 class SteadyStep:
@@ -82,6 +84,7 @@ class SteadyStep:
         self.offload = program.offload
         self.entries: dict[int, Any] = {}  # save ordinal -> its entry, for the saves evicted at pack
         self.ordinal_of: dict[int, int] = {}  # entry uid -> its save ordinal
+        self.bound: list[Any] = []        # entries this step bound to program nodes, in pack order
         self.deferred: list[tuple[int, Any]] = []  # compressions waiting for the step to drop the tensor
         self.again: Any = None            # the entry read last, to evict again at the next read
         self.held: list[Any] = []         # entries evicted at pack whose tensor the step may still write
@@ -128,6 +131,7 @@ class SteadyStep:
             if type(h) is Saved:
                 e = h.entry
                 self.ordinal_of[e.uid] = k
+                self.bound.append(e)
                 if policy == "compress":
                     self.deferred.append((k, e))
                 elif policy is not None and parts.offload(e, policy):
@@ -177,9 +181,38 @@ class SteadyStep:
         return self.parts.store_pack(t)
 
     def leave(self, why: str) -> None:
-        """The step left the program: the rest of it keeps what it saves."""
+        """The step left the program: the rest of it keeps what it saves. What it bound to program nodes
+        so far was matched by its saves' signatures alone, and a step whose ops differ may have bound a
+        tensor to a node that did not produce it: none of them is rebuilt from the program (see
+        :meth:`_unbind`)."""
         self.off = True
+        lost = self._unbind()
         self.parts.diverged(why)
+        if lost:
+            raise StepDivergedError(
+                f"hybridmem: a steady-state step left its recorded program ({why}) after the allocator had "
+                f"freed {lost} tensor(s) matched to the program by their saves; rebuilt from the recorded ops "
+                "they could differ, so this step stops instead of computing gradients from them. The next "
+                "step records the ops anew; a model whose ops change within a step with the same inputs "
+                "(a branch on the data) trains exactly with plugins: {steady: false}.")
+
+    def _unbind(self) -> int:
+        """Take the entries this step bound to program nodes back from the allocator and off their nodes:
+        they stay as they are (no recompute). Returns how many the allocator had freed already."""
+        lost = 0
+        for e in self.bound:
+            if e.tensor is None:
+                lost += e.policy in (None, "recompute")  # a swapped or compressed copy is still exact
+                continue
+            if not self.parts.claim(e):
+                lost += 1
+                continue
+            node = e.lineage
+            if node is not None and node.entry is e:
+                node.entry = node.storage = None
+            e.lineage = None
+        self.bound.clear()
+        return lost
 
     @property
     def complete(self) -> bool:

@@ -80,6 +80,7 @@ def budget_run(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., to
             floor = getattr(e, "min_budget_bytes", 0)
             assert floor > budget, f"an OOM at {budget} must name a larger minimum: {e}"
             budget = math.ceil(floor * 1.01)
+        gc.collect()  # the failed try's step (a user retries in a new process)
     raise AssertionError("no feasible budget in 6 tries")
 
 

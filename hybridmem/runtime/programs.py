@@ -1,0 +1,98 @@
+"""The step programs a runtime follows, one per input signature.
+
+A transformer fine-tuned with per-batch padding runs the same ops at a new sequence length each batch,
+and the last batch of an epoch is shorter: each signature (the shapes and dtypes of the tensor arguments
+of the step's first module call) gets its own recorded program. A step whose inputs have a signature
+with a program follows it from its first op; one with a new signature runs under the dispatch mode and
+records one. A step that leaves its program part-way (its saves differ from the recorded ones) costs
+that program and one recording; only a run of such steps backs recording off, never for good.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable
+
+import torch
+
+from .program import StepProgram
+
+Signature = tuple[tuple[torch.Size, torch.dtype], ...]
+
+PROGRAMS_KEPT = 32     # signatures kept, least recently followed dropped first (each holds no tensor)
+STREAK_BACKOFF = 3     # steps in a row that left their program before recording backs off
+MAX_BACKOFF = 64       # the most steps a backed-off runtime goes without recording
+
+
+def signature_of(shapes: Iterable[tuple[torch.Size, torch.dtype]]) -> Signature:
+    return tuple((torch.Size(s), d) for s, d in shapes)
+
+
+class ProgramSet:
+    """Recorded programs by signature, and when to record another."""
+
+    def __init__(self, limit: int = PROGRAMS_KEPT):
+        self.limit = limit
+        self.by_signature: OrderedDict[Signature, StepProgram] = OrderedDict()
+        self.last: StepProgram | None = None   # the program a step starts with, before its inputs are seen
+        self.streak = 0                        # steps in a row that left their program part-way
+        self.resume_at = 0                     # after such a streak: the step from which recording resumes
+        self.recorded = 0                      # programs recorded since enable()
+
+    def __len__(self) -> int:
+        return len(self.by_signature)
+
+    def get(self, sig: Signature) -> StepProgram | None:
+        prog = self.by_signature.get(sig)
+        if prog is not None:
+            self.by_signature.move_to_end(sig)
+            self.last = prog
+        return prog
+
+    def add(self, prog: StepProgram) -> list[StepProgram]:
+        """Keep ``prog`` for its signature; returns the programs it displaced (to unbind)."""
+        sig = signature_of(prog.input_shapes)
+        dropped = [old] if (old := self.by_signature.pop(sig, None)) is not None else []
+        self.by_signature[sig] = prog
+        while len(self.by_signature) > self.limit:
+            dropped.append(self.by_signature.popitem(last=False)[1])
+        self.last = prog
+        self.recorded += 1
+        return dropped
+
+    def left(self, prog: StepProgram | None, step: int) -> int:
+        """A step left ``prog`` part-way: forget it. Returns the step recording resumes at (0: the next)."""
+        if prog is not None:
+            sig = signature_of(prog.input_shapes)
+            if self.by_signature.get(sig) is prog:
+                del self.by_signature[sig]
+        if self.last is prog:
+            self.last = next(reversed(self.by_signature.values()), None)
+        self.streak += 1
+        if self.streak < STREAK_BACKOFF:
+            return 0
+        self.resume_at = step + min(2 ** (self.streak - STREAK_BACKOFF + 1), MAX_BACKOFF)
+        return self.resume_at
+
+    def followed(self) -> None:
+        """A step followed its program to the end."""
+        self.streak = 0
+
+    def may_record(self, step: int) -> bool:
+        return self.streak < STREAK_BACKOFF or step >= self.resume_at
+
+    def keep(self) -> set[int]:
+        """Ids of the nodes every kept program may replay (the recorder keeps their ops at step ends)."""
+        out: set[int] = set()
+        for prog in self.by_signature.values():
+            out |= prog.keep
+        return out
+
+    def unbind(self) -> None:
+        for prog in self.by_signature.values():
+            prog.unbind()
+
+    def clear(self) -> list[StepProgram]:
+        out = list(self.by_signature.values())
+        self.by_signature.clear()
+        self.last = None
+        return out

@@ -1,0 +1,139 @@
+"""The import layers: graph/, solvers/, plugins/ and compile/ stand below the runtime, and no new import
+cycle comes in. Read from the source (ast), every import counted: top-level, inside functions, and the
+type-only ones under ``TYPE_CHECKING`` (a type-only back-edge is a cycle waiting for its first real import)."""
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# package -> its folder in the checkout (pyproject's package-dir)
+PACKAGES = {"hybridmem": ROOT / "hybridmem", "hybridmem.solvers": ROOT / "solvers",
+            "hybridmem.plugins": ROOT / "plugins", "hybridmem.bench": ROOT / "bench"}
+RUNTIME = "hybridmem.runtime"
+BELOW_RUNTIME = ("hybridmem.graph", "hybridmem.solvers", "hybridmem.plugins", "hybridmem.compile")
+
+# Runtime modules a lower layer may still import. The list may only shrink.
+ALLOWED_RUNTIME_IMPORTS = {
+    # the leaf meter that measured peaks read
+    ("hybridmem.compile.measured", "hybridmem.runtime.meter"),
+    # the native CPU meter stays in runtime/ until it moves below it (hybridmem/native/)
+    ("hybridmem.compile.backend", "hybridmem.runtime.cpumeter"),
+    ("hybridmem.compile.measured", "hybridmem.runtime.cpumeter"),
+    ("hybridmem.graph.capture", "hybridmem.runtime.cpumeter"),
+    # a torch-only leaf (is a CUDA graph being captured), to move below the runtime with it
+    ("hybridmem.plugins.swap", "hybridmem.runtime.capture"),
+}
+
+# The import cycles there are, as the edges inside them (a -> b: a imports b). The list may only shrink:
+# a module that needs another's names without importing it takes them as arguments or through a protocol.
+ALLOWED_CYCLE_EDGES = {
+    # the Runtime and the pieces that hold it (type-only back-edges to core) and the package's lazy enable()
+    ("hybridmem.runtime", "hybridmem.runtime.core"),
+    ("hybridmem.runtime.core", "hybridmem.runtime"),
+    ("hybridmem.runtime.core", "hybridmem.runtime.buckets"),
+    ("hybridmem.runtime.core", "hybridmem.runtime.device"),
+    ("hybridmem.runtime.core", "hybridmem.runtime.follow"),
+    ("hybridmem.runtime.core", "hybridmem.runtime.mode"),
+    ("hybridmem.runtime.buckets", "hybridmem.runtime.follow"),
+    ("hybridmem.runtime.device", "hybridmem.runtime.core"),
+    ("hybridmem.runtime.follow", "hybridmem.runtime.core"),
+    ("hybridmem.runtime.follow", "hybridmem.runtime.mode"),
+    ("hybridmem.runtime.mode", "hybridmem.runtime.core"),
+    # the one cycle across the runtime's boundary: Stats renders its report, the report types its Stats
+    ("hybridmem.report", "hybridmem.runtime.stats"),
+    ("hybridmem.runtime.stats", "hybridmem.report"),
+}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the installed packages (bench's pytest suites are not shipped), by dotted name."""
+    out: dict[str, Path] = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if package == "hybridmem" and parts[0] in ("solvers", "plugins", "bench"):
+                continue
+            if package == "hybridmem.bench" and (parts[-1].startswith("test_") or parts[-1] == "conftest"):
+                continue
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports, anywhere in it."""
+    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(here[:len(here) - node.level + 1] + [node.module or ""]).rstrip(".") if node.level \
+                else node.module or ""
+            if base == "bench" or base.startswith("bench."):   # bench/ as the checkout names it
+                base = f"hybridmem.{base}"
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name` the module mod
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imported(name, path, known) for name, path in known.items()}
+
+
+def cycle_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """The edges inside import cycles: a -> b where b also reaches a (Tarjan's strongly connected components)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    component: dict[str, int] = {}
+    counter = itertools.count()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = next(counter)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component[w] = index[v]
+                if w == v:
+                    break
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return {(a, b) for a, targets in graph.items() for b in targets if component[a] == component[b]}
+
+
+def in_runtime(name: str) -> bool:
+    return name == RUNTIME or name.startswith(RUNTIME + ".")
+
+
+def test_lower_layers_import_nothing_from_the_runtime() -> None:
+    graph = import_graph()
+    assert "hybridmem.graph.signature" in graph and "hybridmem.solvers.baselines" in graph  # the walk sees them
+    found = {(a, b) for a, targets in graph.items() if a.startswith(BELOW_RUNTIME) for b in targets if in_runtime(b)}
+    assert found <= ALLOWED_RUNTIME_IMPORTS, sorted(found - ALLOWED_RUNTIME_IMPORTS)
+
+
+def test_no_import_cycle_outside_the_runtime() -> None:
+    edges = {e for e in cycle_edges(import_graph()) if not (in_runtime(e[0]) and in_runtime(e[1]))}
+    assert edges <= ALLOWED_CYCLE_EDGES, sorted(edges - ALLOWED_CYCLE_EDGES)
+
+
+def test_runtime_cycles_only_shrink() -> None:
+    edges = {e for e in cycle_edges(import_graph()) if in_runtime(e[0]) and in_runtime(e[1])}
+    assert edges <= ALLOWED_CYCLE_EDGES, sorted(edges - ALLOWED_CYCLE_EDGES)
