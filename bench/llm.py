@@ -326,7 +326,7 @@ def _hybridmem_figures(st: Any, res: Result) -> None:
 
 def first_line(e: BaseException) -> str:
     """``Type: first line of the message``, with the budget a hybridmem OutOfMemoryError names."""
-    msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     out = f"{type(e).__name__}: {msg}"
     named = getattr(e, "min_budget_bytes", None)
     return out + (f" (named minimum {named / 2**20:.1f} MiB)" if named else "")
@@ -349,8 +349,16 @@ def child(job: dict[str, Any]) -> None:
         res.status, res.error = "unavailable", str(e)
     except BaseException as e:  # noqa: BLE001  (the row says what ended it; the next rows still run)
         traceback.print_exception(e, file=sys.stderr)
-        res.status, res.error = "error", first_line(e)
+        res.status, res.error = "error", first_line(e) + _where(spec, res)
     Path(job["result"]).write_text(json.dumps(asdict(res)))
+
+
+def _where(spec: Spec, res: Result) -> str:
+    """The step an error stopped and its micro-batches' lengths (a new length is a new input shape)."""
+    if not res.lengths:
+        return " [before the first step]"
+    k = len(res.lengths) // spec.accum
+    return f" [in step {k} of {spec.steps}, lengths {', '.join(map(str, res.lengths[-spec.accum:]))}]"
 
 
 class Unavailable(Exception):
@@ -381,7 +389,7 @@ def run_pass(spec: Spec, row: str, measure: str, budget: int, timeout: float) ->
         except subprocess.TimeoutExpired:
             return Result(row, status="error", budget=budget, error=f"timed out after {timeout:.0f} s")
         if out.is_file():
-            res = Result(**{k: v for k, v in json.loads(out.read_text()).items()})
+            res = Result(**json.loads(out.read_text()))
         else:
             tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
             res = Result(row, status="error", budget=budget, error=f"exit status {p.returncode}: {tail[:300]}")

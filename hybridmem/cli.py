@@ -573,8 +573,7 @@ def run_summary(st: Any) -> str:
     lines.append(f"  regeneration {st.regen_seconds * 1e3:.1f} ms, stalls {st.stall_seconds * 1e3:.1f} ms in all")
     lines.append(f"  plan: {st.plan}" + (f" ({st.plan_note})" if st.plan_note else ""))
     if st.budget_bytes is not None:
-        lines.append(f"  steady state: {st.steady_steps} of {st.steps} step(s) without per-op work "
-                     "(docs/reference.md, \"Steady state\")")
+        lines.append(f"  {st.steady_summary()}")
     lines.extend(f"  note: {n}" for n in st.notes)
     return "\n".join(lines)
 

@@ -328,7 +328,10 @@ def test_benchmark_save_then_compare(tmp_path: Path) -> None:
     store = tmp_path / "store"
     base = [sys.executable, "-m", "pytest", "test_tiny_bench.py", "-q", "-p", "no:cacheprovider",
             f"--benchmark-storage={store}", "--benchmark-max-time=0.01", "--benchmark-min-rounds=3"]
-    saved = subprocess.run([*base, "--benchmark-autosave"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # a run of its own: under pytest-xdist the worker's variables would make pytest-benchmark disable itself
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
+    saved = subprocess.run([*base, "--benchmark-autosave"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env=env)
     assert saved.returncode == 0, saved.stdout + saved.stderr
     files = list(store.glob("*/0001_*.json"))
     assert len(files) == 1
@@ -340,7 +343,7 @@ def test_benchmark_save_then_compare(tmp_path: Path) -> None:
         run["benchmarks"][0]["stats"][k] /= 1000
     files[0].with_name("0002_faster.json").write_text(json.dumps(run))
     compared = subprocess.run([*base, "--benchmark-compare=0002", "--benchmark-compare-fail=mean:25%"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     out = compared.stdout + compared.stderr
     assert compared.returncode != 0 and "Performance has regressed" in out and "0002" in out, out
 

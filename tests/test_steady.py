@@ -131,6 +131,24 @@ def test_a_step_with_other_inputs_records_its_own_program_and_the_first_is_follo
     assert any("one program per input shape" in n for n in st.notes), st.notes
 
 
+def test_smaller_inputs_follow_the_program_of_larger_ones_scaled() -> None:
+    """A smaller batch follows the program recorded for a larger one (what it recomputed is swapped, nothing is
+    rebuilt from ops recorded at the other size) its first two times, and is recorded the third; a larger
+    batch than any recorded runs under the dispatch mode and is recorded. Bit for bit, within the budget."""
+    model, batch, loss_fn = _cnn()
+    batches = [batch(), batch(), batch(n=4), batch(), batch(n=4), batch(n=4), batch(), batch(n=12), batch(n=4)]
+    ref, _ = _train(model, batches, loss_fn)
+    got, st, budget, per = _budget_run(model, batches, loss_fn, cut=0.3,
+                                       policies=("swap", "recompute", "compress"))
+    assert got == ref
+    assert st.peak_bytes <= budget
+    # 1 dispatch, 2 records 8; 3 (4) scaled, 4 (8) exact, 5 (4) scaled, 6 (4) records 4, 7 (8) exact,
+    # 8 (12: larger than any) records, 9 (4) exact
+    assert [p.steady_steps for p in per] == [0, 0, 1, 2, 3, 3, 4, 4, 5], st.notes
+    assert st.programs == 3, st.notes
+    assert not any("steady state left" in n for n in st.notes), st.notes
+
+
 def test_a_step_that_leaves_its_program_part_way_says_why_and_records_again() -> None:
     """Same inputs, other saves (a branch taken on the data): the step leaves its program at the first save
     that differs and keeps what it saves from there; the next step records anew and later ones follow."""
@@ -284,3 +302,35 @@ def test_steady_state_rebuilds_each_tensor_once_per_chain_without_the_mode(monke
     assert replays, "the steady-state steps rebuilt nothing"
     assert len(replays) == len(set(replays)), "a node was replayed twice in one steady-state step"
     assert modes and not any(modes), "a steady-state rebuild ran under the runtime's dispatch mode"
+
+
+def test_leaving_after_the_allocator_freed_a_matched_tensor_raises_instead_of_rebuilding_it() -> None:
+    """A step that leaves its program part-way takes what it matched to program nodes off them (kept as they
+    are); one the allocator had already freed cannot be rebuilt from ops that may not be its own: the step
+    stops with StepDivergedError rather than train on it."""
+    from types import SimpleNamespace
+
+    from hybridmem.errors import StepDivergedError
+    from hybridmem.runtime.program import StepProgram
+    from hybridmem.runtime.steady import SteadyParts, SteadyStep
+
+    said: list[str] = []
+    claims = {1: True, 2: False}
+    parts = SteadyParts(*([None] * 4), said.append, *([None] * 6), claim=lambda e: claims[e.uid],
+                        pack_plain=None)
+    step = SteadyStep(StepProgram([], [], [], [], []), parts)
+    node = SimpleNamespace(entry=None, storage=object())
+    kept = SimpleNamespace(uid=1, tensor=torch.zeros(1), policy=None, lineage=node)
+    node.entry = kept
+    swapped = SimpleNamespace(uid=3, tensor=None, policy="swap", lineage=object())
+    step.bound = [kept, swapped]
+    step.leave("save #1 differs")
+    assert said == ["save #1 differs"] and step.off
+    assert kept.lineage is None and node.entry is None and node.storage is None  # never rebuilt from the node
+
+    freed = SimpleNamespace(uid=2, tensor=torch.zeros(1), policy=None, lineage=object())  # claim: freed
+    dropped = SimpleNamespace(uid=4, tensor=None, policy="recompute", lineage=object())
+    step2 = SteadyStep(StepProgram([], [], [], [], []), parts)
+    step2.bound = [freed, dropped]
+    with pytest.raises(StepDivergedError, match="freed 2 tensor"):
+        step2.leave("save #3 differs")

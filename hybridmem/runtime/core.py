@@ -55,6 +55,9 @@ from .steps import FORWARD, IDLE, Clock, StepTracker
 from .threads import OwnerThread, drop_hooks, leave_mode
 
 
+# A step with new input sizes follows the program of the nearest ones this many times before it is recorded
+SCALED_FOLLOWS = 2
+
 # keys of the 'plugins' section that are not policies
 RUNTIME_EXTRA = ("cost_model", "cuda_cap", "expandable", "light", "steady", "steady_cuda", "survey", "verify",
                  "workspace")
@@ -161,7 +164,7 @@ class Runtime:
         self.residency.on_budget = self._working_budget
         self.residency.state_to_come = self._state_to_come
         self.owner = OwnerThread()
-        self.fixed = FixedMarker(self.produced, self.meter, self._module_called)
+        self.fixed = FixedMarker(self.produced, self.meter, self._module_called, self.stats.optimizer_stepped)
         self.prefetcher: Prefetcher | None = None
         # Prefetching pays where copies overlap compute (CUDA side streams); on the simulated CPU
         # device a prefetch is a synchronous regeneration done early, memory spent for nothing.
@@ -222,10 +225,14 @@ class Runtime:
             self._far, self.stats.saved, self.residency.evict_early, self.store.sole_owner,
             # prefetch pays where copies overlap compute (CUDA side streams); on the simulated CPU device it
             # is a synchronous regeneration done early, memory spent for nothing
-            self._prefetch_one if self.device.type == "cuda" else None, self.store.claim)
+            self._prefetch_one if self.device.type == "cuda" else None, self.store.claim, self._pack_plain)
         self._registrable = self.store.registrable  # the allocator's order without a plan (runtime.device)
         self.plan_recomputes: set[Any] = set()      # program nodes a followed plan recomputes (steady state)
         self.programs = ProgramSet()  # recorded programs by input signature (runtime.programs)
+        self._scaled_seen: dict[Any, int] = {}  # signature -> steps that followed a program of other sizes
+        # the native CPU meter's peak window: how far the bytes rose between saves and reads of a recording
+        self._window = self.native.native if self.native is not None and self.device.type == "cpu" else None
+        self._gap_base, self._gap_most = -1, 0
         self._program_rec: ProgramRecorder | None = None
         self._steady: SteadyStep | None = None
         self._packfn: Any = self._pack
@@ -405,7 +412,8 @@ class Runtime:
         if steady is None:
             return
         if steady.off:
-            if not self.mode_on and _get_current_dispatch_mode() is None:
+            if not self.mode_on and steps.phase == FORWARD and torch._C._current_graph_task_id() == -1 \
+                    and _get_current_dispatch_mode() is None:
                 # the step left its program part-way: the dispatch mode takes the rest of it over from this
                 # module call, evicting as the budget needs (the allocator alone frees only what is registered)
                 self.mode.__enter__()
@@ -453,7 +461,13 @@ class Runtime:
         batch): follow the program recorded for their signature, or run this step under the dispatch mode and
         record one. Called at the step's first module call, before any of its ops."""
         steady.program.unbind()
-        prog = self.programs.get(signature_of((t.shape, t.dtype) for t in tensors))
+        sig = signature_of((t.shape, t.dtype) for t in tensors)
+        prog = self.programs.get(sig)
+        if prog is None and (prog := self._scaled_program(sig)) is not None:
+            prog.start_step()
+            self._steady = SteadyStep(prog, self._steady_parts, scaled=True, swap="swap" in self.policies)
+            self._packfn = self._steady
+            return
         if prog is not None:
             prog.start_step()
             prog.bind_inputs(tensors)
@@ -471,6 +485,25 @@ class Runtime:
             self._begin_recording()
         else:
             self._packfn = self._pack
+
+    def _scaled_program(self, sig: Any) -> StepProgram | None:
+        """A program recorded at larger sizes that a step of signature ``sig`` may follow (runtime.steady,
+        ``_pack_scaled``): the first ``SCALED_FOLLOWS`` times that signature comes; the next time it is
+        recorded (its own program rebuilds by recompute what a scaled step swaps)."""
+        seen = self._scaled_seen.get(sig, 0)
+        if seen >= SCALED_FOLLOWS:
+            return None
+        near = self.programs.covering(sig)
+        if near is None or (near.recomputed and "swap" not in self.policies):
+            return None  # what the recorded step recomputed could not be evicted at another size
+        if len(self._scaled_seen) >= 4096:
+            self._scaled_seen.clear()
+        self._scaled_seen[sig] = seen + 1
+        return near
+
+    def _pack_plain(self, t: torch.Tensor, st: torch.UntypedStorage) -> Any:
+        return self.store.pack_slot(t, st, self.produced.add(st), False)
+
     def _rng_now(self) -> Any:
         return rng_state(self.device)
 
@@ -502,6 +535,7 @@ class Runtime:
             self._steady_after()  # what this read rebuilt may be freed for the op reading it; room for that op
             return t
         if self._program_rec is not None and type(h) is Saved:
+            self._gap()
             self._program_rec.read(h.entry)
         return self.store.unpack(h)
 
@@ -546,11 +580,24 @@ class Runtime:
             self._packfn = self._pack
 
     def _pack_recording(self, t: torch.Tensor) -> Any:
+        self._gap()
         h = self._pack(t)
         rec = self._program_rec
         if rec is not None:
             rec.saved(t, h.entry if type(h) is Saved else None)
         return h
+
+    def _gap(self) -> None:
+        """In a recording step, at each save and read: the most the allocator's bytes rose between two of them
+        (what a steady step, which sees only saves and reads, keeps free after each: ``headroom``)."""
+        window = self._window
+        if window is None or self.residency.survey is not None:  # the survey reads the same window
+            return
+        peak = window.window_peak
+        if self._gap_base >= 0 and peak - self._gap_base > self._gap_most:
+            self._gap_most = peak - self._gap_base
+        window.window_reset()
+        self._gap_base = self.meter.current_bytes
 
     def _bind(self, node: Any, st: torch.UntypedStorage) -> Any:
         slot = self.produced.add(st)
@@ -575,8 +622,8 @@ class Runtime:
         free = budget - self.meter.current_bytes
         if store.pending and ((steady is not None and steady.program.pressure) or free < budget // REGISTER_BELOW):
             store.register_pending()
-        room = steady.program.headroom if steady is not None else 0
-        if free < room:
+        room = steady.headroom if steady is not None else 0
+        if free < room and not self.plan_recomputes:  # a followed plan's order is the allocator's (planned_first)
             self.residency.relieve(room - free)
 
     def _diverged(self, why: str) -> None:
@@ -605,12 +652,14 @@ class Runtime:
             return
         prog.stages, prog.pressure = stages, pressure
         if self.mode is not None:
-            prog.headroom = self.mode.most_new + self.residency.reserve
+            prog.headroom = max(self.mode.most_new, self._gap_most) + self.residency.reserve
         for old in self.programs.add(prog):
             old.unbind()
+        self.stats.programs = self.programs.recorded
         if len(self.programs) > 1:
-            self.stats.note("steady state: one program per input shape (a new shape costs one step under the "
-                            "dispatch mode, recorded)")
+            self.stats.note("steady state: one program per input shape (smaller inputs follow the program of "
+                            "larger ones, swapping what it recomputed, until they are recorded; larger ones than "
+                            "any before are recorded at once)")
         if prog.offload:
             by = {n: sum(1 for p in prog.offload.values() if p == n) for n in sorted(set(prog.offload.values()))}
             self.stats.note(f"steady state from step {self.steps.steps + 1}: "
@@ -711,6 +760,7 @@ class Runtime:
         self.residency.on_evicted = rec.evicted_entry
         if self.mode is not None:
             self.mode.most_new = 0
+        self._gap_base, self._gap_most = -1, 0
 
     def _step_ended(self, stages: int) -> None:
         self._module = None
@@ -752,6 +802,15 @@ class Runtime:
                 # the optimizers' first step is to come, and every later step holds their state: measure the
                 # next step too, evicting from its start as a run at what this one needed with that state would
                 survey.carry(to_come)
+                self.residency.evict_as_needed()
+                return
+            if steady is not None and survey.steps_ended == 1:
+                # a steady step runs no op the survey can measure (only replays): the next step runs under the
+                # dispatch mode, still uncapped, and measures every op before the budget is named
+                survey.note(self.meter.peak_bytes, "the peak of a steady-state step (held uncapped)", True)
+                survey.carry(0)
+                for prog in self.programs.clear():
+                    prog.unbind()
                 self.residency.evict_as_needed()
                 return
             raise self.residency.end_survey()

@@ -31,10 +31,12 @@ from .produced import ProducedTable
 class FixedMarker:
     """Global module pre-hook that un-marks module parameters and buffers as activations."""
 
-    def __init__(self, produced: ProducedTable, meter: Meter, on_call: Callable[[torch.nn.Module], None]):
+    def __init__(self, produced: ProducedTable, meter: Meter, on_call: Callable[[torch.nn.Module], None],
+                 on_optimizer_step: Callable[[], None] | None = None):
         self.produced = produced
         self.meter = meter
         self.on_call = on_call  # every module call (the step tracker starts steps here)
+        self.on_optimizer_step = on_optimizer_step  # every optimizer step (steps as the user counts them)
         # id(module) -> weak reference: a lookup per module call (a WeakSet builds a weakref per test).
         self._seen: dict[int, weakref.ref] = {}
         self._optimizers: dict[int, weakref.ref] = {}
@@ -57,6 +59,8 @@ class FixedMarker:
             self._handle = self._opt_handle = None
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
+        if self.on_optimizer_step is not None:
+            self.on_optimizer_step()
         r = self._optimizers.get(id(optimizer))
         if r is not None and r() is optimizer:
             return

@@ -64,6 +64,7 @@ class Anchor:
     :class:`~.lineage.Node` does, with no ops to replay."""
 
     __slots__ = ("ops", "nbytes", "storage", "entry", "ok_memo")
+    stale = True  # nothing to replay: recompute never applies (a Node's flag for a storage it cannot rebuild)
 
     def __init__(self, nbytes: int):
         self.ops: tuple = ()
@@ -192,6 +193,7 @@ class ProgramRecorder:
             if uid >= 0 and uid not in first:
                 first[uid] = k
         prog.offload = {first[u]: p for u, p in self.first_policy.items() if p != "recompute" and u in first}
+        prog.recomputed = {first[u] for u, p in self.first_policy.items() if p == "recompute" and u in first}
         prog.codecs = {first[u]: c for u, c in self.codecs.items() if u in first}
         prog.again = {first[u] for u, n in self.evictions.items() if n > 1 and first.get(u, -1) in prog.offload}
         prog.reads = [first[u] for u in self.read_uids if u in first]
@@ -282,6 +284,7 @@ class StepProgram:
         self.inputs: list[list[tuple[FixedRef, int]]] = []
         self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []
         self.offload: dict[int, str] = {}   # save ordinal -> the policy that evicts it as it is packed
+        self.recomputed: set[int] = set()   # save ordinals the recorded step evicted by recompute
         self.codecs: dict[int, str] = {}    # save ordinal -> the codec the recorded step compressed it with
         self.again: set[int] = set()        # offloaded save ordinals the recorded step evicted again after a read
         self.reads: list[int] = []          # save ordinals (first of each storage) in first-read order

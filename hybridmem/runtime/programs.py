@@ -3,7 +3,8 @@
 A transformer fine-tuned with per-batch padding runs the same ops at a new sequence length each batch,
 and the last batch of an epoch is shorter: each signature (the shapes and dtypes of the tensor arguments
 of the step's first module call) gets its own recorded program. A step whose inputs have a signature
-with a program follows it from its first op; one with a new signature runs under the dispatch mode and
+with a program follows it from its first op; one with smaller sizes may follow the program of the
+smallest larger ones (:meth:`ProgramSet.covering`); one larger than any runs under the dispatch mode and
 records one. A step that leaves its program part-way (its saves differ from the recorded ones) costs
 that program and one recording; only a run of such steps backs recording off, never for good.
 """
@@ -27,6 +28,13 @@ def signature_of(shapes: Iterable[tuple[torch.Size, torch.dtype]]) -> Signature:
     return tuple((torch.Size(s), d) for s, d in shapes)
 
 
+def _numel(shape: torch.Size) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 class ProgramSet:
     """Recorded programs by signature, and when to record another."""
 
@@ -47,6 +55,21 @@ class ProgramSet:
             self.by_signature.move_to_end(sig)
             self.last = prog
         return prog
+
+    def covering(self, sig: Signature) -> StepProgram | None:
+        """The program recorded for inputs of the same kinds (count, dtypes, dimensions) that are each at least
+        as large as ``sig``'s, the smallest such; None if there is none. A step of ``sig`` holds no more than
+        that program's step did where it evicts the same saves (runtime.steady, ``_pack_scaled``); a step
+        larger than any recorded one is recorded itself, under the dispatch mode, which evicts what it needs."""
+        best: tuple[int, StepProgram] | None = None
+        for other, prog in self.by_signature.items():
+            if len(other) != len(sig) or any(d != od or len(s) != len(os) or any(a > b for a, b in zip(s, os))
+                                             for (s, d), (os, od) in zip(sig, other)):
+                continue
+            size = sum(_numel(os) for os, _ in other)
+            if best is None or size < best[0]:
+                best = (size, prog)
+        return None if best is None else best[1]
 
     def add(self, prog: StepProgram) -> list[StepProgram]:
         """Keep ``prog`` for its signature; returns the programs it displaced (to unbind)."""

@@ -299,8 +299,12 @@ class Replayer:
         for k, a, written in refs_kw:
             kwargs[k] = self._arg(a, memo, target, base, written)
         if rec.rng is not None:
-            with _ForkedRNG(rec.rng, _device_of(args)) as rng:
+            rng = _ForkedRNG(rec.rng, _device_of(args))
+            self._call(rng.__enter__, [], {})  # reading the current state allocates (5 KB): refused, retried
+            try:
                 return self._call(rec.func, args, kwargs, rng)
+            finally:
+                rng.__exit__(None, None, None)
         return self._call(rec.func, args, kwargs)
 
     def _call(self, func: Any, args: list[Any], kwargs: dict[str, Any], rng: _ForkedRNG | None = None) -> Any:

@@ -50,6 +50,8 @@ class Stats:
     plan_note: str = ""                 # why the plan was left (stage, expected vs seen op)
     notes: tuple[str, ...] = ()         # other one-line facts worth knowing (e.g. lineage refused)
     steady_steps: int = 0               # steps run without the dispatch mode (hybridmem.runtime.program)
+    optimizer_steps: int = 0            # training steps as the user counts them: optimizer steps after a backward
+    programs: int = 0                   # step programs recorded (one per input shape: runtime.programs)
     step_seconds: float | None = None   # mean wall time of the completed steps (forward + backward)
     tensors: tuple[dict[str, Any], ...] = ()  # evictions, one record each (hybridmem.runtime.ledger.TensorLog)
 
@@ -90,7 +92,19 @@ class Stats:
                          f"stall {p.stall_seconds * 1e3:.1f} ms")
         if self.plan != "none":
             lines.append(f"  plan: {self.plan}" + (f" ({self.plan_note})" if self.plan_note else ""))
+        if self.budget_bytes is not None:
+            lines.append(f"  {self.steady_summary()}")
+        lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def steady_summary(self) -> str:
+        """One line: the steady state's reach, over backward passes and the training steps they made."""
+        per = (f" (backward passes; {self.optimizer_steps} optimizer step(s))"
+               if self.optimizer_steps and self.optimizer_steps != self.steps else "")
+        programs = (f"; {self.programs} program(s) recorded (one per input shape, each in one pass under the "
+                    "dispatch mode)" if self.programs > 1 else "")
+        return (f"steady state: {self.steady_steps} of {self.steps} step(s){per} without per-op work"
+                f"{programs} (docs/reference.md, \"Steady state\")")
 
 
 @dataclass
@@ -107,6 +121,9 @@ class StatsRecorder:
     min_budget_bytes: int = 0
     cap_overruns: int = 0
     steady_steps: int = 0
+    optimizer_steps: int = 0
+    programs: int = 0
+    _opt_at: int = 0                    # backward passes counted when an optimizer last stepped
     plan: str = "none"
     plan_note: str = ""
     notes: list[str] = field(default_factory=list)
@@ -136,6 +153,13 @@ class StatsRecorder:
         self.saved_bytes_step += nbytes
         self.saved_tensors_step += 1
 
+    def optimizer_stepped(self) -> None:
+        """An optimizer stepped: one training step where backward passes ran since the last one (several
+        optimizers, or several steps of one, after the same backward count once)."""
+        if self.steps > self._opt_at:
+            self.optimizer_steps += 1
+            self._opt_at = self.steps
+
     def step_started(self) -> None:
         self.step_t0 = time.perf_counter()
 
@@ -158,6 +182,7 @@ class StatsRecorder:
         self.steps = 0
         self.cap_overruns = 0
         self.steady_steps = 0
+        self.optimizer_steps = self._opt_at = 0
         self.step_time = 0.0
         if self.tensor_log is not None:
             self.tensor_log.clear()
@@ -167,7 +192,8 @@ class StatsRecorder:
                      policies={k: replace(v) for k, v in self.policies.items()}, steps=self.steps,
                      stages_last_step=self.stages_last_step, saved_bytes=self.saved_bytes,
                      saved_tensors=self.saved_tensors, min_budget_bytes=self.min_budget_bytes,
-                     cap_overruns=self.cap_overruns, steady_steps=self.steady_steps, plan=self.plan, plan_note=self.plan_note,
+                     cap_overruns=self.cap_overruns, steady_steps=self.steady_steps,
+                     optimizer_steps=self.optimizer_steps, programs=self.programs, plan=self.plan, plan_note=self.plan_note,
                      notes=tuple(self.notes),
                      step_seconds=self.step_time / self.steps if self.steps else None,
                      tensors=self.tensor_log.records() if self.tensor_log is not None else ())

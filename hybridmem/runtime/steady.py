@@ -67,16 +67,20 @@ class SteadyParts:
     sole_owner: Callable[[Any], bool]                # only the runtime references the entry's storage
     prefetch: Callable[[Any], bool] | None           # start regenerating an evicted entry (False: no room)
     claim: Callable[[Any], bool]                     # SavedStore.claim: take an entry back from the allocator
+    pack_plain: Callable[[Tensor, Any], Any]         # an entry without lineage (evictable by swap or compress)
 
 
 class SteadyStep:
     """The pack hook of one steady-state step, and what its unpacks do (see the module docstring)."""
 
-    def __init__(self, program: StepProgram, parts: SteadyParts):
+    def __init__(self, program: StepProgram, parts: SteadyParts, scaled: bool = False, swap: bool = False):
         self.program = program
+        self.scaled = scaled              # followed at smaller sizes than recorded (a shorter sequence, batch)
+        self.swap = swap                  # swap may stand in for what the recorded step recomputed
+        self.headroom = program.headroom  # kept free after each save and read
         self.saves = program.saves
         self.parts = parts
-        self.register = program.pressure  # new entries are registered with the allocator at once
+        self.register = True  # new entries are registered with the allocator at once (freed only when needed)
         self.light = not program.pressure
         self.seen: set[int] = set()       # storages light packs counted as saved this step
         self.k = 0                        # ordinal of the next pack
@@ -102,9 +106,11 @@ class SteadyStep:
         if k >= len(saves):
             return self._leave(f"save #{k} of shape {list(t.shape)} is beyond the {len(saves)} the recorded step made", t)
         s = saves[k]
-        if t.shape != s.shape or t.dtype != s.dtype:
+        if t.dtype != s.dtype or (t.shape != s.shape and (not self.scaled or t.dim() != len(s.shape))):
             return self._leave(f"save #{k} is {list(t.shape)} {t.dtype} where the recorded step saved "
                                f"{list(s.shape)} {s.dtype}", t)
+        if self.scaled:
+            return self._pack_scaled(k, s, t)
         if s.rebind:
             _bind(s.rebind, t)
         node = s.node
@@ -132,21 +138,49 @@ class SteadyStep:
                 e = h.entry
                 self.ordinal_of[e.uid] = k
                 self.bound.append(e)
-                if policy == "compress":
-                    self.deferred.append((k, e))
-                elif policy is not None and parts.offload(e, policy):
-                    self.entries[k] = e
-                    self.held.append(e)
+                self._evict_at_pack(k, e, policy)
         elif cur is not st:
             return self._leave(f"save #{k} is over another storage than the recorded step's", t)
         else:
             h = parts.store_pack(t)
+        return self._after_pack(h)
+
+    def _evict_at_pack(self, k: int, e: Any, policy: str | None) -> None:
+        """Save ``k``'s new entry, evicted now by ``policy`` (a compression once only the runtime holds it)."""
+        if policy == "compress":
+            self.deferred.append((k, e))
+        elif policy is not None and e.tensor is not None and self.parts.offload(e, policy):
+            self.entries[k] = e
+            self.held.append(e)
+
+    def _after_pack(self, h: Any) -> Any:
         if self.deferred:
             self._compress_deferred()
         if self.held:
             self._check_writes()
-        parts.after()
+        self.parts.after()
         return h
+
+    def _pack_scaled(self, k: int, s: Any, t: Tensor) -> Any:
+        """A save of a step that follows a program recorded at other sizes. The recorded ops cannot rebuild it
+        (their size arguments are the recorded step's), so nothing is bound to them: a save the recorded step
+        swapped or compressed is evicted by the same policy as it is made, one it recomputed is swapped where
+        swap is a policy; the others get entries swap and compress may evict for room."""
+        parts = self.parts
+        if s.node is None:
+            return parts.store_pack(t)
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return self._leave(f"save #{k} has no storage", t)
+        policy = self.offload.get(k) or ("swap" if self.swap and k in self.program.recomputed else None)
+        h = parts.pack_plain(t, st)
+        if type(h) is Saved:
+            e = h.entry
+            if e.uid not in self.ordinal_of:
+                self.ordinal_of[e.uid] = k
+                self._evict_at_pack(k, e, policy)
+        return self._after_pack(h)
 
     def _check_writes(self) -> None:
         """Note the entries evicted at pack whose tensor was written in place since (unpack refuses them);
