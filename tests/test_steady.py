@@ -174,8 +174,16 @@ def test_a_step_that_leaves_its_program_part_way_says_why_and_records_again() ->
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(512, 64, generator=g), torch.tensor(i == 3)) for i in range(7)]
     ref, _ = _train(model, batches, lambda m, x, d: m(x, d))
-    got, st, _, per = _budget_run(model, batches, lambda m, x, d: m(x, d), cut=0.3)
+    # the budget from a run that took the deeper branch too (its step holds more than the recorded one), with
+    # swap beside recompute: what the step matched before it left is no longer rebuilt from the program, and
+    # the dispatch mode that takes the rest over may swap it
+    _, watched = _train(model, batches, lambda m, x, d: m(x, d), session={"budget": None})
+    budget = int(watched.peak_bytes - 0.3 * watched.saved_bytes)
+    per: list = []
+    got, st = _train(model, batches, lambda m, x, d: m(x, d), per_step=lambda i, s: per.append(s),
+                     session={"budget": budget, "policies": ("swap", "recompute")})
     assert got == ref
+    assert st.peak_bytes <= budget
     assert any("steady state left at step 4" in n for n in st.notes), st.notes
     # 1 dispatch, 2 records, 3 follows, 4 leaves part-way (counted: it started steady), 5 records, 6-7 follow
     assert [p.steady_steps for p in per] == [0, 0, 1, 2, 2, 3, 4], st.notes
@@ -320,17 +328,18 @@ def test_leaving_after_the_allocator_freed_a_matched_tensor_raises_instead_of_re
                         pack_plain=None)
     step = SteadyStep(StepProgram([], [], [], [], []), parts)
     node = SimpleNamespace(entry=None, storage=object())
-    kept = SimpleNamespace(uid=1, tensor=torch.zeros(1), policy=None, lineage=node)
+    kept = SimpleNamespace(uid=1, tensor=torch.zeros(1), policy=None, lineage=node, refs=1)
     node.entry = kept
-    swapped = SimpleNamespace(uid=3, tensor=None, policy="swap", lineage=object())
+    swapped = SimpleNamespace(uid=3, tensor=None, policy="swap", lineage=object(), refs=1)
     step.bound = [kept, swapped]
     step.leave("save #1 differs")
     assert said == ["save #1 differs"] and step.off
     assert kept.lineage is None and node.entry is None and node.storage is None  # never rebuilt from the node
 
-    freed = SimpleNamespace(uid=2, tensor=torch.zeros(1), policy=None, lineage=object())  # claim: freed
-    dropped = SimpleNamespace(uid=4, tensor=None, policy="recompute", lineage=object())
+    freed = SimpleNamespace(uid=2, tensor=torch.zeros(1), policy=None, lineage=object(), refs=1)  # claim: freed
+    dropped = SimpleNamespace(uid=4, tensor=None, policy="recompute", lineage=object(), refs=1)
+    released = SimpleNamespace(uid=5, tensor=None, policy=None, lineage=object(), refs=0)  # nothing reads it
     step2 = SteadyStep(StepProgram([], [], [], [], []), parts)
-    step2.bound = [freed, dropped]
+    step2.bound = [freed, dropped, released]
     with pytest.raises(StepDivergedError, match="freed 2 tensor"):
         step2.leave("save #3 differs")

@@ -235,6 +235,8 @@ class SteadyStep:
         they stay as they are (no recompute). Returns how many the allocator had freed already."""
         lost = 0
         for e in self.bound:
+            if e.refs == 0:
+                continue  # released: nothing reads it any more
             if e.tensor is None:
                 lost += e.policy in (None, "recompute")  # a swapped or compressed copy is still exact
                 continue
