@@ -413,7 +413,7 @@ class Runtime:
             return
         if steady.off:
             if not self.mode_on and steps.phase == FORWARD and torch._C._current_graph_task_id() == -1 \
-                    and _get_current_dispatch_mode() is None:
+                    and not self.mode.quiet_depth and _get_current_dispatch_mode() is None:
                 # the step left its program part-way: the dispatch mode takes the rest of it over from this
                 # module call, evicting as the budget needs (the allocator alone frees only what is registered)
                 self.mode.__enter__()

@@ -10,6 +10,7 @@ that program and one recording; only a run of such steps backs recording off, ne
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Iterable
 
@@ -29,10 +30,7 @@ def signature_of(shapes: Iterable[tuple[torch.Size, torch.dtype]]) -> Signature:
 
 
 def _numel(shape: torch.Size) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape)
 
 
 class ProgramSet:
