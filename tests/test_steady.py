@@ -187,6 +187,21 @@ def _part_way_case() -> tuple[bool, bool, list[int], list[str]]:
     return got == ref, st.peak_bytes <= budget, [p.steady_steps for p in per], list(st.notes)
 
 
+def test_a_part_way_leave_is_taken_over_above_a_mode_entered_before_enable() -> None:
+    """A dispatch mode entered before hybridmem (the user's, or one a finished runtime left quieted on this
+    thread) stays under the runtime's: the step that leaves part-way is still taken over by hybridmem's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Below(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    with Below():
+        same, within, steady, notes = _part_way_case()
+    assert same and within, notes
+    assert steady == [0, 0, 1, 2, 2, 3, 4], notes
+
+
 def test_a_step_that_leaves_its_program_part_way_says_why_and_records_again() -> None:
     """Same inputs, other saves (a branch taken on the data): the step leaves its program at the first save
     that differs and keeps what it saves from there; the next step records anew and later ones follow. In a

@@ -229,6 +229,7 @@ class Runtime:
         self._registrable = self.store.registrable  # the allocator's order without a plan (runtime.device)
         self.plan_recomputes: set[Any] = set()      # program nodes a followed plan recomputes (steady state)
         self.programs = ProgramSet()  # recorded programs by input signature (runtime.programs)
+        self._below: Any = None  # the dispatch mode under this runtime's when it left it for the steady state
         self._scaled_seen: dict[Any, int] = {}  # signature -> steps that followed a program of other sizes
         # the native CPU meter's peak window: how far the bytes rose between saves and reads of a recording
         self._window = self.native.native if self.native is not None and self.device.type == "cpu" else None
@@ -413,7 +414,7 @@ class Runtime:
             return
         if steady.off:
             if not self.mode_on and steps.phase == FORWARD and torch._C._current_graph_task_id() == -1 \
-                    and not self.mode.quiet_depth and _get_current_dispatch_mode() is None:
+                    and not self.mode.quiet_depth and _get_current_dispatch_mode() is self._below:
                 # the step left its program part-way: the dispatch mode takes the rest of it over from this
                 # module call, evicting as the budget needs (the allocator alone frees only what is registered)
                 self.mode.__enter__()
@@ -561,6 +562,7 @@ class Runtime:
             if self.mode_on:
                 mode.__exit__(None, None, None)
                 self.mode_on = False
+                self._below = _get_current_dispatch_mode()  # a mode entered before enable(), if any
             prog.start_step()
             self._steady = SteadyStep(prog, self._steady_parts)
             self._packfn = self._steady
