@@ -14,7 +14,7 @@ import torch
 
 import hybridmem
 from tests.helpers.peaks import real_peak
-from tests.helpers.runtime import raw
+from tests.helpers.runtime import in_fresh_process, raw
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
@@ -177,10 +177,6 @@ def test_gpt2_with_hf_gradient_checkpointing() -> None:
     (one recompute, its own), per-batch lengths, accumulation; a budget too small names one that trains even
     where the step it failed in ran in the steady state (its ops unmeasured: the next step is measured). In a
     process of its own: a runtime disabled from another thread earlier on this thread leaves hooks behind."""
-    import concurrent.futures
-    import multiprocessing
-
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        same, within, steady, notes = ex.submit(_checkpointed_case).result(timeout=600)
+    same, within, steady, notes = in_fresh_process(_checkpointed_case)
     assert same and within, notes
     assert steady >= 8 - 2 - 2, notes

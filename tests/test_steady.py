@@ -15,6 +15,7 @@ from torch import nn
 
 import hybridmem
 from hybridmem.runtime import cpumeter
+from tests.helpers.runtime import in_fresh_process
 from tests.helpers.steady import (budget_run as _budget_run,
                                   recompute_stats as _rc, steady_real_bytes as _steady_real_bytes,
                                   train_steps as _train, zoo_batches as _zoo)
@@ -206,11 +207,7 @@ def test_a_step_that_leaves_its_program_part_way_says_why_and_records_again() ->
     """Same inputs, other saves (a branch taken on the data): the step leaves its program at the first save
     that differs and keeps what it saves from there; the next step records anew and later ones follow. In a
     process of its own: the dispatch mode taking the step over must be the only mode entered."""
-    import concurrent.futures
-    import multiprocessing
-
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        same, within, steady, notes = ex.submit(_part_way_case).result(timeout=600)
+    same, within, steady, notes = in_fresh_process(_part_way_case)
     assert same and within, notes
     assert any("steady state left at step 4" in n for n in notes), notes
     # 1 dispatch, 2 records, 3 follows, 4 leaves part-way (counted: it started steady), 5 records, 6-7 follow

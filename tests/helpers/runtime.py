@@ -127,3 +127,14 @@ def check_managed(case: Case, policies: tuple[str, ...], *, cut: float = 0.4, st
     for i, (a, b) in enumerate(zip(got, ref)):
         assert a == b, f"{case.name} {policies}: step {i} differs from the unmanaged run (loss, grads, buffers or RNG)"
     return st
+
+
+def in_fresh_process(fn: Callable[[], Any], timeout: float = 600) -> Any:
+    """``fn()`` (a module-level function returning plain data) in a spawned interpreter: no dispatch mode or
+    saved-tensor hook an earlier test left on this thread (a runtime disabled from another thread leaves
+    both) reaches it."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(fn).result(timeout=timeout)
