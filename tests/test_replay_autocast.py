@@ -59,13 +59,9 @@ def _train(model: nn.Module, batches: list[torch.Tensor], *, backward_inside: bo
     return losses, state, (s.stats() if s is not None else None)
 
 
-# A steady step that meets an allocator refusal in backward (its light packs kept what the recorded step
-# could evict) raises instead of recovering: the replays are the same code in both regimes.
-_STEADY_REFUSAL = pytest.mark.xfail(strict=True, raises=torch.OutOfMemoryError,
-                                    reason="a steady step cannot yet recover from an allocator refusal in backward")
 
 
-@pytest.mark.parametrize("steady", [pytest.param(True, marks=_STEADY_REFUSAL), False], ids=["steady", "dispatch"])
+@pytest.mark.parametrize("steady", [True, False], ids=["steady", "dispatch"])
 @pytest.mark.parametrize("backward_inside", [True, False], ids=["backward-in-autocast", "backward-outside"])
 def test_replays_under_autocast_are_bit_identical(backward_inside: bool, steady: bool) -> None:
     torch.manual_seed(0)

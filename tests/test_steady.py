@@ -7,6 +7,7 @@ the budget in real allocator bytes, and leave the steady state, saying why, when
 """
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable
 
 import pytest
@@ -368,3 +369,78 @@ def test_leaving_after_the_allocator_freed_a_matched_tensor_raises_instead_of_re
     step2.bound = [freed, dropped, released]
     with pytest.raises(StepDivergedError, match="freed 2 tensor"):
         step2.leave("save #3 differs")
+
+
+class _Spiky(nn.Module):
+    """An MLP whose step ``spike_at`` allocates ``spike`` bytes of scratch in forward (a kernel's workspace,
+    a data-dependent buffer): more than the recorded step ever needed, in a step that runs without the
+    dispatch mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(6))
+        self.spike_at, self.spike = -1, 0
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = torch.relu(layer(h))
+            if i == 2 and step == self.spike_at:
+                torch.empty(self.spike, dtype=torch.uint8).fill_(1)
+        return h.square().mean()
+
+
+def _spiky_loss(model: nn.Module, i: int) -> torch.Tensor:
+    # each step's batch is made in the step and dropped after it, as a data loader's would be
+    return model(torch.randn(512, 256, generator=torch.Generator().manual_seed(i)), i)
+
+
+def _spiky_case(spike: float) -> tuple[nn.Module, list[tuple], int]:
+    torch.manual_seed(0)
+    model = _Spiky()
+    batches = [(i,) for i in range(8)]
+    peak, saved = _budget_monitor(model, batches)
+    budget = int(peak - 0.5 * saved)
+    model.spike_at, model.spike = 4, int(spike * budget)
+    return model, batches, budget
+
+
+def _budget_monitor(model: nn.Module, batches: list[tuple]) -> tuple[int, int]:
+    _, st = _train(model, batches[:2], _spiky_loss, session={"budget": None})
+    return st.peak_bytes, st.saved_bytes
+
+
+def test_a_steady_step_the_budget_cannot_hold_names_one_that_does() -> None:
+    """A refusal in a steady step (no op hook to retry in) is not a bare OOM: the step goes on, the next one
+    measures under the dispatch mode, and the error names a budget; at it, the run trains exactly."""
+    model, batches, budget = _spiky_case(0.5)
+    ref, _ = _train(model, batches, _spiky_loss)
+    message, named = "", 0
+    try:
+        _train(model, batches, _spiky_loss, session={"budget": budget})
+    except torch.OutOfMemoryError as e:  # (its traceback holds the failed run's model: dropped here)
+        message, named = str(e), getattr(e, "min_budget_bytes", 0)
+    gc.collect()
+    assert named > budget, message or "no OutOfMemoryError"
+    assert "steady-state step" in message
+    got, st = _train(model, batches, _spiky_loss, session={"budget": named})
+    assert got == ref
+    assert st.peak_bytes <= named
+    assert st.steady_steps >= 4, st.notes
+
+
+def test_a_steady_step_over_its_budget_evicts_and_its_shape_is_recorded_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where what the step holds could be evicted (the allocator alone could not: entries it was not given),
+    the step evicts at its next save and goes on; its program is retired and the next step records anew."""
+    from hybridmem.runtime.residency import Residency
+
+    monkeypatch.setattr(Residency, "need", lambda self, extra, held: 0)  # everything it held was evictable
+    model, batches, budget = _spiky_case(0.5)
+    ref, _ = _train(model, batches, _spiky_loss)
+    got, st = _train(model, batches, _spiky_loss, session={"budget": budget})
+    assert got == ref
+    assert st.cap_overruns >= 1
+    assert any("recorded again under the dispatch mode" in n for n in st.notes), st.notes
+    # steps 2-4 and 6-7 in the steady state; step 5 records the retired program's shape again
+    assert st.steady_steps == 5, st.notes
+    assert st.programs == 2

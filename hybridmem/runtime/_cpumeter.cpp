@@ -99,6 +99,13 @@ struct State {
   std::atomic<int64_t> budget{-1};      // -1: no cap
   std::atomic<int64_t> external{0};     // bytes from before install, counted in current
   std::atomic<int64_t> refused{0};      // allocations refused (OutOfMemoryError thrown)
+  // Soft cap (hm_set_soft): an allocation the registry cannot make room for goes through and is noted
+  // instead of throwing. A steady-state step has no op hook around its ops to recover from a refusal in;
+  // the runtime reads the note at its next save or read (the bytes over the budget show there) and evicts.
+  std::atomic<int> soft{0};
+  std::atomic<int64_t> let_through{0};   // refusals let through since the last hm_soft_take
+  std::atomic<int64_t> let_bytes{0};     // the first one's request
+  std::atomic<int64_t> let_held{0};      // and the bytes held when it was refused
   std::atomic<int64_t> reclaimed{0};    // bytes the registry freed at allocation time
   std::atomic<int64_t> serial{0};      // number of counted allocations so far (monotonic)
   std::atomic<int64_t> orphan_frees{0};   // meter_delete on a pointer it did not allocate
@@ -225,8 +232,16 @@ void reserve(State& s, int64_t n) {
     if (attempt < 2 && reclaim(now - b, c10::DeviceType::CPU, true) > 0) {
       continue;
     }
-    s.refused.fetch_add(1, std::memory_order_relaxed);
     const int64_t held = s.current.load(std::memory_order_relaxed);
+    if (s.soft.load(std::memory_order_relaxed) != 0) {
+      if (s.let_through.fetch_add(1, std::memory_order_relaxed) == 0) {
+        s.let_bytes.store(n, std::memory_order_relaxed);
+        s.let_held.store(held, std::memory_order_relaxed);
+      }
+      bump_peaks(s, s.current.fetch_add(n, std::memory_order_relaxed) + n);
+      return;
+    }
+    s.refused.fetch_add(1, std::memory_order_relaxed);
     // "Tried to allocate X MiB" is the form torch's CUDA allocator uses: callers parse it.
     C10_THROW_ERROR(OutOfMemoryError,
                     "hybridmem: CPU allocator budget exceeded. Tried to allocate " + mib(n) + " (" +
@@ -412,6 +427,23 @@ HM_EXPORT void hm_set_budget(int64_t b) {
 
 HM_EXPORT int64_t hm_budget() {
   return state().budget.load(std::memory_order_relaxed);
+}
+
+// Soft cap on (1) or off (0): see State::soft.
+HM_EXPORT void hm_set_soft(int on) {
+  state().soft.store(on, std::memory_order_relaxed);
+}
+
+// Refusals let through since the last call (0: none); the first one's request and the bytes then held go
+// to out[0] and out[1]. Resets the count.
+HM_EXPORT int64_t hm_soft_take(int64_t* out) {
+  State& s = state();
+  const int64_t n = s.let_through.exchange(0, std::memory_order_relaxed);
+  if (n > 0 && out != nullptr) {
+    out[0] = s.let_bytes.load(std::memory_order_relaxed);
+    out[1] = s.let_held.load(std::memory_order_relaxed);
+  }
+  return n;
 }
 
 // Adds `delta` (may be negative) to the external bytes, which count in current and peak.

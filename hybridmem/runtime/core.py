@@ -206,6 +206,10 @@ class Runtime:
         # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey)
         if self.budget is not None and cfg.extra.get("survey", True):
             self.residency.lift_cap = self.native.lift if self.native is not None else _no_cap
+        # a steady step's cap lets a refusal through, for its next hook to recover from (_recover)
+        self._soft = self.native is not None and self.residency.lift_cap is not None
+        self._soft_on = False  # the soft cap is on now (a steady step's own ops run)
+        self._retired: StepProgram | None = None  # the program a refusal retired this step
         self.op_peak = self._op_peak()
         # Nothing is ever evicted without a budget or a plan: saved tensors need no entries, only counting.
         self._pack = self.store.pack if manages else self.store.pack_counting
@@ -222,7 +226,7 @@ class Runtime:
                             "dispatch mode")
         self._steady_parts = SteadyParts(
             self._pack, self.store.pack_bound, self._bind, self._steady_after, self._diverged, self.store.keep,
-            self._far, self.stats.saved, self.residency.evict_early, self.store.sole_owner,
+            self._far, self.stats.saved, self._offload, self.store.sole_owner,
             # prefetch pays where copies overlap compute (CUDA side streams); on the simulated CPU device it
             # is a synchronous regeneration done early, memory spent for nothing
             self._prefetch_one if self.device.type == "cuda" else None, self.store.claim, self._pack_plain)
@@ -383,6 +387,7 @@ class Runtime:
         self._hooks = None
         self.mode = None
         self.mode_on = False
+        self._soft_on = False  # (the device's uninstall turns the soft cap off)
         self.programs.unbind()  # no tensor of the last step stays reachable from a disabled runtime
         self._module = None
         self._steady = None
@@ -417,8 +422,7 @@ class Runtime:
                     and not self.mode.quiet_depth and _get_current_dispatch_mode() is self._below:
                 # the step left its program part-way: the dispatch mode takes the rest of it over from this
                 # module call, evicting as the budget needs (the allocator alone frees only what is registered)
-                self.mode.__enter__()
-                self.mode_on = True
+                self._enter_mode()
         elif self._calls in steady.program.random_at:
             why = steady.program.module_called(self._calls, module, self._rng_now)
             if why:
@@ -465,27 +469,55 @@ class Runtime:
         sig = signature_of((t.shape, t.dtype) for t in tensors)
         prog = self.programs.get(sig)
         if prog is None and (prog := self._scaled_program(sig)) is not None:
-            prog.start_step()
-            self._steady = SteadyStep(prog, self._steady_parts, scaled=True, swap="swap" in self.policies)
-            self._packfn = self._steady
+            self._follow(prog, scaled=True)
             return
         if prog is not None:
-            prog.start_step()
+            steady = self._follow(prog)
             prog.bind_inputs(tensors)
-            self._steady = SteadyStep(prog, self._steady_parts)
-            self._packfn = self._steady
             if 1 in prog.random_at and self._module is not None:  # the random ops after this very call
                 why = prog.module_called(1, self._module, self._rng_now)
                 if why:
-                    self._steady.leave(why)
+                    steady.leave(why)
             return
         self._steady = None
-        self.mode.__enter__()
-        self.mode_on = True
+        self._enter_mode()
         if self.programs.may_record(self.steps.steps):
             self._begin_recording()
         else:
             self._packfn = self._pack
+
+    def _follow(self, prog: StepProgram, scaled: bool = False) -> SteadyStep:
+        """Run the step that starts in the steady state, following ``prog``."""
+        prog.start_step()
+        self._steady = steady = SteadyStep(prog, self._steady_parts, scaled=scaled,
+                                           swap=scaled and "swap" in self.policies)
+        self._packfn = steady
+        if self._soft:
+            self._soften(True)
+        return steady
+
+    def _soften(self, on: bool) -> None:
+        self._soft_on = on
+        self.native.soften(on)
+
+    def _offload(self, e: Any, policy: str) -> bool:
+        """Evict a steady step's entry now by ``policy`` (SteadyParts.offload); the allocations it makes are
+        refused, not let through (the policy stands another in, or keeps the tensor)."""
+        if not self._soft_on:
+            return self.residency.evict_early(e, policy)
+        self._soften(False)
+        try:
+            return self.residency.evict_early(e, policy)
+        finally:
+            self._soften(True)
+
+    def _enter_mode(self) -> None:
+        """The dispatch mode runs the step from here: it retries a refused op itself (no soft cap)."""
+        if self._soft_on:
+            self._soften(False)
+            self._recover()
+        self.mode.__enter__()
+        self.mode_on = True
 
     def _scaled_program(self, sig: Any) -> StepProgram | None:
         """A program recorded at larger sizes that a step of signature ``sig`` may follow (runtime.steady,
@@ -531,8 +563,16 @@ class Runtime:
                 # backward makes no saves: what the forward left pending, and entries rebuilt since, are
                 # registered here, as the dispatch mode does before an op that nears the budget (mode._cap)
                 self._steady_after()
-            steady.unpacked(h)
-            t = self.store.unpack(h)
+            if type(h) is not Saved or not self._soft_on:
+                steady.unpacked(h)
+                t = self.store.unpack(h)
+            else:  # a rebuild or prefetch allocates: refused, the runtime's own work retries after evicting
+                self._soften(False)
+                try:
+                    steady.unpacked(h)
+                    t = self.store.unpack(h)
+                finally:
+                    self._soften(True)
             self._steady_after()  # what this read rebuilt may be freed for the op reading it; room for that op
             return t
         if self._program_rec is not None and type(h) is Saved:
@@ -563,14 +603,11 @@ class Runtime:
                 mode.__exit__(None, None, None)
                 self.mode_on = False
                 self._below = _get_current_dispatch_mode()  # a mode entered before enable(), if any
-            prog.start_step()
-            self._steady = SteadyStep(prog, self._steady_parts)
-            self._packfn = self._steady
+            self._follow(prog)
             self._program_rec = None
             return
         if not self.mode_on:
-            mode.__enter__()
-            self.mode_on = True
+            self._enter_mode()
         self._steady = None
         # The first step is not recorded: the optimizer's state appears after it, so later steps hold more.
         # (With a plan, the first step verifies it: the step after, which follows it, is recorded.)
@@ -617,16 +654,51 @@ class Runtime:
         eviction where the allocator alone could not free them (an op's own allocations cannot be retried
         without the dispatch mode)."""
         budget = self.budget
-        if budget is None:
+        if budget is None or self.residency.survey is not None:  # a surveyed step only measures
             return
         steady = self._steady
         store = self.store
         free = budget - self.meter.current_bytes
+        if free < 0 and self._soft_on:
+            self._soften(False)
+            self._recover()
+            self._soften(True)
+            free = budget - self.meter.current_bytes
         if store.pending and ((steady is not None and steady.program.pressure) or free < budget // REGISTER_BELOW):
             store.register_pending()
         room = steady.headroom if steady is not None else 0
         if free < room and not self.plan_recomputes:  # a followed plan's order is the allocator's (planned_first)
+            soft = self._soft_on  # evicting may allocate (an encoding): the runtime's own work is never let through
+            if soft:
+                self._soften(False)
             self.residency.relieve(room - free)
+            if soft:
+                self._soften(True)
+
+    def _recover(self) -> None:
+        """A steady step is over its budget: the soft cap let an allocation through that the allocator alone
+        could not make room for (or bytes were counted late: a batch). Evict with every policy, as the
+        dispatch mode does around a refused op; where nothing more can go, the budget is too small for the
+        step and the survey measures the one it needs (runtime.survey). A refusal retires the program: the
+        next step of its shape is recorded again, under the dispatch mode, which makes room around each op.
+        Called with the soft cap off: what it evicts may allocate."""
+        count, nbytes, held = self.native.let_through()
+        budget, residency, steady = self.budget, self.residency, self._steady
+        assert budget is not None
+        if count and steady is not None and residency.survey is None:
+            self.stats.cap_overruns += count
+            if residency.need(nbytes, held) > budget:  # the dispatch mode could not have made room either
+                residency.exhausted(nbytes, "an allocation of a steady-state step", held)
+                return
+        over = self.meter.current_bytes - budget
+        if over > 0:
+            residency.relieve(over)
+        if count and steady is not None and residency.survey is None and self._retired is None:
+            self._retired = steady.program
+            self.stats.note(f"steady state: at step {self.steps.steps + 1} an allocation of {fmt_bytes(nbytes)} "
+                            f"went {fmt_bytes(max(held + nbytes - self.budget, 0))} past the budget (the allocator "
+                            "alone could not free enough; the step evicted to recover): its input shape is "
+                            "recorded again under the dispatch mode")
 
     def _diverged(self, why: str) -> None:
         steady = self._steady
@@ -766,6 +838,9 @@ class Runtime:
 
     def _step_ended(self, stages: int) -> None:
         self._module = None
+        if self._soft_on:
+            self._soften(False)
+            self._recover()  # a refusal in the step's last ops, after its last read
         survey = self.residency.survey
         if survey is not None:
             survey.steps_ended += 1  # a step over the budget, measured: raised from backward() below
@@ -775,7 +850,11 @@ class Runtime:
             self._packfn = self._pack
             stages = steady.program.stages
             self.stats.steady_steps += 1
-            if steady.complete:
+            if self._retired is not None:
+                self._retired, retired = None, self._retired
+                self.programs.drop(retired)
+                retired.unbind()
+            elif steady.complete:
                 self.programs.followed()
             elif not steady.off:
                 self._steady = steady  # _diverged reads the program the step left

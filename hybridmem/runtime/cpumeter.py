@@ -153,6 +153,19 @@ class CpuAllocatorMeter:
         b = int(self._lib.hm_budget())
         return None if b < 0 else b
 
+    def set_soft(self, on: bool) -> None:
+        """Soft cap: an allocation past the budget that freeing registered storages cannot make room for goes
+        through and is noted (:meth:`soft_take`) instead of raising. For code with no hook around the op
+        that allocates (a steady-state step), which recovers at its next hook."""
+        self._lib.hm_set_soft(1 if on else 0)
+
+    def soft_take(self) -> tuple[int, int, int]:
+        """``(count, bytes, held)``: the refusals the soft cap let through since the last call, the first
+        one's request and the bytes held then. Resets the count."""
+        out = (ctypes.c_int64 * 2)()
+        n = int(self._lib.hm_soft_take(out))
+        return (n, int(out[0]), int(out[1])) if n else (0, 0, 0)
+
     def add_external(self, nbytes: int) -> None:
         """Counts ``nbytes`` more (negative: fewer) held outside the wrapper: memory allocated before it
         was installed (parameters, inputs) that the device holds all the same."""
@@ -450,6 +463,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("hm_lookup", i32, [ctypes.c_size_t, ctypes.POINTER(i64), ctypes.POINTER(i64)]),
         ("hm_serial_of", i64, [ctypes.c_size_t]),
         ("hm_set_budget", None, [i64]), ("hm_budget", i64, []), ("hm_add_external", i64, [i64]),
+        ("hm_set_soft", None, [i32]), ("hm_soft_take", i64, [ctypes.POINTER(i64)]),
         ("hm_cap_exempt", i32, [i32]), ("hm_window_reset", None, []),
         ("hm_window_peak", i64, []), ("hm_refused", i64, []), ("hm_reclaimed_bytes", i64, []),
         ("hm_reg_add", i32, [i64, ctypes.c_size_t, i64, ctypes.c_double]),

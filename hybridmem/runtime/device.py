@@ -113,6 +113,16 @@ class NativeDevice:
         else:
             native.set_budget(None if lifted else rt.budget)
 
+    def soften(self, on: bool) -> None:
+        """The cap of a steady-state step (no op hook to recover in): on the CPU a refusal goes through and is
+        noted for the runtime's next hook (:meth:`let_through`). On CUDA the caching allocator raises it."""
+        if not self.cuda:
+            self.native.set_soft(on)
+
+    def let_through(self) -> tuple[int, int, int]:
+        """``(count, bytes, held)`` of the refusals :meth:`soften` let through since the last call."""
+        return (0, 0, 0) if self.cuda else self.native.soft_take()
+
     def _gathered(self, nbytes: int) -> None:
         # FSDP's next unshard allocates this much again by resize_ (no op, no chance to make room then),
         # and its all-gather buffer as much: keep twice it free at op boundaries
@@ -131,6 +141,7 @@ class NativeDevice:
             if saved is not None and cuda_usable():  # a forked child has no CUDA to restore (and cannot call it)
                 saved.restore()
         else:
+            native.set_soft(False)
             native.set_budget(None)
             rt.store.count_external = None
             rt.meter.detach_native()

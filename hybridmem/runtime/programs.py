@@ -82,17 +82,21 @@ class ProgramSet:
 
     def left(self, prog: StepProgram | None, step: int) -> int:
         """A step left ``prog`` part-way: forget it. Returns the step recording resumes at (0: the next)."""
+        self.drop(prog)
+        self.streak += 1
+        if self.streak < STREAK_BACKOFF:
+            return 0
+        self.resume_at = step + min(2 ** (self.streak - STREAK_BACKOFF + 1), MAX_BACKOFF)
+        return self.resume_at
+
+    def drop(self, prog: StepProgram | None) -> None:
+        """Forget ``prog``: the next step of its signature is recorded again."""
         if prog is not None:
             sig = signature_of(prog.input_shapes)
             if self.by_signature.get(sig) is prog:
                 del self.by_signature[sig]
         if self.last is prog:
             self.last = next(reversed(self.by_signature.values()), None)
-        self.streak += 1
-        if self.streak < STREAK_BACKOFF:
-            return 0
-        self.resume_at = step + min(2 ** (self.streak - STREAK_BACKOFF + 1), MAX_BACKOFF)
-        return self.resume_at
 
     def followed(self) -> None:
         """A step followed its program to the end."""

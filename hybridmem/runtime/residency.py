@@ -337,10 +337,14 @@ class Residency:
             self.lift_cap(True)
             self.stats.note(f"the budget could not hold {what}: the step goes on without the cap to measure what "
                             "it needs, and raises when it ends (runtime.survey)")
-        live = self.meter.current_bytes if held is None else max(held, self.meter.current_bytes)
-        self.survey.note(live + extra - self._evictable_bytes(), what, self.in_step())
+        self.survey.note(self.need(extra, self.meter.current_bytes if held is None else held), what, self.in_step())
         self.evict_as_needed()
         return None
+
+    def need(self, extra: int, held: int) -> int:
+        """What a budget must hold for ``extra`` more bytes refused with ``held`` held, everything evictable
+        now evicted (the survey's measure of a refusal)."""
+        return max(held, self.meter.current_bytes) + extra - self._evictable_bytes()
 
     def evict_as_needed(self) -> None:
         """A surveyed step evicts for the most it has needed so far, not for the budget that failed: it then
