@@ -173,6 +173,62 @@ def test_identical_under_budget(name: str, wrap: str) -> None:
     assert res[0]["loss"] != res[1]["loss"]  # the ranks really trained on different batches
 
 
+def _no_sync_train(rank: int, budget: int | None, managed: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+    """DDP with gradient accumulation as its docs teach it: each optimizer step's first micro-batch under
+    ``no_sync()`` (no all-reduce, gradients accumulate locally), the second synchronised."""
+    gc.collect()
+    e = _entry("mobilenet", rank)
+    model = _wrap(e.model, "ddp")
+    args, kwargs = e.args_kwargs()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    torch.manual_seed(1234 + rank)
+    losses: list[torch.Tensor] = []
+    stats = None
+    if managed:
+        hybridmem.enable(budget=budget, device="cpu")
+    try:
+        for _ in range(STEPS):
+            with model.no_sync():
+                loss = e.loss_fn(model(*args, **kwargs)) / 2
+                loss.backward()
+            losses.append(loss.detach())
+            loss = e.loss_fn(model(*args, **kwargs)) / 2
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if managed:
+            stats = hybridmem.stats()
+    finally:
+        if managed:
+            hybridmem.disable()
+    state = [p.detach().clone() for p in model.parameters()]
+    return losses, state, stats
+
+
+def _no_sync_case(rank: int, world: int) -> dict[str, Any]:
+    ref_losses, ref_state, _ = _no_sync_train(rank, None, managed=False)
+    _, _, mon = _no_sync_train(rank, None, managed=True)
+    budget = int(mon.peak_bytes - 0.4 * _saved_activation_bytes("mobilenet", rank))
+    losses, state, st = _no_sync_train(rank, budget, managed=True)
+    return {"rank": rank, "budget": budget, "peak": st.peak_bytes, "evicted": st.evicted_bytes,
+            "steps": st.steps, "optimizer_steps": st.optimizer_steps, "steady": st.steady_steps,
+            "late": sum(p.numel() * p.element_size() for p in _entry("mobilenet", rank).model.parameters()),
+            "identical": all(_bits_equal(a, b) for a, b in zip(ref_losses + ref_state, losses + state)),
+            "notes": st.notes}
+
+
+def test_ddp_no_sync_accumulation_in_the_steady_state() -> None:
+    """Accumulation under ``no_sync()``: each backward pass is a step, each optimizer step counted as one;
+    after the first two passes every pass runs in the steady state, synchronised or not, bit-identical."""
+    for r in launch(_no_sync_case, 2, (), timeout=120):
+        assert r["identical"], r
+        assert r["steps"] == 2 * STEPS and r["optimizer_steps"] == STEPS, r
+        assert r["steady"] == 2 * STEPS - 2, r
+        assert r["evicted"] > 0, r
+        assert r["peak"] <= r["budget"] + r["late"], r
+
+
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
 def test_one_step_per_training_step(wrap: str) -> None:
     """DDP's reducer and FSDP's root post-backward run ops from autograd final callbacks queued
