@@ -198,7 +198,7 @@ def _allocator_counts(device: torch.device) -> dict[str, int]:
         return {}
     stats = torch.cuda.memory_stats(device)
     out = {k: int(stats.get(k, 0)) for k in ALLOCATOR}
-    from hybridmem.runtime import cpumeter
+    from hybridmem.native import cpumeter
 
     native = cpumeter.load()
     out["callback_calls"] = native.cuda_calls if native is not None else 0
@@ -520,7 +520,7 @@ def table(results: list[Result]) -> list[str]:
 
 
 def environment(device: torch.device, link: tuple[float, float] | None) -> list[str]:
-    from hybridmem.runtime import cpumeter
+    from hybridmem.native import cpumeter
 
     native = cpumeter.load()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"

@@ -293,13 +293,13 @@ def _leftover(device: torch.device, what: str) -> None:
 
 
 def _native():
-    from hybridmem.runtime import cpumeter
+    from hybridmem.native import cpumeter
     return cpumeter.load()
 
 
 def hook_lines(device: torch.device) -> list[str]:
     """What enforces the budget on this device: the native library, the CUDA hook, or why not."""
-    from hybridmem.runtime import cpumeter
+    from hybridmem.native import cpumeter
 
     native = cpumeter.load()
     if native is None:

@@ -328,7 +328,7 @@ def report(**out):
 
 # Steps of a zoo model, unmanaged or under a budget: per step its time, peaks, allocator counter deltas, steady.
 _EAGER_STEPS = _EAGER_PRELUDE + """
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.zoo import build
 torch.backends.cudnn.benchmark = spec.get("benchmark", False)
 entry = build(spec["model"], spec["size"], device=dev)

@@ -10,7 +10,7 @@ import pytest
 
 from bench.fidelity import GRADS, measure
 from bench.fidelity_models import BUILDERS
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.zoo import MODELS
 
 pytestmark = [pytest.mark.slow,

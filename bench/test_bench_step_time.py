@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from bench.step_time import measure
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.zoo import MODELS
 
 pytestmark = [pytest.mark.slow,

@@ -43,7 +43,7 @@ class Config:
     lossy: tuple[str, ...] = ()          # lossy codecs allowed for compress (e.g. 'bf16'); none by default
     verbose: bool = False
     # Without a budget or plan, what measures: "allocator" (the allocator's own counters: CUDA's
-    # statistics, or on the CPU hybridmem.runtime.cpumeter; nothing per op), "ops" (every op through a dispatch
+    # statistics, or on the CPU hybridmem.native.cpumeter; nothing per op), "ops" (every op through a dispatch
     # mode: the cap's units, stages, min_budget_bytes), "auto" (allocator on CUDA, and on the CPU where the
     # native meter builds, else ops).
     monitor: str = "auto"

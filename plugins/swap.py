@@ -24,7 +24,7 @@ device copy without a second D2H copy. On the CPU (the simulated device) the sam
 synchronously: the host copy is a separate CPU tensor and dropping the "device" tensor frees its bytes.
 
 While the current CUDA stream captures a graph nothing is swapped (``applicable`` is False: pinned
-allocation and event queries are illegal there) and no event is queried (:mod:`hybridmem.runtime.capture`).
+allocation and event queries are illegal there) and no event is queried (:mod:`hybridmem.native.capture`).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import torch
 
 from hybridmem.graph.costs import get_cost_model
 from hybridmem.graph.units import parse_bytes
-from hybridmem.runtime.capture import capturing
+from hybridmem.native.capture import capturing
 
 from .base import EntryView as Entry  # the policy's view of the runtime's record
 from .codecs import Geometry, Stamp, entry_version, flat_view, supported

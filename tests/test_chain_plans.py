@@ -24,7 +24,7 @@ from torch import nn
 
 import hybridmem
 from hybridmem.errors import BudgetInfeasibleError
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from tests.helpers.runtime import Case, train
 
 pytestmark = pytest.mark.skipif(cpumeter.load() is None,

@@ -21,7 +21,7 @@ from torch import nn
 import hybridmem
 from hybridmem.compile import CompileStats, compile_backend
 from hybridmem.errors import BudgetInfeasibleError, UnknownNameError
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.zoo import MODELS, build
 from tests.helpers import bit_equal
 from tests.helpers.models import BasicBlock

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hybridmem.compile import codec_ops, compile_backend
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from tests.helpers import bit_equal
 from tests.helpers.peaks import real_peak
 

@@ -18,7 +18,7 @@ from torch import nn
 from hybridmem.compile import compile_backend
 from hybridmem.compile.room import Replannable, reserve
 from hybridmem.graph.ir import Graph, Stage, TensorInfo
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from tests.helpers import bit_equal
 from tests.helpers.peaks import real_peak
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import hybridmem
 from hybridmem.compile import compile_backend
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from tests.helpers.models import BasicBlock
 from tests.helpers.peaks import real_peak
 

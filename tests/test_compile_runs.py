@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hybridmem.compile import compile_backend
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from tests.helpers import bit_equal
 from tests.helpers.peaks import real_peak
 

@@ -10,7 +10,7 @@ from torch import nn
 import hybridmem
 from hybridmem.errors import CaptureError
 from hybridmem.graph.capture import capture
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.zoo import build
 from bench.fidelity import trained
 from tests.helpers.peaks import real_peak

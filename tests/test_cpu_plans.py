@@ -21,7 +21,7 @@ from hybridmem.errors import BudgetInfeasibleError
 from hybridmem.graph.costs import (MeasuredCostModel, apply_costs, copies_overlap, get_cost_model, planning_model,
                                    without_swaps)
 from hybridmem.graph.simulate import simulate
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.zoo import build
 from tests.helpers.runtime import Case, train
 

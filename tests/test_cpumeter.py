@@ -1,4 +1,4 @@
-"""Native CPU allocator meter (hybridmem/runtime/cpumeter.py + _cpumeter.cpp): exact byte counts, lookup by
+"""Native CPU allocator meter (hybridmem/native/cpumeter.py + _cpumeter.cpp): exact byte counts, lookup by
 data pointer, install/uninstall, threads, bit-identical training steps, and the unavailable paths."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.runtime.meter import profiler_peak
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in the root conftest.py
@@ -314,7 +314,7 @@ def test_training_step_bit_identical_and_peak_bounds(native, case):
 def test_disabled_and_build_failure_give_none_with_reason(tmp_path):
     script = textwrap.dedent("""
         import os
-        from hybridmem.runtime import cpumeter
+        from hybridmem.native import cpumeter
         os.environ["HYBRIDMEM_NATIVE"] = "0"
         assert cpumeter.load() is None
         print("disabled:", cpumeter.unavailable_reason())

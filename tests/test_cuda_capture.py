@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hybridmem.plugins.swap import PinnedPool, SwapPolicy, _CudaTransport
-from hybridmem.runtime import capture, rng
+from hybridmem.native import capture
+from hybridmem.runtime import rng
 from tests.helpers import entry_of
 from tests.helpers.fakecuda import FakeCuda, FakeEvent, HostPool
 

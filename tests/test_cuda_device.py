@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import hybridmem.runtime as runtime
-from hybridmem.runtime import allocconf
-from hybridmem.runtime.allocconf import EXPANDABLE_SLACK, SavedAllocator, prefer_expandable_segments
+from hybridmem.native import allocconf
+from hybridmem.native.allocconf import EXPANDABLE_SLACK, SavedAllocator, prefer_expandable_segments
 from hybridmem.runtime.device import NativeDevice
 from hybridmem.runtime.meter import Meter
 

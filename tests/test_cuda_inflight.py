@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from hybridmem.plugins.swap import INFLIGHT_MAX, INFLIGHT_MIN, SwapPolicy, _CudaTransport, inflight_bound
-from hybridmem.runtime import cpumeter
-from hybridmem.runtime.allocconf import EXPANDABLE_SLACK
+from hybridmem.native import cpumeter
+from hybridmem.native.allocconf import EXPANDABLE_SLACK
 from tests.helpers import bit_equal, entry_of
 from tests.helpers.fakecuda import FakeCuda, FakeEvent, HostPool
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 
 SOURCE = Path(cpumeter.__file__).with_name("_cpumeter.cpp")
 TORCH = Path(torch.__file__).resolve().parent

@@ -1,10 +1,12 @@
-"""The import layers: graph/, solvers/, plugins/ and compile/ stand below the runtime, and no new import
-cycle comes in. Read from the source (ast), every import counted: top-level, inside functions, and the
-type-only ones under ``TYPE_CHECKING`` (a type-only back-edge is a cycle waiting for its first real import)."""
+"""The import layers: native/ stands below everything and imports only torch and the standard library;
+graph/, solvers/, plugins/ and compile/ stand below the runtime, and no new import cycle comes in. Read
+from the source (ast), every import counted: top-level, inside functions, and the type-only ones under
+``TYPE_CHECKING`` (a type-only back-edge is a cycle waiting for its first real import)."""
 from __future__ import annotations
 
 import ast
 import itertools
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,18 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"hybridmem": ROOT / "hybridmem", "hybridmem.solvers": ROOT / "solvers",
             "hybridmem.plugins": ROOT / "plugins", "hybridmem.bench": ROOT / "bench"}
 RUNTIME = "hybridmem.runtime"
+NATIVE = "hybridmem.native"
 BELOW_RUNTIME = ("hybridmem.graph", "hybridmem.solvers", "hybridmem.plugins", "hybridmem.compile")
+# What native/ may import beyond itself: torch (its C++ headers and libraries are what it builds against)
+# and the standard library; no other third-party package, no other part of hybridmem.
+NATIVE_MAY_IMPORT = {"torch", *sys.stdlib_module_names}
 
 # Runtime modules a lower layer may still import. The list may only shrink.
 ALLOWED_RUNTIME_IMPORTS = {
     # the leaf meter that measured peaks read
     ("hybridmem.compile.measured", "hybridmem.runtime.meter"),
-    # the native CPU meter stays in runtime/ until it moves below it (hybridmem/native/)
-    ("hybridmem.compile.backend", "hybridmem.runtime.cpumeter"),
-    ("hybridmem.compile.measured", "hybridmem.runtime.cpumeter"),
-    ("hybridmem.graph.capture", "hybridmem.runtime.cpumeter"),
-    # a torch-only leaf (is a CUDA graph being captured), to move below the runtime with it
-    ("hybridmem.plugins.swap", "hybridmem.runtime.capture"),
 }
 
 # The import cycles there are, as the edges inside them (a -> b: a imports b). The list may only shrink:
@@ -63,8 +63,9 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The modules of ``known`` that module ``name`` imports, anywhere in it."""
+def all_imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Every module that module ``name`` imports, anywhere in it, by absolute dotted name (third-party and
+    standard-library ones included)."""
     here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -77,7 +78,12 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 base = f"hybridmem.{base}"
             # `from pkg import mod` imports the module pkg.mod; `from mod import name` the module mod
             found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
-    return {m for m in found if m in known and m != name}
+    return found - {name}
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports, anywhere in it."""
+    return {m for m in all_imports(name, path, known) if m in known}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -120,6 +126,15 @@ def cycle_edges(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
 
 def in_runtime(name: str) -> bool:
     return name == RUNTIME or name.startswith(RUNTIME + ".")
+
+
+def test_native_imports_only_torch_and_the_standard_library() -> None:
+    known = modules()
+    native = {name: path for name, path in known.items() if name == NATIVE or name.startswith(NATIVE + ".")}
+    assert {f"{NATIVE}.{m}" for m in ("cpumeter", "build", "counters", "allocconf", "capture")} <= set(native)
+    found = {(name, m) for name, path in native.items() for m in all_imports(name, path, known)
+             if not (m == NATIVE or m.startswith(NATIVE + ".") or m.split(".")[0] in NATIVE_MAY_IMPORT)}
+    assert found == set(), sorted(found)
 
 
 def test_lower_layers_import_nothing_from_the_runtime() -> None:

@@ -14,7 +14,7 @@ from torch import nn
 import hybridmem
 from hybridmem import solvers
 from hybridmem.graph.costs import apply_costs, planning_model, without_swaps
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from tests.helpers.runtime import snapshot
 
 torch.set_num_threads(1)

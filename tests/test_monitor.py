@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import hybridmem
-from hybridmem.runtime.cpumeter import load, unavailable_reason
+from hybridmem.native.cpumeter import load, unavailable_reason
 from hybridmem.runtime.monitor import NOTE
 from tests.helpers.runtime import Case, run
 from tests.helpers.zoo import FAST, OPTIM, SLOW, zoo_case

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 
 MIB = 1 << 20
 _use_count = torch._C._storage_Use_Count

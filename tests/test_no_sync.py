@@ -19,7 +19,7 @@ import torch
 import hybridmem
 from hybridmem.plugins import codecs
 from hybridmem.plugins.compress import CompressPolicy
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.runtime.entry import Entry
 from hybridmem.runtime.meter import Meter
 from hybridmem.runtime.mode import RuntimeMode

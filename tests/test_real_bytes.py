@@ -22,7 +22,7 @@ from torch import nn
 import hybridmem
 from bench.gpu_check import compressible_bytes
 from hybridmem.zoo import build
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from tests.helpers.models import BasicBlock
 from tests.helpers.peaks import real_peak
 from tests.helpers.runtime import min_budget_of

@@ -14,7 +14,7 @@ import hybridmem
 from hybridmem.plugins.base import EvictionDeclined
 from hybridmem.plugins.compress import CompressPolicy
 from hybridmem.plugins.swap import SwapPolicy
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.runtime.meter import Meter
 from hybridmem.runtime.residency import RegenerationMismatch, Residency
 from hybridmem.zoo import build

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import hybridmem
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from tests.helpers.runtime import in_fresh_process
 from tests.helpers.steady import (budget_run as _budget_run,
                                   recompute_stats as _rc, steady_real_bytes as _steady_real_bytes,

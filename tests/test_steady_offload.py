@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import hybridmem
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.plugins.swap import _CudaTransport
 from tests.helpers.fakecuda import FakeCuda, HostPool
 from tests.helpers.steady import (monitor_peak as _monitor_peak, steady_real_bytes, train_steps as _train,

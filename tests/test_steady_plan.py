@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import hybridmem
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.runtime.device import PLAN_KEEPS_LAST, planned_first
 from tests.helpers.runtime import Case, train
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.runtime.lineage import OPAQUE, FixedRef, Node, NodeRef, OpRecord, View
 from hybridmem.runtime.replay import Replayer, _own_reason
 from tests.helpers.steady import budget_run as _budget_run, train_steps as _train

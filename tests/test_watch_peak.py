@@ -16,7 +16,7 @@ import torch
 
 import hybridmem
 from bench.fidelity_models import gpt2_tiny, mobilenet_v2, resnet18
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from hybridmem.zoo import MODELS, build
 from tests.helpers.peaks import real_peak
 

@@ -36,7 +36,7 @@ from ..devices import budget_needs_cuda, parse_device_budget, resolve_device
 from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import get_cost_model
 from ..graph.units import fmt_bytes
-from ..runtime import cpumeter
+from ..native import cpumeter
 from . import codec_ops
 from . import trial as trial_mod
 from . import tuning

@@ -1,7 +1,7 @@
 """The real peak of compiled steps, beside the plan's prediction (``CompileStats.measured_peak_bytes``).
 
 On CUDA it is the caching allocator's ``max_memory_allocated``. On the CPU it is the native allocator
-meter (:mod:`hybridmem.runtime.cpumeter`), installed when the first region compiles: every allocation
+meter (:mod:`hybridmem.native.cpumeter`), installed when the first region compiles: every allocation
 from then on counts, and the training state from before (parameters, buffers, inputs, the optimizer's
 state when the backend was given the optimizer) counts once a compiled region first reads it, for as
 long as it lives. Compiling is not a step: the allocations of a compile (the scratch measurement, the
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..runtime.cpumeter import load, unavailable_reason
+from ..native.cpumeter import load, unavailable_reason
 from ..runtime.meter import Meter
 
 __all__ = ["StepPeak"]

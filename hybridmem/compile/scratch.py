@@ -3,7 +3,7 @@
 A compiled step calls the same library kernels as an eager one for its FLOP-heavy ops, and those
 allocate scratch (im2col buffers, reordered weights) beyond their inputs and outputs. The graph's
 ``Stage.workspace`` gets it by running each such op once on zero-filled inputs of its shapes and
-reading the allocator's peak inside the call: the native CPU meter (:mod:`hybridmem.runtime.cpumeter`)
+reading the allocator's peak inside the call: the native CPU meter (:mod:`hybridmem.native.cpumeter`)
 on the CPU, the caching allocator's peak on CUDA. Ops with the same signature are measured once.
 
 Where Inductor's layout optimization will run the convolutions in channels-last (on the CPU with oneDNN it

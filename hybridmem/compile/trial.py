@@ -7,7 +7,7 @@ recomputed BatchNorm-ReLU inside the next BatchNorm's backward kernel). Only run
 says what it holds. :func:`run` calls the compiled region once on the example inputs ``torch.compile``
 gave the backend (the first call's parameters, buffers and batch), then its backward with
 ``torch.autograd.grad`` (ones as the outputs' gradients), and reads the allocator's peak in between:
-the native CPU meter (:mod:`hybridmem.runtime.cpumeter`) on the CPU, the caching allocator on CUDA.
+the native CPU meter (:mod:`hybridmem.native.cpumeter`) on the CPU, the caching allocator on CUDA.
 
 Nothing the user holds changes: random ops draw from a copy of the random state (``fork_rng``), the
 inputs the region writes in place (BatchNorm's running statistics) get their values back, and no

@@ -52,7 +52,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CaptureError
-from ..runtime.cpumeter import load as load_native_meter, unavailable_reason
+from ..native.cpumeter import load as load_native_meter, unavailable_reason
 from .costs import resolve_cost_model, set_stage_costs
 from .ir import Graph, link_consumers
 from .merge import merge_stages, module_groups

@@ -90,7 +90,7 @@ def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFA
     ``config``: YAML file or mapping. Precedence: arguments > ``HYBRIDMEM_*`` variables > YAML > defaults
     (``policies`` left at its default does not override ``HYBRIDMEM_POLICIES``). ``monitor`` (without a
     budget or plan): ``"allocator"`` reads the allocator's counters, nothing per op (on the CPU the native
-    meter of :mod:`hybridmem.runtime.cpumeter`); ``"ops"`` meters every op (the cap's units, stages,
+    meter of :mod:`hybridmem.native.cpumeter`); ``"ops"`` meters every op (the cap's units, stages,
     ``min_budget_bytes``); ``"auto"`` (default): allocator on CUDA, and on the CPU where the native meter
     builds, else ops. ``compile`` (or ``HYBRIDMEM_COMPILE=1``): instead of the eager runtime, ``torch.compile`` calls
     that name no backend plan each compiled region under the budget (:mod:`hybridmem.compile.session`);

@@ -31,9 +31,9 @@ from ..graph.optstate import optimizer_state
 from ..graph.plan import Plan
 from .ledger import TensorLog
 from . import ckpt
-from .allocconf import SavedAllocator
-from .capture import capturing
-from .cpumeter import load, unavailable_reason
+from ..native.allocconf import SavedAllocator
+from ..native.capture import capturing
+from ..native.cpumeter import load, unavailable_reason
 from .estimate import OutputEstimator
 from .device import cuda_usable, native_device, planned_first
 from .fixed import FixedMarker

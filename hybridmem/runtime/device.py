@@ -1,7 +1,7 @@
 """The budget caps what the allocator holds: the native allocator device, wired into a runtime.
 
 On the CPU, with a budget or a plan, the runtime installs hybridmem's wrapper around PyTorch's CPU
-allocator (:mod:`hybridmem.runtime.cpumeter`) as the managed device:
+allocator (:mod:`hybridmem.native.cpumeter`) as the managed device:
 
 - its bytes are every allocation of the process made through the allocator (kernel scratch and oneDNN
   buffers included) plus the training state from before it was installed: the parameters, buffers and
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .allocconf import EXPANDABLE_SLACK, SavedAllocator
-from .cpumeter import cuda_note, load, unavailable_reason
+from ..native.allocconf import EXPANDABLE_SLACK, SavedAllocator
+from ..native.cpumeter import cuda_note, load, unavailable_reason
 from .entry import Entry
 from .meter import cap_cuda
 

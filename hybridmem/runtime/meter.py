@@ -38,7 +38,7 @@ disables a dispatch mode while its handler runs), so call :meth:`Meter.track` fo
 allocated there.
 
 **CPU: the allocator as the device** (:meth:`Meter.attach_native`). The runtime gives the meter the native
-allocator device (:mod:`hybridmem.runtime.cpumeter`) when it builds: ``current_bytes``/``peak_bytes`` are then
+allocator device (:mod:`hybridmem.native.cpumeter`) when it builds: ``current_bytes``/``peak_bytes`` are then
 what PyTorch's CPU allocator holds (kernel scratch included) plus the training state allocated before it
 was installed (:meth:`Meter.count_external`: module state passed to :meth:`Meter.track`, saved inputs;
 counted once each while they live), and the allocator itself enforces the budget at allocation time. The
@@ -62,8 +62,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..graph.ops import op_info, written_tensors
 from ..graph.outputs import output_tensors, storage_of
-from .allocconf import prefer_expandable_segments
-from .counters import CudaCounters, cuda_counters
+from ..native.allocconf import prefer_expandable_segments
+from ..native.counters import CudaCounters, cuda_counters
 from .distributed import plain_storages
 from ..graph.units import fmt_bytes, parse_bytes
 
@@ -157,7 +157,7 @@ class Meter:
         self.on_exhausted: Callable[[int, str, int | None], BaseException | None] | None = None
 
     def attach_native(self, native: Any) -> None:
-        """Read bytes from the native allocator device (:class:`hybridmem.runtime.cpumeter.CpuAllocatorMeter`),
+        """Read bytes from the native allocator device (:class:`hybridmem.native.cpumeter.CpuAllocatorMeter`),
         counting the storages from before its install that this meter has seen (again, after a detach)."""
         self.native = native
         self._native_current = native.current_fn  # read once or twice per op: the C function itself

@@ -1,6 +1,6 @@
 """Monitor-only with nothing per op in Python: the allocator's own counters instead of a dispatch mode.
 
-``enable(budget=None)`` on the CPU measures through :mod:`hybridmem.runtime.cpumeter` (a C++ wrapper around
+``enable(budget=None)`` on the CPU measures through :mod:`hybridmem.native.cpumeter` (a C++ wrapper around
 PyTorch's CPU allocator) when it builds here: no dispatch mode, so an op costs what it costs without
 hybridmem. What Python still does is per saved tensor and per module call, not per op:
 
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .counters import CudaCounters
-from .cpumeter import CpuAllocatorMeter
+from ..native.counters import CudaCounters
+from ..native.cpumeter import CpuAllocatorMeter
 from ..graph.stepparts import optimizers_of
 from .distributed import is_parameter_view, is_traceable_wrapper_subclass, plain_storages
 from .saved import Kept, _modified

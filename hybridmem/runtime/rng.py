@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .capture import capturing
+from ..native.capture import capturing
 
 Tensor = torch.Tensor
 CAPTURED = b""  # the CUDA state of an op recorded during graph capture: unknown, not replayable

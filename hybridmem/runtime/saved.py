@@ -10,7 +10,7 @@ Without a budget or a plan nothing is ever evicted, so the runtime installs :met
 instead: it only counts each activation storage once per step for ``Stats.saved_bytes`` and keeps
 the tensor (a *kept* handle): no entry, no view, no handle with a finalizer per save.
 
-With the native allocator device (:mod:`hybridmem.runtime.cpumeter`), an entry that recompute can rebuild is
+With the native allocator device (:mod:`hybridmem.native.cpumeter`), an entry that recompute can rebuild is
 *registered* with the allocator once the device nears its budget (:meth:`SavedStore.register_pending`,
 called by the dispatch mode; far below the budget nothing is registered, which costs nothing): from then
 on the allocator may free its bytes at any allocation that would cross the budget, as long as only the

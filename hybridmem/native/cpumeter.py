@@ -31,34 +31,26 @@ one allocated while installed and freed after uninstall stays counted (and known
 until its address is allocated through the meter again. Convolutions free their oneDNN buffers
 before returning, so this only matters when install/uninstall happens while such a buffer is alive.
 
-The source is compiled on first use with the system C++ compiler (``$CXX``, else ``c++``/``g++``)
-against torch's c10 headers and ``libc10`` (a few seconds, no pybind11), cached in
-``$HYBRIDMEM_CACHE_DIR`` or ``~/.cache/hybridmem`` (a temporary directory when neither is writable)
-under a name hashing the source, the torch version, the compiler and its flags, and loaded with
-:mod:`ctypes`. ``HYBRIDMEM_NATIVE=0`` disables it. Any failure (no compiler, compile or load error)
-makes :func:`load` return None and :func:`unavailable_reason` say why; nothing is raised on import.
-The loaded library is never unloaded: deleters of live tensors point into it.
+The source is compiled on first use with the system C++ compiler and cached (:mod:`.build` says how and
+why not through ``torch.utils.cpp_extension``). ``HYBRIDMEM_NATIVE=0`` disables it. Any failure (no
+compiler, compile or load error) makes :func:`load` return None and :func:`unavailable_reason` say why;
+nothing is raised on import. The loaded library is never unloaded: deleters of live tensors point into it.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shlex
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from .build import open_library
+
 __all__ = ["CpuAllocatorMeter", "load", "unavailable_reason", "library_path", "cuda_note"]
 
-_SOURCE = Path(__file__).with_name("_cpumeter.cpp")
 _LOCK = threading.Lock()
 _TRIED = False
 _METER: CpuAllocatorMeter | None = None
@@ -325,131 +317,16 @@ def load() -> CpuAllocatorMeter | None:
         return _METER
 
 
-def _compiler() -> list[str] | None:
-    cxx = os.environ.get("CXX")
-    if cxx:
-        return shlex.split(cxx)
-    for name in ("c++", "g++", "clang++"):
-        found = shutil.which(name)
-        if found:
-            return [found]
-    return None
-
-
-def _cuda_flags(torch_dir: Path) -> tuple[list[str], str | None]:
-    """Extra flags for the CUDA caching-allocator hook, or ([], why not)."""
-    if os.environ.get("HYBRIDMEM_CUDA_HOOK", "1").strip().lower() in ("0", "false", "no", "off"):
-        return [], "disabled by HYBRIDMEM_CUDA_HOOK=0"
-    if torch.version.cuda is None:
-        return [], "this torch build has no CUDA"
-    lib_dir = torch_dir / "lib"
-    if not (lib_dir / "libc10_cuda.so").is_file():
-        return [], f"libc10_cuda.so not found in {lib_dir}"
-    includes = [torch_dir / "include"]
-    # cuda_runtime_api.h: a CUDA toolkit, or the nvidia-cuda-runtime / -crt wheels next to torch
-    roots = [Path(os.environ[k]) for k in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(k)] + [Path("/usr/local/cuda")]
-    nvidia = torch_dir.parent / "nvidia"
-    roots += sorted(nvidia.glob("cu*")) + sorted(nvidia.glob("cuda_runtime")) + sorted(nvidia.glob("cuda_crt"))
-    found = [r / "include" for r in roots if (r / "include").is_dir()]
-    if not any((d / "cuda_runtime_api.h").is_file() for d in found):
-        return [], "CUDA headers (cuda_runtime_api.h) not found: set CUDA_HOME or pip install nvidia-cuda-runtime"
-    flags = ["-DHM_WITH_CUDA"]
-    for d in includes + found:
-        flags += ["-I", str(d)]
-    return flags + ["-lc10_cuda"], None
-
-
-def _flags() -> list[str]:
-    global _CUDA_NOTE
-    torch_dir = Path(torch.__file__).resolve().parent
-    lib_dir = torch_dir / "lib"
-    abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
-    cuda, _CUDA_NOTE = _cuda_flags(torch_dir)
-    # Placed after the source on the command line: with -lc10 before it the linker drops libc10
-    # and dlopen fails with "undefined symbol: typeinfo for c10::Allocator". The rpath makes the
-    # library resolve to the libc10 torch already loaded (same path, so the loader reuses it).
-    return ["-O2", "-shared", "-fPIC", "-std=c++20", "-fvisibility=hidden",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-I", str(torch_dir / "include"),
-            "-L", str(lib_dir), f"-Wl,-rpath,{lib_dir}", "-lc10", *cuda]
-
-
-def _cache_dirs() -> list[Path]:
-    env = os.environ.get("HYBRIDMEM_CACHE_DIR")
-    if env:
-        return [Path(env)]
-    return [Path.home() / ".cache" / "hybridmem",
-            Path(tempfile.gettempdir()) / f"hybridmem-{os.getuid() if hasattr(os, 'getuid') else 'user'}"]
-
-
-def _writable_dir(candidates: list[Path]) -> Path | None:
-    for d in candidates:
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            if os.access(d, os.W_OK):
-                return d
-        except OSError:
-            continue
-    return None
-
-
 def _load() -> tuple[CpuAllocatorMeter | None, str | None]:
+    global _CUDA_NOTE
     if os.environ.get("HYBRIDMEM_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None, "disabled by HYBRIDMEM_NATIVE=0"
-    if not sys.platform.startswith("linux"):
-        return None, f"native CPU meter supports Linux only (platform {sys.platform})"
-    if not _SOURCE.is_file():
-        return None, f"source {_SOURCE} is missing"
-    cxx = _compiler()
-    if cxx is None:
-        return None, "no C++ compiler found (set $CXX or install c++/g++)"
-    source = _SOURCE.read_bytes()
-    flags = _flags()
-    key = hashlib.sha256(b"\0".join([source, torch.__version__.encode(),
-                                     " ".join(cxx + flags).encode()])).hexdigest()[:16]
-    directory = _writable_dir(_cache_dirs())
-    if directory is None:
-        return None, f"no writable cache directory among {[str(d) for d in _cache_dirs()]}"
-    target = directory / f"_cpumeter-{key}.so"
-    cached = target.is_file()
-    if not cached:
-        error = _build(cxx, flags, directory, target)
-        if error is not None:
-            return None, error
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as e:
-        if not cached:
-            return None, f"loading {target} failed: {e}"
-        # A damaged cache entry (e.g. a disk filled up mid-copy): build it again once.
-        error = _build(cxx, flags, directory, target)
-        if error is not None:
-            return None, error
-        try:
-            lib = ctypes.CDLL(str(target))
-        except OSError as e2:
-            return None, f"loading {target} failed: {e2}"
-    _declare(lib)
-    return CpuAllocatorMeter(lib, target), None
-
-
-def _build(cxx: list[str], flags: list[str], directory: Path, target: Path) -> str | None:
-    """Compiles into a temporary file in ``directory`` and renames it onto ``target`` (atomic: two
-    processes building at once both end with a complete library). Returns an error line or None."""
-    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=directory)
-    os.close(fd)
-    cmd = [*cxx, str(_SOURCE), "-o", tmp, *flags]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.SubprocessError) as e:
-        os.unlink(tmp)
-        return f"compiler {cxx[0]!r} could not run: {e}"
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        first = next((line for line in proc.stderr.splitlines() if "error" in line.lower()),
-                     proc.stderr.strip().splitlines()[0] if proc.stderr.strip() else "")
-        return f"compiling {_SOURCE.name} with {cxx[0]!r} failed (exit {proc.returncode}): {first.strip()}"
-    os.replace(tmp, target)
-    return None
+    opened = open_library()
+    _CUDA_NOTE = opened.cuda_note
+    if opened.lib is None or opened.path is None:
+        return None, opened.reason
+    _declare(opened.lib)
+    return CpuAllocatorMeter(opened.lib, opened.path), None
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -3,7 +3,8 @@
 // With HM_WITH_CUDA the same registry is reached from the CUDA caching allocator through a c10
 // free-memory callback (FreeCudaMemoryCallbacksRegistry).
 //
-// Built and loaded by hybridmem/cpumeter.py (plain C ABI, ctypes; c10 headers only, no pybind11).
+// Built by hybridmem/native/build.py, loaded by cpumeter.py (plain C ABI, ctypes; c10 headers only, no
+// pybind11).
 //
 // The cap
 // - hm_set_budget(b): an allocation that would take current (+ external) bytes over b first asks the

@@ -6,8 +6,8 @@ does not fit under the cap (GPT-2 small at ``torch.utils.checkpoint``'s peak was
 its cap unallocated, H100, 2026-12-05). With expandable segments each stream's memory is one virtual
 range mapped page by page, so freed blocks coalesce with their neighbours and the cap counts pages
 actually mapped. Setting it affects segments made from then on, so the runtime sets it before it empties
-the allocator's cache (:func:`~.meter.cap_cuda`), and the environment-variable path does so before the
-program's first CUDA allocation.
+the allocator's cache (:func:`hybridmem.runtime.meter.cap_cuda`), and the environment-variable path does
+so before the program's first CUDA allocation.
 
 The user's own setting wins: where ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``, or the
 allocator's current settings string) names ``expandable_segments`` it is left as it is, and
