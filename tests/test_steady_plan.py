@@ -1,6 +1,6 @@
 """A followed plan in the steady state: step 1 verifies it, step 2 follows it under the dispatch mode and
 is recorded, and later steps run without the dispatch mode, the allocator freeing what the plan
-recomputes before anything else (``hybridmem.runtime.device.planned_first``).
+recomputes before anything else (``hybridmem.runtime.steady_control.planned_first``).
 
 The model is a torchvision-style inverted-residual network built here (expansion, depthwise convolution,
 BatchNorm, ReLU6, dropout before the classifier), not a zoo model. Every run is compared with an
@@ -18,7 +18,7 @@ from torch import nn
 
 import hybridmem
 from hybridmem.native import cpumeter
-from hybridmem.runtime.device import PLAN_KEEPS_LAST, planned_first
+from hybridmem.runtime.steady_control import PLAN_KEEPS_LAST, planned_first
 from tests.helpers.runtime import Case, train
 
 torch.set_num_threads(1)

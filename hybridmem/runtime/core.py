@@ -1,5 +1,9 @@
 """The runtime object: builds the pieces for one configuration, installs and removes the hooks.
 
+Its other jobs live beside it: the hooks that start steps and save and read tensors
+(:mod:`.step_hooks`), and the choice between the dispatch mode and the steady state
+(:mod:`.steady_control`); :class:`Runtime` is made of them.
+
 Pieces (one job each): :class:`~.produced.ProducedTable` (which storages are activations),
 :class:`~.saved.SavedStore` (saved-tensor hooks and entries), :class:`~.residency.Residency` (the cap:
 evict, regenerate, out-of-memory), :class:`~.lineage.Recorder`/:class:`~.replay.Replayer` (recompute),
@@ -8,7 +12,6 @@ and :class:`~.mode.RuntimeMode`, which calls them around every op.
 """
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,40 +26,32 @@ from .buckets import BucketSwitch
 from ..config import Config
 from ..devices import cost_model_for, device_budget_bytes, resolve_device
 from .distributed import FsdpStorageSync
-from ..errors import CaptureError, UnknownNameError
+from ..errors import UnknownNameError
 from .meter import Meter
 from ..graph.units import fmt_bytes, parse_bytes
-from ..graph.outputs import storage_of
-from ..graph.optstate import optimizer_state
 from ..graph.plan import Plan
 from .ledger import TensorLog
 from . import ckpt
 from ..native.allocconf import SavedAllocator
-from ..native.capture import capturing
 from ..native.cpumeter import load, unavailable_reason
 from .estimate import OutputEstimator
-from .device import cuda_usable, native_device, planned_first
+from .device import cuda_usable, native_device
 from .fixed import FixedMarker
 from .follow import PlanFollower
 from .lineage import OpCost, Recorder
 from .replay import Replayer
-from .rng import rng_state
 from .mode import RuntimeMode
 from .monitor import NOTE as MONITOR_NOTE, NOTE_CUDA as MONITOR_NOTE_CUDA, AllocatorMonitor, CudaAllocatorView
 from .prefetch import Prefetcher
 from .produced import ProducedTable
-from .program import ProgramRecorder, StepProgram
-from .programs import ProgramSet, signature_of
+from .program import StepProgram
 from .residency import NoMode, Residency
-from .saved import REGISTER_BELOW, Saved, SavedStore
-from .steady import SteadyParts, SteadyStep
+from .saved import SavedStore
+from .steady_control import SteadyControl
+from .step_hooks import StepHooks
 from .stats import Stats, StatsRecorder
-from .steps import FORWARD, IDLE, Clock, StepTracker
+from .steps import IDLE, Clock, StepTracker
 from .threads import OwnerThread, drop_hooks, leave_mode
-
-
-# A step with new input sizes follows the program of the nearest ones this many times before it is recorded
-SCALED_FOLLOWS = 2
 
 # keys of the 'plugins' section that are not policies
 RUNTIME_EXTRA = ("cost_model", "cuda_cap", "expandable", "light", "steady", "steady_cuda", "survey", "verify",
@@ -116,7 +111,7 @@ def resolve_plan(plan: Any) -> Plan | None:
     raise ValueError(f"plan must be a Plan, a path to a plan file, or None; got {type(plan).__name__}")
 
 
-class Runtime:
+class Runtime(StepHooks, SteadyControl):
     """One enabled configuration. ``install`` starts managing the calling thread; ``uninstall`` stops."""
 
     def __init__(self, cfg: Config, plan: Plan | None = None):
@@ -139,16 +134,7 @@ class Runtime:
         self.residency = Residency(self.store, self.policies, self.meter, self.stats, self.budget)
         if cfg.extra.get("verify", False):
             self.residency.verify = {}
-        room = parse_bytes(cfg.extra.get("workspace") or 0, what="plugins: workspace")
-        if room and self.budget is not None:
-            if room >= self.budget:
-                raise ValueError(f"plugins: workspace {fmt_bytes(room)}: expected less than the budget "
-                                 f"({fmt_bytes(self.budget)}); it is the room kept free beside the count")
-            # kernels allocate workspaces inside an op, where the count does not see them: cuDNN runs a
-            # convolution with another plan (rounding differently) where the cap refuses its plan's workspace
-            self.residency.reserve += room
-            self.residency.workspace = room
-            self.stats.note(f"{fmt_bytes(room)} kept free beside the count at each op for kernels' workspaces")
+        self._keep_workspace(cfg)
         book = PlanBook.load(cfg.plan) if plan is None and is_book(cfg.plan) else None
         manages = self.budget is not None or plan is not None or book is not None
         self.recorder: Recorder | None = None
@@ -185,9 +171,41 @@ class Runtime:
         self._policy_step_ends = [h for p in self.policies.values() if (h := getattr(p, "step_ended", None))]
         self.mode: RuntimeMode | None = None
         self._hooks: Any = None
-        # Monitor-only through the allocator's counters with counting hooks, nothing per op (runtime.monitor):
-        # the native meter on the CPU, the caching allocator's counters on CUDA. ``plugins: {light: true}`` on
-        # CUDA: only its statistics, no hooks (saved bytes and steps not counted).
+        self._build_monitor(cfg, manages)
+        # The budget caps what the allocator holds, enforced at allocation time (runtime.device).
+        self.native = native_device(self, manages)
+        # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey)
+        if self.budget is not None and cfg.extra.get("survey", True):
+            self.residency.lift_cap = self.native.lift if self.native is not None else _no_cap
+        self.op_peak = self._op_peak()
+        # Nothing is ever evicted without a budget or a plan: saved tensors need no entries, only counting.
+        self._pack = self.store.pack if manages else self.store.pack_counting
+        # torch.utils.checkpoint regions run plainly under the online scorer's budget (runtime.ckpt)
+        self.takes_regions = self.budget is not None and plan is None and book is None and not self.light
+        self._init_steady(cfg)
+        self._init_hooks()
+        if self.recorder is not None:
+            self.recorder.on_random = self._random_recorded
+        self.survey_error: torch.OutOfMemoryError | None = None  # set by uninstall (runtime.survey)
+
+    def _keep_workspace(self, cfg: Config) -> None:
+        """``plugins: {workspace: ...}``: room kept free beside the count at each op."""
+        room = parse_bytes(cfg.extra.get("workspace") or 0, what="plugins: workspace")
+        if not room or self.budget is None:
+            return
+        if room >= self.budget:
+            raise ValueError(f"plugins: workspace {fmt_bytes(room)}: expected less than the budget "
+                             f"({fmt_bytes(self.budget)}); it is the room kept free beside the count")
+        # kernels allocate workspaces inside an op, where the count does not see them: cuDNN runs a
+        # convolution with another plan (rounding differently) where the cap refuses its plan's workspace
+        self.residency.reserve += room
+        self.residency.workspace = room
+        self.stats.note(f"{fmt_bytes(room)} kept free beside the count at each op for kernels' workspaces")
+
+    def _build_monitor(self, cfg: Config, manages: bool) -> None:
+        """Monitor-only through the allocator's counters with counting hooks, nothing per op (runtime.monitor):
+        the native meter on the CPU, the caching allocator's counters on CUDA. ``plugins: {light: true}`` on
+        CUDA: only its statistics, no hooks (saved bytes and steps not counted)."""
         self.allocator: AllocatorMonitor | None = None
         self.light = False
         kind = self._monitor_kind(cfg, manages)
@@ -201,58 +219,6 @@ class Runtime:
         elif kind == "allocator":
             self.allocator = AllocatorMonitor(load(), self.stats)  # _monitor_kind checked it loads
             self.stats.note(MONITOR_NOTE)
-        # The budget caps what the allocator holds, enforced at allocation time (runtime.device).
-        self.native = native_device(self, manages)
-        # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey)
-        if self.budget is not None and cfg.extra.get("survey", True):
-            self.residency.lift_cap = self.native.lift if self.native is not None else _no_cap
-        # a steady step's cap lets a refusal through, for its next hook to recover from (_recover)
-        self._soft = self.native is not None and self.residency.lift_cap is not None
-        self._soft_on = False  # the soft cap is on now (a steady step's own ops run)
-        self._retired: StepProgram | None = None  # the program a refusal retired this step
-        self.op_peak = self._op_peak()
-        # Nothing is ever evicted without a budget or a plan: saved tensors need no entries, only counting.
-        self._pack = self.store.pack if manages else self.store.pack_counting
-        # torch.utils.checkpoint regions run plainly under the online scorer's budget (runtime.ckpt)
-        self.takes_regions = self.budget is not None and plan is None and book is None and not self.light
-        # Steady state (runtime.program, runtime.steady): a step like the recorded one runs with the
-        # saved-tensor hooks alone. It needs the allocator to enforce the budget (the native device) and no
-        # per-stage work: a followed plan's recomputes become the allocator's order (_finish_program); what
-        # the recorded step evicted by swap or compress is evicted as it is saved.
-        self.steady_possible = (self.native is not None and self.buckets is None and cfg.extra.get("steady", True))
-        if self.steady_possible and self.device.type == "cuda" and not cfg.extra.get("steady_cuda", True):
-            self.steady_possible = False
-            self.stats.note("steady state: off on CUDA (plugins: {steady_cuda: false}): each op stays under the "
-                            "dispatch mode")
-        self._steady_parts = SteadyParts(
-            self._pack, self.store.pack_bound, self._bind, self._steady_after, self._diverged, self.store.keep,
-            self._far, self.stats.saved, self._offload, self.store.sole_owner,
-            # prefetch pays where copies overlap compute (CUDA side streams); on the simulated CPU device it
-            # is a synchronous regeneration done early, memory spent for nothing
-            self._prefetch_one if self.device.type == "cuda" else None, self.store.claim, self._pack_plain)
-        self._registrable = self.store.registrable  # the allocator's order without a plan (runtime.device)
-        self.plan_recomputes: set[Any] = set()      # program nodes a followed plan recomputes (steady state)
-        self.programs = ProgramSet()  # recorded programs by input signature (runtime.programs)
-        self._below: Any = None  # the dispatch mode under this runtime's when it left it for the steady state
-        self._scaled_seen: dict[Any, int] = {}  # signature -> steps that followed a program of other sizes
-        # the native CPU meter's peak window: how far the bytes rose between saves and reads of a recording
-        self._window = self.native.native if self.native is not None and self.device.type == "cpu" else None
-        self._gap_base, self._gap_most = -1, 0
-        self._program_rec: ProgramRecorder | None = None
-        self._steady: SteadyStep | None = None
-        self._packfn: Any = self._pack
-        self._evicted_before: dict[str, int] = {}
-        self._registered_before = 0
-        self._refused_before = 0
-        self._rescues_before: dict[str, int] = {}
-        self._calls = 0                      # module calls in this step (random ops' states are read at them)
-        self._last_random_call = -1          # the module call after which the last random op ran
-        self._module: torch.nn.Module | None = None
-        self._root_hook: Any = None  # the pre-hook that reads the step's inputs (_watch_inputs)
-        if self.recorder is not None:
-            self.recorder.on_random = self._random_recorded
-        self.mode_on = False  # the dispatch mode is entered (off during steady-state steps)
-        self.survey_error: torch.OutOfMemoryError | None = None  # set by uninstall (runtime.survey)
 
     @property
     def program(self) -> StepProgram | None:
@@ -399,517 +365,6 @@ class Runtime:
             if cuda_usable():
                 self._saved_alloc.restore()
 
-    # ---- steps ---------------------------------------------------------------------------------
-    def _module_called(self, module: torch.nn.Module) -> None:
-        """Global module pre-hook (every thread): steps start on the installing thread only."""
-        if not self.owner.here():
-            self.owner.foreign_module_call()
-            return
-        steps = self.steps
-        if self.steady_possible and steps.phase != FORWARD and torch.is_grad_enabled() \
-                and torch._C._current_graph_task_id() == -1:
-            self._choose_step()  # a step starts here: with the dispatch mode, or in the steady state
-        steps.module_called()
-        self._calls += 1
-        self._module = module
-        if self._calls == 1 and self._root_hook is None:
-            self._watch_inputs(module)
-        steady = self._steady
-        if steady is None:
-            return
-        if steady.off:
-            if not self.mode_on and steps.phase == FORWARD and torch._C._current_graph_task_id() == -1 \
-                    and not self.mode.quiet_depth and _get_current_dispatch_mode() is self._below:
-                # the step left its program part-way: the dispatch mode takes the rest of it over from this
-                # module call, evicting as the budget needs (the allocator alone frees only what is registered)
-                self._enter_mode()
-        elif self._calls in steady.program.random_at:
-            why = steady.program.module_called(self._calls, module, self._rng_now)
-            if why:
-                steady.leave(why)
-
-    def _watch_inputs(self, module: torch.nn.Module) -> None:
-        """A pre-hook with keyword arguments on the module that starts steps (global pre-hooks see no
-        keywords): from the next step on, its tensor arguments (the batch) are given to the program."""
-        me = weakref.ref(self)
-
-        def hook(m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            rt = me()
-            if rt is not None and rt.mode is not None and rt._calls == 1:
-                rt._step_inputs([*(a for a in args if isinstance(a, torch.Tensor)),
-                                 *(kwargs[k] for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor))])
-
-        self._root_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
-
-    def _step_inputs(self, tensors: list[torch.Tensor]) -> None:
-        if self.recorder is not None:
-            self.recorder.as_inputs(tensors)
-        count = self.store.count_external
-        if count is not None:
-            # the batch is training state even where autograd saves none of it (an attention mask)
-            for t in tensors:
-                st = storage_of(t) if t.device == self.device else None
-                if st is not None:
-                    count(st)
-        steady = self._steady
-        if steady is not None and not steady.off:
-            why = steady.program.bind_inputs(tensors)
-            if why and steady.k == 0:
-                self._restart_step(steady, tensors)  # no op has run: follow their program, or record one
-            elif why:
-                steady.leave(why)
-        if self._program_rec is not None:
-            self._program_rec.step_inputs(tensors)
-
-    def _restart_step(self, steady: SteadyStep, tensors: list[torch.Tensor]) -> None:
-        """The step's inputs differ from those of the program it started with (another sequence length or
-        batch): follow the program recorded for their signature, or run this step under the dispatch mode and
-        record one. Called at the step's first module call, before any of its ops."""
-        steady.program.unbind()
-        sig = signature_of((t.shape, t.dtype) for t in tensors)
-        prog = self.programs.get(sig)
-        if prog is None and (prog := self._scaled_program(sig)) is not None:
-            self._follow(prog, scaled=True)
-            return
-        if prog is not None:
-            steady = self._follow(prog)
-            prog.bind_inputs(tensors)
-            if 1 in prog.random_at and self._module is not None:  # the random ops after this very call
-                why = prog.module_called(1, self._module, self._rng_now)
-                if why:
-                    steady.leave(why)
-            return
-        self._steady = None
-        self._enter_mode()
-        if self.programs.may_record(self.steps.steps):
-            self._begin_recording()
-        else:
-            self._packfn = self._pack
-
-    def _follow(self, prog: StepProgram, scaled: bool = False) -> SteadyStep:
-        """Run the step that starts in the steady state, following ``prog``."""
-        prog.start_step()
-        self._steady = steady = SteadyStep(prog, self._steady_parts, scaled=scaled,
-                                           swap=scaled and "swap" in self.policies)
-        self._packfn = steady
-        if self._soft:
-            self._soften(True)
-        return steady
-
-    def _soften(self, on: bool) -> None:
-        self._soft_on = on
-        self.native.soften(on)
-
-    def _offload(self, e: Any, policy: str) -> bool:
-        """Evict a steady step's entry now by ``policy`` (SteadyParts.offload); the allocations it makes are
-        refused, not let through (the policy stands another in, or keeps the tensor)."""
-        if not self._soft_on:
-            return self.residency.evict_early(e, policy)
-        self._soften(False)
-        try:
-            return self.residency.evict_early(e, policy)
-        finally:
-            self._soften(True)
-
-    def _enter_mode(self) -> None:
-        """The dispatch mode runs the step from here: it retries a refused op itself (no soft cap)."""
-        if self._soft_on:
-            self._soften(False)
-            self._recover()
-        self.mode.__enter__()
-        self.mode_on = True
-
-    def _scaled_program(self, sig: Any) -> StepProgram | None:
-        """A program recorded at larger sizes that a step of signature ``sig`` may follow (runtime.steady,
-        ``_pack_scaled``): the first ``SCALED_FOLLOWS`` times that signature comes; the next time it is
-        recorded (its own program rebuilds by recompute what a scaled step swaps)."""
-        seen = self._scaled_seen.get(sig, 0)
-        if seen >= SCALED_FOLLOWS:
-            return None
-        near = self.programs.covering(sig)
-        if near is None or (near.recomputed and "swap" not in self.policies):
-            return None  # what the recorded step recomputed could not be evicted at another size
-        if len(self._scaled_seen) >= 4096:
-            self._scaled_seen.clear()
-        self._scaled_seen[sig] = seen + 1
-        return near
-
-    def _pack_plain(self, t: torch.Tensor, st: torch.UntypedStorage) -> Any:
-        return self.store.pack_slot(t, st, self.produced.add(st), False)
-
-    def _rng_now(self) -> Any:
-        return rng_state(self.device)
-
-    def _random_recorded(self, rec: Any, explicit: bool) -> None:
-        """The recorder recorded a random op: note after which module call it was the first one."""
-        first = not explicit and self._last_random_call != self._calls
-        self._last_random_call = self._calls
-        if self._program_rec is not None:
-            self._program_rec.random_at(rec, self._calls if first else 0, self._module)
-
-    def _pack_hook(self, t: torch.Tensor) -> Any:
-        if capturing():  # CUDA graph capture: kept as it is (no eviction, pinned allocation, event or RNG read)
-            return self.store.keep(t)
-        return self._packfn(t)
-
-    def _unpack_hook(self, h: Any) -> torch.Tensor:
-        if capturing():  # kept during capture: no steady-state bookkeeping, no eviction for room
-            return self.store.unpack(h)
-        steady = self._steady
-        if steady is not None:
-            if not self.steps.in_backward:
-                self.steps.backward_seen()  # no op is observed in the steady state: the first read says it
-            if self.store.pending:
-                # backward makes no saves: what the forward left pending, and entries rebuilt since, are
-                # registered here, as the dispatch mode does before an op that nears the budget (mode._cap)
-                self._steady_after()
-            if type(h) is not Saved or not self._soft_on:
-                steady.unpacked(h)
-                t = self.store.unpack(h)
-            else:  # a rebuild or prefetch allocates: refused, the runtime's own work retries after evicting
-                self._soften(False)
-                try:
-                    steady.unpacked(h)
-                    t = self.store.unpack(h)
-                finally:
-                    self._soften(True)
-            self._steady_after()  # what this read rebuilt may be freed for the op reading it; room for that op
-            return t
-        if self._program_rec is not None and type(h) is Saved:
-            self._gap()
-            self._program_rec.read(h.entry)
-        return self.store.unpack(h)
-
-    def _working_budget(self, budget: int) -> None:
-        """The budget the dispatch mode makes room under (a surveyed step raises it: runtime.survey)."""
-        if self.mode is not None:
-            self.mode.budget = budget
-
-    def _prefetch_one(self, e: Any) -> bool:
-        return bool(self.residency.prefetch_one(e))
-
-    def _choose_step(self) -> None:
-        """Before a step starts: steady state if a program is ready and the dispatch mode can be left
-        (nothing entered above it), else the dispatch mode, recording a program."""
-        prog, mode = self.programs.last, self.mode
-        if mode is None:
-            return
-        follower = self.follower
-        verifying = follower is not None and follower.state == "pending"
-        if verifying:
-            prog = None                 # step 1 verifies the plan under the dispatch mode
-        if prog is not None and (not self.mode_on or _get_current_dispatch_mode() is mode):
-            if self.mode_on:
-                mode.__exit__(None, None, None)
-                self.mode_on = False
-                self._below = _get_current_dispatch_mode()  # a mode entered before enable(), if any
-            self._follow(prog)
-            self._program_rec = None
-            return
-        if not self.mode_on:
-            self._enter_mode()
-        self._steady = None
-        # The first step is not recorded: the optimizer's state appears after it, so later steps hold more.
-        # (With a plan, the first step verifies it: the step after, which follows it, is recorded.)
-        if self.steps.steps >= 1 and not verifying and self.programs.may_record(self.steps.steps):
-            self._program_rec = ProgramRecorder()
-            self._packfn = self._pack_recording
-        else:
-            self._program_rec = None
-            self._packfn = self._pack
-
-    def _pack_recording(self, t: torch.Tensor) -> Any:
-        self._gap()
-        h = self._pack(t)
-        rec = self._program_rec
-        if rec is not None:
-            rec.saved(t, h.entry if type(h) is Saved else None)
-        return h
-
-    def _gap(self) -> None:
-        """In a recording step, at each save and read: the most the allocator's bytes rose between two of them
-        (what a steady step, which sees only saves and reads, keeps free after each: ``headroom``)."""
-        window = self._window
-        if window is None or self.residency.survey is not None:  # the survey reads the same window
-            return
-        peak = window.window_peak
-        if self._gap_base >= 0 and peak - self._gap_base > self._gap_most:
-            self._gap_most = peak - self._gap_base
-        window.window_reset()
-        self._gap_base = self.meter.current_bytes
-
-    def _bind(self, node: Any, st: torch.UntypedStorage) -> Any:
-        slot = self.produced.add(st)
-        slot.node, node.storage = node, slot
-        return slot
-
-    def _far(self) -> bool:
-        """Whether the device is far from its budget (at least half of it free)."""
-        return self.budget is None or self.budget - self.meter.current_bytes >= self.budget // 2
-
-    def _steady_after(self) -> None:
-        """After each save and read of a steady step: what the dispatch mode does before each op, per saved
-        tensor. A step whose recording came near the budget registers each entry as it is made (the allocator
-        frees it at allocation time); and the most new bytes an op of the recorded step needed stay free, by
-        eviction where the allocator alone could not free them (an op's own allocations cannot be retried
-        without the dispatch mode)."""
-        budget = self.budget
-        if budget is None or self.residency.survey is not None:  # a surveyed step only measures
-            return
-        steady = self._steady
-        store = self.store
-        free = budget - self.meter.current_bytes
-        if free < 0 and self._soft_on:
-            self._soften(False)
-            self._recover()
-            self._soften(True)
-            free = budget - self.meter.current_bytes
-        if store.pending and ((steady is not None and steady.program.pressure) or free < budget // REGISTER_BELOW):
-            store.register_pending()
-        room = steady.headroom if steady is not None else 0
-        if free < room and not self.plan_recomputes:  # a followed plan's order is the allocator's (planned_first)
-            soft = self._soft_on  # evicting may allocate (an encoding): the runtime's own work is never let through
-            if soft:
-                self._soften(False)
-            self.residency.relieve(room - free)
-            if soft:
-                self._soften(True)
-
-    def _recover(self) -> None:
-        """A steady step is over its budget: the soft cap let an allocation through that the allocator alone
-        could not make room for (or bytes were counted late: a batch). Evict with every policy, as the
-        dispatch mode does around a refused op; where nothing more can go, the budget is too small for the
-        step and the survey measures the one it needs (runtime.survey). A refusal retires the program: the
-        next step of its shape is recorded again, under the dispatch mode, which makes room around each op.
-        Called with the soft cap off: what it evicts may allocate."""
-        count, nbytes, held = self.native.let_through()
-        budget, residency, steady = self.budget, self.residency, self._steady
-        assert budget is not None
-        if count and steady is not None and residency.survey is None:
-            self.stats.cap_overruns += count
-            if residency.need(nbytes, held) > budget:  # the dispatch mode could not have made room either
-                residency.exhausted(nbytes, "an allocation of a steady-state step", held)
-                return
-        over = self.meter.current_bytes - budget
-        if over > 0:
-            residency.relieve(over)
-        if count and steady is not None and residency.survey is None and self._retired is None:
-            self._retired = steady.program
-            self.stats.note(f"steady state: at step {self.steps.steps + 1} an allocation of {fmt_bytes(nbytes)} "
-                            f"went {fmt_bytes(max(held + nbytes - self.budget, 0))} past the budget (the allocator "
-                            "alone could not free enough; the step evicted to recover): its input shape is "
-                            "recorded again under the dispatch mode")
-
-    def _diverged(self, why: str) -> None:
-        steady = self._steady
-        resume = self.programs.left(steady.program if steady is not None else None, self.steps.steps + 1)
-        self.stats.note(f"steady state left at step {self.steps.steps + 1}: {why}; the dispatch mode runs "
-                        f"again from the next step" + ("" if not resume else
-                                                       f" (the steps keep changing: recording again at step "
-                                                       f"{resume + 1})"))
-        if self.follower is not None and self.follower.state == "following":
-            self.stats.plan_note = (f"{_first_clause(self.stats.plan_note)}; steady state left at step "
-                                    f"{self.steps.steps + 1} ({why}): the dispatch mode follows the plan again")
-
-    def _finish_program(self, stages: int) -> None:
-        """End of a recording step: keep its program if later steps may follow it."""
-        rec, self._program_rec = self._program_rec, None
-        self.residency.on_evicted = None
-        why = self._steady_refusal(rec)
-        prog = None
-        if rec is not None and not why:
-            prog = rec.finish(self._module_state())
-            why = prog.cannot_rebuild(rec.evicted) or self._offload_refusal(prog)
-        pressure = self._pressure()
-        if prog is None or why:
-            self.stats.note(f"steady state: not used ({why})")
-            return
-        prog.stages, prog.pressure = stages, pressure
-        if self.mode is not None:
-            prog.headroom = max(self.mode.most_new, self._gap_most) + self.residency.reserve
-        for old in self.programs.add(prog):
-            old.unbind()
-        self.stats.programs = self.programs.recorded
-        if len(self.programs) > 1:
-            self.stats.note("steady state: one program per input shape (smaller inputs follow the program of "
-                            "larger ones, swapping what it recomputed, until they are recorded; larger ones than "
-                            "any before are recorded at once)")
-        if prog.offload:
-            by = {n: sum(1 for p in prog.offload.values() if p == n) for n in sorted(set(prog.offload.values()))}
-            self.stats.note(f"steady state from step {self.steps.steps + 1}: "
-                            + ", ".join(f"{c} saved tensor(s) evicted by {n}" for n, c in by.items())
-                            + " as they are saved (the recorded step evicted them)"
-                            + ("; swap-ins prefetched in the recorded read order" if "swap" in by
-                               and self._steady_parts.prefetch is not None else ""))
-        if self.recorder is not None:
-            self.recorder.keep = self.programs.keep()
-        follower = self.follower
-        if follower is not None and follower.state == "following":
-            # what the plan recomputes goes first when the allocator frees; the rest after it, so that real
-            # bytes the plan did not count (kernel scratch) are still made room for
-            self.plan_recomputes = set(follower.recomputed)
-            self.store.registrable = planned_first(self._registrable, self.plan_recomputes)
-            self.stats.plan_note = (f"{_first_clause(self.stats.plan_note)}; from step {self.steps.steps + 1} in "
-                                    f"the steady state: the allocator frees the {len(follower.recomputed)} "
-                                    "storages the plan recomputes first, at allocation time")
-
-    def _steady_refusal(self, rec: ProgramRecorder | None) -> str:
-        if rec is None or not rec.saves:
-            return "the step saved nothing"
-        if not self.steps.modules:
-            return "steps start at module calls only"
-        refused = self._refusals() - self._refused_before
-        rescues = {n: c - self._rescues_before.get(n, 0) for n, c in self.residency.rescues.items()}
-        # what swap or compress evicted to make room is evicted as it is saved in the steady state; what
-        # recompute evicted (or nothing, where the retry fitted) only the dispatch mode would evict again
-        if refused and (rescues.get("recompute", 0) or not any(rescues.values())):
-            # the allocator alone (all a steady-state step has) could not free enough there: the dispatch
-            # mode evicted the rest around the op it retried
-            return f"the allocator alone ran out {refused} time(s) in the recorded step; the dispatch mode made room"
-        return ""
-
-    def _refusals(self) -> int:
-        """Allocations refused in ops (or in regenerations) so far that the dispatch mode caught, made room for
-        and retried; not those of the policies' own work at the cap (an encoding refused its buffer), which
-        another policy stood in for."""
-        return self.meter.oom_retries if self.native is not None else 0
-
-    def _offload_refusal(self, prog: StepProgram) -> str:
-        """Why the program cannot evict at pack what its recorded step compressed, or "". On CUDA compress
-        may only use a codec that decides without reading the bytes on the host (a bool mask's bitmask):
-        the others wait for the device. Those saves are swapped instead where swap is a policy."""
-        if self.device.type != "cuda":
-            return ""
-        compress = self.policies.get("compress")
-        for k, policy in list(prog.offload.items()):
-            codec = prog.codecs.get(k, "")
-            if policy != "compress" or compress is None or not compress.reads_bytes_to_decide(codec):
-                continue
-            if "swap" not in self.policies:
-                return (f"the recorded step compressed a tensor with the {codec!r} codec, which decides from the "
-                        "tensor's bytes (on CUDA a host wait for the device in each step); add swap to the "
-                        "policies to have the steady state swap such tensors instead")
-            prog.offload[k] = "swap"
-        return ""
-
-    def _pressure(self) -> bool:
-        """Whether the step that is ending came near its budget (entries registered or evicted)."""
-        return (self.store.registrations > self._registered_before
-                or any(p.evicted > self._evicted_before.get(n, 0) for n, p in self.stats.policies.items()))
-
-    def _module_state(self) -> set[int]:
-        """Storage ids of the parameters and buffers of every module called so far."""
-        out: set[int] = set()
-        for r in self.fixed.modules():
-            for t in (*r._parameters.values(), *r._buffers.values()):
-                if t is not None:
-                    out.add(id(t.untyped_storage()))
-        return out
-
-    def _step_started(self) -> None:
-        self._calls, self._last_random_call, self._module = 0, -1, None
-        self.store.epoch += 1
-        self.stats.step_started()
-        self.estimator.new_step()
-        self.residency.forget_offers()
-        if self.follower is not None:
-            self.follower.step_started()
-        if self._program_rec is not None:
-            self._count_from_here(self._program_rec)
-        else:
-            self.residency.on_evicted = None
-
-    def _begin_recording(self) -> None:
-        """Record this step's program (the step has started; none of its ops has run)."""
-        self._program_rec = ProgramRecorder()
-        self._packfn = self._pack_recording
-        self._count_from_here(self._program_rec)
-
-    def _count_from_here(self, rec: ProgramRecorder) -> None:
-        """What the recorded step evicts, registers and is refused is counted from here."""
-        self._evicted_before = {n: p.evicted for n, p in self.stats.policies.items()}
-        self._registered_before = self.store.registrations
-        self._refused_before = self._refusals()
-        self._rescues_before = dict(self.residency.rescues)
-        self.residency.on_evicted = rec.evicted_entry
-        if self.mode is not None:
-            self.mode.most_new = 0
-        self._gap_base, self._gap_most = -1, 0
-
-    def _step_ended(self, stages: int) -> None:
-        self._module = None
-        if self._soft_on:
-            self._soften(False)
-            self._recover()  # a refusal in the step's last ops, after its last read
-        survey = self.residency.survey
-        if survey is not None:
-            survey.steps_ended += 1  # a step over the budget, measured: raised from backward() below
-        steady = self._steady
-        if steady is not None:
-            self._steady = None
-            self._packfn = self._pack
-            stages = steady.program.stages
-            self.stats.steady_steps += 1
-            if self._retired is not None:
-                self._retired, retired = None, self._retired
-                self.programs.drop(retired)
-                retired.unbind()
-            elif steady.complete:
-                self.programs.followed()
-            elif not steady.off:
-                self._steady = steady  # _diverged reads the program the step left
-                self._diverged(f"the step saved {steady.k} tensors where the recorded step saved "
-                               f"{len(steady.saves)}")
-                self._steady = None
-        elif self._program_rec is not None:
-            self._finish_program(stages)
-        self.store.drain()
-        for hook in self._policy_step_ends:
-            hook()
-        self.stats.step_done(stages)
-        self.fsdp_sync.refresh()
-        if self.recorder is not None:
-            self.recorder.end_step()
-        if self.prefetcher is not None:
-            self.prefetcher.step_ended()
-        if self.follower is not None and steady is None:  # a steady step ran no op the follower sees
-            self.follower.step_ended(stages)
-        if self.buckets is not None:
-            self.buckets.step_ended()
-        if survey is not None:  # the step ran on uncapped to measure what it needs (runtime.survey)
-            with self.residency.mode.quiet():  # sizing an optimizer's state runs ops on meta copies
-                to_come = self._state_to_come()
-            if to_come and survey.steps_ended == 1:
-                # the optimizers' first step is to come, and every later step holds their state: measure the
-                # next step too, evicting from its start as a run at what this one needed with that state would
-                survey.carry(to_come)
-                self.residency.evict_as_needed()
-                return
-            if steady is not None and survey.steps_ended == 1:
-                # a steady step runs no op the survey can measure (only replays): the next step runs under the
-                # dispatch mode, still uncapped, and measures every op before the budget is named
-                survey.note(self.meter.peak_bytes, "the peak of a steady-state step (held uncapped)", True)
-                survey.carry(0)
-                for prog in self.programs.clear():
-                    prog.unbind()
-                self.residency.evict_as_needed()
-                return
-            raise self.residency.end_survey()
-
-    def _state_to_come(self) -> int:
-        """Bytes of state on this device that the optimizers stepping the model will hold and hold none of yet
-        (their first step makes it), sized without stepping them."""
-        total = 0
-        for opt in self.fixed.optimizers():
-            if any(opt.state.get(p) for g in opt.param_groups for p in g["params"]):
-                continue
-            try:
-                states, _ = optimizer_state(opt)
-            except (CaptureError, RuntimeError, TypeError):  # an optimizer that cannot be sized without a step
-                continue
-            total += sum(t.nbytes for t in states if t.on_device and t.param.device == self.device)
-        return total
-
     # ---- stats ---------------------------------------------------------------------------------
     def snapshot(self) -> Stats:
         self.store.drain()
@@ -925,7 +380,3 @@ class Runtime:
 def _no_cap(lifted: bool) -> None:
     """Lifting the cap where only the dispatch mode enforces it (no native device): nothing to do."""
 
-
-def _first_clause(note: str) -> str:
-    """A plan note without what the steady state added to it (``; ...``)."""
-    return note.split("; ", 1)[0]

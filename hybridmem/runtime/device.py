@@ -169,21 +169,6 @@ def native_device(rt: "Runtime", manages: bool) -> NativeDevice | None:
     return NativeDevice(native, rt)
 
 
-# Added to the allocator priority of what a followed plan keeps (priorities are seconds per byte, far
-# below 1): the allocator frees every entry the plan recomputes before any of those.
-PLAN_KEEPS_LAST = 1.0
-
-
-def planned_first(registrable: Any, recomputed: set[Any]) -> Any:
-    """``registrable`` with the entries whose lineage is in ``recomputed`` (what a followed plan evicts by
-    recompute) ahead of all others in the allocator's order, each group in its own order. The others stay
-    registered: where real bytes need more than the plan frees, the allocator goes on with them."""
-    def priority(e: Entry) -> float | None:
-        p = registrable(e)
-        if p is None or e.lineage in recomputed:
-            return p
-        return p + PLAN_KEEPS_LAST
-    return priority
 
 
 def _registrable(policy: Any) -> Any:
