@@ -32,7 +32,7 @@ LENGTHS = (32, 48, 40, 64)   # 48: compiled for any length; 64: longer than plan
 def _gpt2() -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        cfg = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
                                       bos_token_id=0, eos_token_id=0)
         return transformers.GPT2LMHeadModel(cfg)
 
@@ -71,7 +71,7 @@ def test_per_batch_lengths_are_planned_for_the_lengths_they_meet(recwarn: pytest
     against PyTorch's ``aot_eager``: the same kernels on the same inputs, so losses and gradients are
     bit-identical; every step within the budget, no warning."""
     ref_peaks, ref_losses, ref_grads = _train("aot_eager")
-    budget = int(0.85 * max(ref_peaks))
+    budget = int(0.9 * max(ref_peaks))
     with hybridmem.session(budget=budget, compile=True) as s:
         s.runtime.backend.compiler = "eager"
         peaks, losses, grads = _train(None)
