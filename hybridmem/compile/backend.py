@@ -48,7 +48,7 @@ from . import offload as offload_mod
 from .planning import Planning
 from .room import Replannable
 from .runs import InFlight
-from .sizes import PlannedSizes, planned_at, planning_at
+from .sizes import PlannedSizes, bound, planned_at, planning_at
 from .stats import CompileStats, RegionStats, sizes_line
 from .variants import Planned
 
@@ -231,6 +231,7 @@ class CompileBackend(Planning):
         self._runs: dict[tuple[str, ...], InFlight] = {}
         self._sizes: dict[tuple[str, ...], PlannedSizes] = {}    # regions compiled for dynamic shapes
         self._largest: dict[tuple[str, ...], dict[tuple[str, int], int]] = {}  # region -> (input, dim) -> size
+        self._size_replans: dict[tuple[str, ...], int] = {}   # region -> compiles for sizes above its plan's
         self.peak = StepPeak()
         self._held: dict[tuple[str, ...], int] = {}      # region key -> bytes it keeps through its backward
         self._regions: dict[tuple[str, ...], RegionStats] = {}
@@ -260,7 +261,11 @@ class CompileBackend(Planning):
             self._dev = _device_of(example_inputs)
         if self.measure:
             self.peak.start(self._dev, self._optimizer)
+        earlier = self._sizes.get(key)
         compiled, sizes = self._build(key, tensors, gm, example_inputs)
+        if earlier is not None and sizes.above(earlier.planned):
+            # Dynamo compiled it again because a call was larger than the plan's sizes (sizes.bound)
+            self._size_replans[key] = self._size_replans.get(key, 0) + 1
         holder = self._replannable[key] = Replannable(compiled, lambda flat: self._replan(key, gm, flat))
         if key in self._renew:          # planned above the budget: again once the earlier regions made room
             self._renew.discard(key)
@@ -273,7 +278,7 @@ class CompileBackend(Planning):
             self._sizes[key] = sizes
         else:
             self._sizes.pop(key, None)
-        return self.peak.wrap(runs.wrap(sizes.wrap(compiled)))
+        return self.peak.wrap(runs.wrap(compiled))
 
     def _build(self, key: tuple[str, ...], tensors: list[tuple[str, Any]], gm: fx.GraphModule,
                example_inputs: list[Any]) -> tuple[Any, PlannedSizes]:
@@ -281,13 +286,16 @@ class CompileBackend(Planning):
         sizes it was planned at."""
         self._current = key
         # compiled for any size: planned at the largest sizes compiled for before (the full batch, where a
-        # smaller last batch made Dynamo compile the region again), which later calls are likely to bring
+        # smaller last batch made Dynamo compile the region again), which later calls are likely to bring; a
+        # larger call fails the bound's guard and Dynamo compiles the region again, planned at its sizes
         at = planned_at(tensors, self._largest.setdefault(key, {}))
+        bound(tensors, at)
         self.peak.compiling()
         self._examples = example_inputs     # what the compress probe measures on; held while compiling only
         try:
             with planning_at(at):
-                sizes = PlannedSizes(example_inputs, lambda above: self._larger(key, above))
+                sizes = PlannedSizes(example_inputs, [n.meta.get("example_value") for n in gm.graph.nodes
+                                                      if n.op == "placeholder"])
                 compiled = self._compile_checked(key, gm, example_inputs, sizes)
         finally:
             self._examples = None
@@ -307,16 +315,6 @@ class CompileBackend(Planning):
             st.trial_s += before.trial_s
             st.room_replans = before.room_replans + 1
         return compiled
-
-    def _larger(self, key: tuple[str, ...], above: dict[str, int]) -> None:
-        st = self._regions.get(key)
-        sizes = self._sizes.get(key)
-        planned = sizes_line(sizes.planned) if sizes is not None else "the sizes of the call that compiled it"
-        warnings.warn(f"hybridmem compile: {st.name if st is not None else 'a region'} is compiled for dynamic "
-                      f"shapes and was planned at {planned}; this call has {sizes_line(above)}, so its step holds more "
-                      "than the plan counted and may exceed the budget. Compile with static shapes "
-                      "(torch.compile(..., dynamic=False)): each size then gets a plan of its own",
-                      RuntimeWarning, stacklevel=2)
 
     def _more_runs(self, key: tuple[str, ...], n: int) -> None:
         st = self._regions.get(key)
@@ -396,6 +394,8 @@ class CompileBackend(Planning):
         more with the count's least plan."""
         self._extra[key] = 0
         dev = self._dev or torch.device("cpu")
+        # the run's inputs, made before the level is read: they are not the compile's
+        measured_on, why_not = _at_planned_sizes(sizes, example_inputs) if self.verify else (None, "")
         native = cpumeter.load() if dev.type == "cpu" else None
         level = native.current_bytes if native is not None and native.installed else None   # before compiling
         runs: list[trial_mod.Trial] = []        # the runs of the plans tried, their real peaks with the other runs'
@@ -443,7 +443,8 @@ class CompileBackend(Planning):
                     self._extra[key] = before + room
                     self._revision += 1
                     continue
-                raise self._no_fit(st, key, dev, runs, compiled, example_inputs, level, others) from None
+                raise self._no_fit(st, key, dev, runs, compiled, measured_on or example_inputs, level,
+                                   others) from None
             st, planned = self._regions.get(key), self._planned_now
             if st is not None and earlier_s:
                 st.plan_s += earlier_s          # every plan made for this compile counts as its planning
@@ -452,14 +453,11 @@ class CompileBackend(Planning):
                             f"(the budget leaves no more), checked by its run when compiled")
             if planned is None or st is None or not self.verify:
                 return compiled          # no joint graph was planned (an inference region), or not asked
-            if sizes.planned != sizes.compiled_at:
-                if unshrunk is not None:
-                    raise unshrunk         # a plan with less than the margin stands only where its run checks it
-                st.add_note("not run at compile time (planned at larger sizes than the call that compiled it)")
-                return compiled
             mutated = trial_mod.mutated_inputs(len(example_inputs))
             try:
-                got = trial_mod.run(compiled, example_inputs, dev, mutated, cap_bytes=st.budget_bytes - planned.others_bytes,
+                if measured_on is None:
+                    raise trial_mod.NotMeasurable(why_not)
+                got = trial_mod.run(compiled, measured_on, dev, mutated, cap_bytes=st.budget_bytes - planned.others_bytes,
                                     level=level, hold_outputs=self.hold_outputs)
             except Exception as e:      # a region that cannot run here: its plan stands as counted
                 if unshrunk is not None:
@@ -576,12 +574,21 @@ class CompileBackend(Planning):
             st.runs_in_flight = runs.most if runs is not None else 0
             sizes = self._sizes.get(key)
             if sizes is not None:
-                st.planned_sizes, st.sizes_above_plan = sizes.planned, dict(sizes.largest)
-                st.compiled_sizes = dict(sizes.compiled_at)
+                st.planned_sizes, st.compiled_sizes = sizes.planned, dict(sizes.compiled_at)
+            st.size_replans = self._size_replans.get(key, 0)
             if st.codec_region:
                 now = codec_ops.stats_for(st.codec_region)
                 st.codec = replace(now, codecs=dict(now.codecs))
         return list(self._regions.values())
+
+
+def _at_planned_sizes(sizes: PlannedSizes, example_inputs: list[Any]) -> tuple[list[Any] | None, str]:
+    """The inputs the run at compile time measures the step on: the call's, at the sizes the region is planned
+    at (:meth:`PlannedSizes.inputs`); else None and why not."""
+    try:
+        return sizes.inputs(example_inputs), ""
+    except ValueError as e:
+        return None, f"no inputs at the planned sizes {sizes_line(sizes.planned)}: {e}"
 
 
 def _note_host_tokens(st: RegionStats, tokens: int) -> None:

@@ -6,20 +6,23 @@ add a guard that fixes the region to that size (and Inductor then failed to lowe
 backward, torch 2.13: "Cannot convert expression to float"); :func:`size_hint` reads the size without a
 guard. A plan is made at the largest size the region was compiled for before (:func:`planned_at`: the full
 batch, where a smaller last batch made Dynamo compile it for any size), else at the sizes of the call that
-compiled it. A later call with larger sizes runs the same compiled step and holds more than the plan
-counted: :class:`PlannedSizes` reads the sizes each call passes (plain ints, one per symbol the graph
-takes as an input) and says so once per region.
+compiled it. :func:`bound` then guards each symbol at most its planned value: a later call with a larger
+size fails Dynamo's guards, and Dynamo compiles the region again, planned at that size, rather than run a
+step that holds more than its plan counted. The guard is checked by Dynamo's guard code, with the guards
+it checks anyway: nothing per call in Python. :meth:`PlannedSizes.inputs` gives the run at compile time
+(:mod:`hybridmem.compile.trial`) inputs at the planned sizes, so that it measures the sizes planned for.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import free_symbols, guard_bool
 
-__all__ = ["PlannedSizes", "planned_at", "planning_at", "size_hint"]
+__all__ = ["PlannedSizes", "bound", "planned_at", "planning_at", "size_hint"]
 
 # symbol -> the value plans are made at, while a region is planned (:func:`planning_at`)
 _AT: contextvars.ContextVar[dict[Any, int]] = contextvars.ContextVar("hybridmem_planned_sizes", default={})
@@ -69,41 +72,76 @@ def planned_at(inputs: Sequence[tuple[str, Any]], largest: dict[tuple[str, int],
     return at
 
 
-class PlannedSizes:
-    """The symbolic sizes among a region's inputs and the values its plan was made at; ``on_larger(sizes)``
-    is called once, at the first call with a size above them (``sizes``: symbol -> that call's value)."""
+def bound(inputs: Sequence[tuple[str, Any]], at: dict[Any, int]) -> None:
+    """Guard each symbol of ``at`` that stands alone as a size of a tensor input (``inputs``: name and fake
+    value) at most its planned value. Called while Dynamo compiles the region (its backend call), the guard
+    joins the region's: a call with a larger size does not run this compile, Dynamo compiles the region
+    again. An upper bound only: the region still serves every smaller size (no specialization)."""
+    done: set[Any] = set()
+    for _, x in inputs:
+        for s in x.shape:
+            if isinstance(s, torch.SymInt) and (expr := s.node.expr).is_Symbol and expr in at and expr not in done:
+                done.add(expr)
+                guard_bool(s <= at[expr])     # the call's own size is at most ``at``'s: a guard that holds now
 
-    def __init__(self, example_inputs: Sequence[Any], on_larger: Callable[[dict[str, int]], None]) -> None:
-        from torch.fx.experimental.symbolic_shapes import free_symbols
+
+class PlannedSizes:
+    """The symbolic sizes among a region's inputs (``example_inputs``, as the backend got them; ``fakes``: each
+    one's placeholder value, where its sizes are symbols), the values its plan was made at (``planned``) and
+    those of the call that compiled it (``compiled_at``)."""
+
+    def __init__(self, example_inputs: Sequence[Any], fakes: Sequence[Any]) -> None:
         # a symbol Dynamo specialized stands as its value (its str is a number): no size to check there
         self.at = [(i, str(x), size_hint(x)) for i, x in enumerate(example_inputs)
                    if isinstance(x, torch.SymInt) and free_symbols(x)]
-        self.compiled_at = {str(x): size_hint(x, planned=False) for _, x in
-                            ((i, example_inputs[i]) for i, _, _ in self.at)}
-        self.on_larger = on_larger
-        self.largest: dict[str, int] = {}      # symbol -> the largest value a call had above the plan's
+        self.compiled_at = {str(example_inputs[i]): size_hint(example_inputs[i], planned=False)
+                            for i, _, _ in self.at}
+        self.fakes = list(fakes)
+        # Dynamo passes a symbolic size as a SymInt; a plan made again outside Dynamo (hybridmem.compile.room)
+        # gets a call's ints, and compiles for that call's sizes
+        self.symbolic = any(isinstance(x, torch.SymInt) for x in example_inputs)
 
     @property
     def planned(self) -> dict[str, int]:
         return {name: hint for _, name, hint in self.at}
 
-    def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
-        if not self.at:
-            return compiled
+    def above(self, planned: dict[str, int]) -> bool:
+        """Whether this compile's call had a size above an earlier plan's ``planned`` sizes (Dynamo compiled it
+        again because that plan's :func:`bound` failed)."""
+        return any(v > planned[k] for k, v in self.compiled_at.items() if k in planned)
 
-        @functools.wraps(compiled)
-        def run(*args: Any) -> Any:
-            # read before the call: a boxed call empties its argument list
-            flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
-            above = {name: v for i, name, hint in self.at
-                     if i < len(flat) and isinstance(v := flat[i], int) and v > max(hint, self.largest.get(name, 0))}
-            if above:
-                first = not self.largest
-                self.largest.update(above)
-                if first:
-                    self.on_larger(dict(above))
-            return compiled(*args)
+    def inputs(self, example_inputs: Sequence[Any]) -> list[Any]:
+        """The example inputs at the planned sizes: a symbolic size as a plain int (the compiled step reads
+        ints), and a tensor whose symbolic sizes are planned above the call's as a copy that large, its values
+        repeated from the call's along those dimensions (real values: token ids stay in range). Raises
+        ValueError where a tensor has no values to repeat."""
+        if not self.symbolic:
+            return list(example_inputs)
+        out: list[Any] = []
+        for x, fake in zip(example_inputs, self.fakes):
+            if isinstance(x, torch.SymInt):
+                out.append(size_hint(x))
+            elif isinstance(x, torch.Tensor) and isinstance(fake, torch.Tensor) and \
+                    any(isinstance(s, torch.SymInt) for s in fake.shape):
+                out.append(_grown(x, fake))
+            else:
+                out.append(x)
+        return out
 
-        if getattr(compiled, "_boxed_call", False):
-            run._boxed_call = True  # type: ignore[attr-defined]
-        return run
+
+def _grown(x: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    """``x`` at the planned sizes of its placeholder value ``fake`` (strides too: the compiled step checks
+    them), its values repeated along the dimensions that grew; ``x`` itself where nothing grows."""
+    shape = [size_hint(s) for s in fake.shape]
+    if list(x.shape) == shape:
+        return x
+    if any(n == 0 for n in x.shape):
+        raise ValueError(f"an input of sizes {tuple(x.shape)} has no values to repeat to {tuple(shape)}")
+    with torch.no_grad(), unset_fake_temporarily():
+        src = x.detach()
+        for d, n in enumerate(shape):
+            if n != src.shape[d]:
+                src = src.index_select(d, torch.arange(n, device=src.device) % src.shape[d])
+        grown = torch.empty_strided(shape, [size_hint(s) for s in fake.stride()], dtype=x.dtype, device=x.device)
+        grown.copy_(src)
+    return grown.requires_grad_(x.requires_grad)

@@ -58,11 +58,12 @@ class RegionStats:
     # what the compress ops did in the steps run so far (None: nothing compressed)
     codec: codec_ops.CodecStats | None = None
     codec_region: int = 0             # the compress ops' region id (0: none)
-    # compiled for dynamic shapes: the sizes (symbol -> value) the plan was made at, and the largest values
-    # calls had above them (the step then holds more than the plan counted)
+    # compiled for dynamic shapes: the sizes (symbol -> value) the plan was made at (a call with a larger size
+    # makes Dynamo compile the region again, planned at that size: hybridmem.compile.sizes), and how many
+    # times the region was compiled again so
     planned_sizes: dict[str, int] = field(default_factory=dict)
     compiled_sizes: dict[str, int] = field(default_factory=dict)   # ... the sizes of the call that compiled it
-    sizes_above_plan: dict[str, int] = field(default_factory=dict)
+    size_replans: int = 0
     # one record per evicted tensor: the node that makes it, its op, bytes and policy, largest first
     decisions: list[dict[str, Any]] = field(default_factory=list)
 
@@ -135,8 +136,7 @@ class CompileStats:
                 + (f"; compiled for dynamic shapes, planned at {sizes_line(r.planned_sizes)}"
                    + (f" (the largest compiled for; this compile's call had {sizes_line(r.compiled_sizes)})"
                       if r.compiled_sizes != r.planned_sizes else "") if r.planned_sizes else "")
-                + (f"; calls had {sizes_line(r.sizes_above_plan)}: the step held more than the plan counted"
-                   if r.sizes_above_plan else "")
+                + (f"; compiled again for larger sizes {r.size_replans} time(s)" if r.size_replans else "")
                 + (f"\n    {r.name}: compressed {codec_line(r.codec)}"
                    if r.codec is not None and r.codec.packed else ""))
         return "\n".join(lines)
