@@ -277,11 +277,11 @@ def test_a_region_compiled_for_dynamic_shapes_is_planned_at_its_largest_size() -
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="hybridmem", category=RuntimeWarning)   # none from hybridmem
         model.zero_grad(set_to_none=True)
-        x = torch.randn(36, 3, 32, 32)
+        x = torch.randn(33, 3, 32, 32)
         peak = real_peak(lambda: step(model, x).backward(), model, None, [x])
-    assert len(compiles) == 3, "36 is above the plan's 32: compiled again"
+    assert len(compiles) == 3, "33 is above the plan's 32: compiled again"
     (region,) = backend.stats().regions
-    assert list(region.planned_sizes.values()) == [36] and region.size_replans == 1, backend.stats()
+    assert list(region.planned_sizes.values()) == [33] and region.size_replans == 1, backend.stats()
     assert peak <= budget, (peak, backend.stats())
 
 
