@@ -17,7 +17,7 @@ import torch
 
 import hybridmem
 from hybridmem.compile import sizes as sizes_mod
-from hybridmem.runtime import cpumeter
+from hybridmem.native import cpumeter
 from tests.helpers import bit_equal
 from tests.helpers.peaks import real_peak
 
