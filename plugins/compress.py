@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 import torch
@@ -30,7 +30,7 @@ from hybridmem.errors import UnknownNameError
 from hybridmem.graph.costs import get_cost_model
 from hybridmem.entry import Entry
 
-from .base import EntryView, EvictionDeclined
+from .base import EntryView, EvictionDeclined, PolicyHints
 from .codecs import (LOSSLESS, LOSSY, PENDING, Analysis, Codec, CodecPasses, Encoded, Geometry, Span, Stamp,
                      entry_version, flat_view, supported)
 
@@ -83,6 +83,9 @@ class CompressPolicy:
     """
 
     name = "compress"
+    # Evicting allocates the encoded copy before the original's bytes go: the runtime keeps room for it. The
+    # copy stays on the device (``device_tensors`` names it); lossy codecs make it unverifiable (__init__).
+    hints = PolicyHints(allocates_to_evict=True)
 
     def __init__(self, lossy: Iterable[str] = (), lossless_codecs: Iterable[str] = tuple(LOSSLESS),
                  max_ratio: float = 0.6, prefer_lossless: bool = True, cost_model: Any = None,
@@ -99,6 +102,7 @@ class CompressPolicy:
         if bad:
             raise ValueError(f"lossy codecs {bad} must be given in lossy=, not lossless_codecs=")
         self.lossless = not self.lossy_codecs
+        self.hints = replace(self.hints, verifiable=self.lossless)  # a lossy decode differs from what was evicted
         self.max_ratio = float(max_ratio)
         self.prefer_lossless = prefer_lossless
         self.force_torch = force_torch          # tests: exercise the torch kernels on CPU
@@ -221,9 +225,6 @@ class CompressPolicy:
     # ---- Policy protocol -------------------------------------------------------------------------
     def applicable(self, entry: EntryView) -> bool:
         return self.offer(entry) is not None
-
-    # Evicting allocates the encoded copy before the original's bytes go: the runtime keeps room for it.
-    allocates_to_evict = True
 
     def savings(self, entry: EntryView) -> int:
         choice = self.offer(entry)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybridmem.plugins.base import EntryView
+from hybridmem.plugins.base import EntryView, PolicyHints
 
 
 class RecomputePolicy:
@@ -27,9 +27,10 @@ class RecomputePolicy:
 
     name = "recompute"
     lossless = True
-    metered = True  # its regeneration runs ordinary ops: the dispatch mode meters and caps them one by one
-    #                 (in a steady-state step the native allocator device caps them: runtime.mode.metered)
-    dynamic_cost = True  # the chain a recomputation triggers changes as other entries are evicted
+    # metered: its regeneration runs ordinary ops, which the dispatch mode meters and caps one by one (in a
+    # steady-state step the native allocator device caps them: runtime.mode.metered). dynamic_cost: the
+    # chain a recomputation triggers changes as other entries are evicted.
+    hints = PolicyHints(metered=True, dynamic_cost=True)
 
     def __init__(self, **options: Any):
         if options:

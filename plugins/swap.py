@@ -42,7 +42,7 @@ from hybridmem.graph.costs import get_cost_model
 from hybridmem.graph.units import parse_bytes
 from hybridmem.native.capture import capturing
 
-from .base import EntryView as Entry  # the policy's view of the runtime's record
+from .base import EntryView as Entry, PolicyHints  # Entry: the policy's view of the runtime's record
 from .codecs import Geometry, Stamp, entry_version, flat_view, supported
 
 # Copy-time estimates when no cost model is given: (bytes/s, latency s). CPU: allocate + copy on the
@@ -372,7 +372,7 @@ class SwapPolicy:
 
     name = "swap"
     lossless = True
-    moves_to_host = True          # the runtime's meter: a host copy is not device memory
+    hints = PolicyHints(moves_to_host=True)  # the runtime's meter: a host copy is not device memory
 
     def __init__(self, hidden_fraction: float | None = None, cost_model: Any = None, timing: bool = True,
                  pool: PinnedPool | None = None, max_cached_bytes: int | None = None,

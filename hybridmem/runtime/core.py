@@ -163,12 +163,12 @@ class Runtime(StepHooks, SteadyControl):
         if self.follower is not None:
             self.stats.plan = "pending"
         self.buckets = BucketSwitch(book, self) if book is not None else None
-        for p in self.policies.values():
-            bind = getattr(p, "bind", None)
-            if bind is not None:
-                bind(self)
+        hints = self.residency.hints.values()  # the policies' optional methods, bound once (plugins.base.PolicyHints)
+        for h in hints:
+            if h.bind is not None:
+                h.bind(self)
         # policies that learn from each step (swap: the share of its copies compute hid)
-        self._policy_step_ends = [h for p in self.policies.values() if (h := getattr(p, "step_ended", None))]
+        self._policy_step_ends = [h.step_ended for h in hints if h.step_ended is not None]
         self.mode: RuntimeMode | None = None
         self._hooks: Any = None
         self._build_monitor(cfg, manages)

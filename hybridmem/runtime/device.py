@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridmem.plugins.base import PolicyHints
+
 from ..native.allocconf import EXPANDABLE_SLACK, SavedAllocator
 from ..native.cpumeter import cuda_note, load, unavailable_reason
 from .entry import Entry
@@ -165,15 +167,15 @@ def native_device(rt: "Runtime", manages: bool) -> NativeDevice | None:
     if rt.device.type == "cpu":
         rt.stats.note(NOTE_CPU)
     if "recompute" in rt.policies:
-        rt.store.registrable = _registrable(rt.policies["recompute"])
+        rt.store.registrable = _registrable(rt.policies["recompute"], rt.residency.hints["recompute"])
     return NativeDevice(native, rt)
 
 
 
 
-def _registrable(policy: Any) -> Any:
+def _registrable(policy: Any, hints: PolicyHints) -> Any:
     """Which new entries the allocator may free (recompute can rebuild them), cheapest per byte first."""
-    fused = getattr(policy, "registration_cost", None)
+    fused = hints.registration_cost
     if fused is not None:
         def fast(e: Entry) -> float | None:
             cost = fused(e)

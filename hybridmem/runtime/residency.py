@@ -7,7 +7,7 @@ runtime raises ``torch.OutOfMemoryError`` naming the smallest budget that could 
 
 Policy work runs *quiet* (unmetered): a swap's host buffer is not device memory. The device tensors
 a policy keeps (a compressed copy) or returns (a swapped-in tensor) are handed to the meter
-explicitly. A policy with ``metered = True`` (recompute) instead runs ordinary ops that the mode
+explicitly. A policy whose hints say ``metered`` (recompute) instead runs ordinary ops that the mode
 meters and caps one by one.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Protocol
 import numpy as np
 import torch
 
-from hybridmem.plugins.base import EvictionDeclined, Policy
+from hybridmem.plugins.base import EvictionDeclined, Policy, PolicyHints, hints_of
 
 from .entry import Entry
 from .meter import Meter
@@ -60,16 +60,23 @@ class Residency:
                  budget: int | None):
         self.store, self.policies, self.meter, self.stats = store, policies, meter, stats
         self.budget = budget
+        # What the runtime reads of each policy beyond its protocol methods, read here once (by the policies'
+        # names; ``_hints`` by the policy object's id, for the paths that hold a policy, not its name)
+        self.hints: dict[str, PolicyHints] = {name: hints_of(p) for name, p in policies.items()}
+        self._hints: dict[int, PolicyHints] = {id(p): self.hints[name] for name, p in policies.items()}
         # Hysteresis: free this much beyond what an op needs (1/64 of the budget), so that a run of
         # allocations near the cap pays one scoring pass instead of one per op.
         self.slack = 0 if budget is None else budget // 64
         # A policy whose eviction allocates first (compress encodes into a new buffer) cannot run at the
         # cap: keep this much free when making room, so that it can (not enforced when nothing can go).
-        allocating = any(getattr(p, "allocates_to_evict", False) for p in policies.values())
+        allocating = any(h.allocates_to_evict for h in self.hints.values())
         self.reserve = budget // 32 if budget is not None and allocating else 0
         self.workspace = 0   # of ``reserve``: room for kernels' workspaces (``plugins: {workspace: N}``)
         self.mode: Contexts = NoMode()
         self._order = list(policies.values())
+        # (policy, whether its cost is asked each time) for the offers, and the release hooks, in order
+        self._offering = [(p, self._hints[id(p)].dynamic_cost) for p in self._order]
+        self._releases = [h.release for h in self.hints.values() if h.release is not None]
         self._touched: dict[int, None] = {}   # uids of entries ever evicted (policies may keep state)
         self._offer_cache: dict[int, list[tuple[Policy, float | None, int]]] = {}
         self._ensuring: set[int] = set()
@@ -125,7 +132,7 @@ class Residency:
         """``policy.evict(e)`` with the entry's digest kept for ``verify``; :data:`_REFUSED` (``e`` resident
         again) where the policy found no room for what it allocates, or declined once it read the bytes
         (:class:`~hybridmem.plugins.base.EvictionDeclined`)."""
-        if self.verify is not None and not getattr(policy, "lossy_codecs", None):
+        if self.verify is not None and self._hints[id(policy)].verifiable:
             with self.mode.quiet():
                 self.verify[e.uid] = (digest(e.tensor), policy.name)
         self.store.before_evict(e)
@@ -164,10 +171,10 @@ class Residency:
         # (``device_tensors(handle)``); otherwise every tensor in the handle counts.
         if not self.meter.simulated or handle is None or isinstance(handle, (int, float, str)):
             return
-        named = getattr(policy, "device_tensors", None)
-        if named is not None:
-            kept = list(named(handle))
-        elif not getattr(policy, "moves_to_host", policy.name == "swap"):
+        hints = self._hints[id(policy)]
+        if hints.device_tensors is not None:
+            kept = list(hints.device_tensors(handle))
+        elif not hints.moves_to_host:
             kept = _tensors_in(handle, self.store.device)
         else:
             kept = []
@@ -182,10 +189,8 @@ class Residency:
         if self._touched.pop(e.uid, None) is None:
             return
         with self.mode.quiet():
-            for p in self._order:
-                hook = getattr(p, "release", None)
-                if hook is not None:
-                    hook(e)
+            for release in self._releases:
+                release(e)
 
     def candidates(self) -> list[Entry]:
         store = self.store
@@ -287,8 +292,8 @@ class Residency:
         got = self._offer_cache.get(e.uid)
         if got is None:
             got = self._offer_cache[e.uid] = [
-                (p, None if getattr(p, "dynamic_cost", False) else p.cost(e), p.savings(e))
-                for p in self._order if p.applicable(e)]
+                (p, None if dynamic else p.cost(e), p.savings(e))
+                for p, dynamic in self._offering if p.applicable(e)]
         return got
 
     def forget_offers(self, e: Entry | None = None) -> None:
@@ -444,14 +449,14 @@ class Residency:
         if policy is None:
             raise RuntimeError(f"hybridmem: a saved tensor was evicted by policy {name!r}, which is not active")
         t0 = time.perf_counter()
-        in_flight = getattr(policy, "in_flight", None)
-        if in_flight is None or not in_flight(e):  # a prefetched swap-in holds its device buffer already
+        hints = self._hints[id(policy)]
+        if hints.in_flight is None or not hints.in_flight(e):  # a prefetched swap-in holds its device buffer already
             self.make_room(e.nbytes, f"regenerating a saved {str(e.dtype).removeprefix('torch.')} tensor "
                                      f"({fmt_bytes(e.nbytes)}) by {name}")
         t1 = time.perf_counter()
         self._ensuring.add(e.uid)
         try:
-            if getattr(policy, "metered", False):
+            if hints.metered:
                 with self.mode.metered():
                     t = policy.regenerate(e)
             else:
