@@ -250,7 +250,7 @@ def check_model(name: str, size: str, device: torch.device, plugins: dict | None
         if device.type != "cuda":
             peaks = [st.peak_bytes]
         swap = s.runtime.policies.get("swap")
-        copy_s = swap.stats() if swap is not None and callable(getattr(swap, "stats", None)) else {}
+        copy_s = swap.stats if swap is not None else {}  # (a property: the copies' times)
         hidden = copy_s.get("hidden_s", 0.0)  # swap-in time behind compute (the rest was a stall)
         same = _identical((base_losses, base_state), (losses, state), exact=repeatable)
         worst = 0.0 if same else _worst((losses, state), (base_losses, base_state))
