@@ -743,12 +743,6 @@ HM_EXPORT int64_t hm_serial_of(uintptr_t ptr) {
   return it == s.table.end() ? -1 : it->second.serial;
 }
 
-HM_EXPORT int64_t hm_live_count() {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.table_mutex);
-  return static_cast<int64_t>(s.table.size());
-}
-
 // Frees of memory the meter did not allocate that reached its deleter (forwarded, see meter_delete).
 HM_EXPORT int64_t hm_orphan_frees() {
   return state().orphan_frees.load(std::memory_order_relaxed);

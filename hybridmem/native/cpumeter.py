@@ -125,11 +125,6 @@ class CpuAllocatorMeter:
         """Number of allocations counted so far (monotonic; the serial of the latest one)."""
         return int(self._lib.hm_serial())
 
-    @property
-    def live_count(self) -> int:
-        """Number of live allocations made through the meter."""
-        return int(self._lib.hm_live_count())
-
     def reset_peak(self) -> None:
         """Sets ``peak_bytes`` to ``current_bytes`` (call it while no other thread allocates)."""
         self._lib.hm_reset_peak()
@@ -334,7 +329,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name, res, args in [
         ("hm_install", i32, []), ("hm_uninstall", i32, []), ("hm_installed", i32, []),
         ("hm_priority", i32, []), ("hm_current", i64, []), ("hm_peak", i64, []),
-        ("hm_reset_peak", None, []), ("hm_serial", i64, []), ("hm_live_count", i64, []),
+        ("hm_reset_peak", None, []), ("hm_serial", i64, []),
         ("hm_orphan_frees", i64, []), ("hm_stale_entries", i64, []),
         ("hm_raw_allocate", ctypes.c_size_t, [i64]), ("hm_raw_deallocate", i32, [ctypes.c_size_t]),
         ("hm_lookup", i32, [ctypes.c_size_t, ctypes.POINTER(i64), ctypes.POINTER(i64)]),

@@ -38,7 +38,7 @@ from ..native.counters import CudaCounters
 from ..native.cpumeter import CpuAllocatorMeter
 from ..graph.stepparts import optimizers_of
 from .distributed import is_parameter_view, is_traceable_wrapper_subclass, plain_storages
-from .saved import Kept, _modified
+from .saved import Kept, keep
 from .stats import StatsRecorder
 from .steps import BACKWARD, FORWARD, IDLE, StepTracker, _task_id
 from .threads import OwnerThread, drop_hooks
@@ -179,7 +179,7 @@ class AllocatorMonitor:
     # ---- hooks -------------------------------------------------------------------------------
     def pack(self, t: Tensor) -> Any:
         if type(t) is not Tensor and is_traceable_wrapper_subclass(t):
-            return Kept(t.detach() if t.grad_fn is not None else t, t._version)  # DTensor: not counted here
+            return keep(t)  # DTensor: not counted here
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
@@ -200,17 +200,13 @@ class AllocatorMonitor:
                     self.stats.saved(st.nbytes())
                 elif serial < 0 and t.is_cpu:
                     self._count_fixed(st)  # made before enable() (the first batch): the allocator never saw it
-        if t.grad_fn is not None:
-            t = t.detach()  # no reference cycle through the node that saves it
-        return Kept(t, t._version)
+        return keep(t)
 
     def unpack(self, h: Any) -> Tensor:
         if self.steps.phase != BACKWARD and _task_id() != -1:
             self.steps.backward_seen()  # queues the engine callback that ends the step
         if type(h) is Kept:
-            if h.tensor._version != h.version:
-                raise _modified(tuple(h.tensor.shape), h.tensor.dtype, "", h.version, h.tensor._version)
-            return h.tensor
+            return h.read()
         return h
 
     def _module_called(self, module: torch.nn.Module, args: Any) -> None:

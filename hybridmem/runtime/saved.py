@@ -65,6 +65,30 @@ class Kept:
     def __init__(self, tensor: Tensor, version: int):
         self.tensor, self.version = tensor, version
 
+    def read(self) -> Tensor:
+        """The tensor, unless it was written in place since it was saved (PyTorch refuses that read)."""
+        t = self.tensor
+        if t._version != self.version:
+            raise _modified(tuple(t.shape), t.dtype, "", self.version, t._version)
+        return t
+
+
+def keep(t: Tensor) -> Kept:
+    """The handle of a saved tensor kept as it is. A tensor with a grad_fn is held as a detached alias (same
+    version counter): holding it would keep its own node alive (a saved output forms a cycle through the
+    hook's handle). Where a dispatch mode is active, :func:`keep_below_mode`."""
+    if t.grad_fn is not None:
+        t = t.detach()
+    return Kept(t, t._version)
+
+
+def keep_below_mode(t: Tensor) -> Kept:
+    """:func:`keep` inside the runtime's dispatch mode: the detach runs below it (it is no op of the step)."""
+    if t.grad_fn is not None:
+        with torch._C._DisableTorchDispatch():
+            t = t.detach()
+    return Kept(t, t._version)
+
 
 class Saved:
     """Handle of a managed saved tensor; dropping the last one releases the entry. ``view`` is None
@@ -212,16 +236,11 @@ class SavedStore:
                 if not slot.saved_bytes:  # alive and saved: what a budget could evict (the ops monitor's floor)
                     slot.saved_bytes = nbytes
                     self.produced.saved_live += nbytes
-        if t.grad_fn is not None:
-            with torch._C._DisableTorchDispatch():
-                t = t.detach()  # see _keep: no reference cycle through the node
-        return Kept(t, t._version)
+        return keep_below_mode(t)
 
     def unpack(self, h: Any) -> Tensor:
         if type(h) is Kept:
-            if h.tensor._version != h.version:
-                raise _modified(tuple(h.tensor.shape), h.tensor.dtype, "", h.version, h.tensor._version)
-            return h.tensor
+            return h.read()
         if type(h) is not Saved:
             return h
         e = h.entry
@@ -253,12 +272,8 @@ class SavedStore:
         return h.view.on(e.tensor)
 
     # ---- entries -----------------------------------------------------------------------------
-    @staticmethod
-    def keep(t: Tensor) -> Kept:
-        """``_keep`` where no dispatch mode is active (a steady-state step): the same handle, cheaper."""
-        if t.grad_fn is not None:
-            t = t.detach()
-        return Kept(t, t._version)
+    keep = staticmethod(keep)  # a steady-state step's light pack (no dispatch mode)
+    _keep = staticmethod(keep_below_mode)
 
     def _counted_late(self, over: int) -> None:
         # A storage from before the device was installed that no step input or module state reached (a
@@ -269,14 +284,6 @@ class SavedStore:
         self.stats.note(f"state allocated before hybridmem was enabled was first counted mid-step, saved by "
                         f"an op{after}: the step's count until then may have read up to {fmt_bytes(over)} low "
                         f"against the budget; create such tensors after enable(), or pass them to the model")
-
-    def _keep(self, t: Tensor) -> Kept:
-        if t.grad_fn is not None:
-            # Holding a tensor that has a grad_fn would keep its own node alive (a saved output
-            # forms a cycle through the hook's handle): keep a detached alias, same version counter.
-            with torch._C._DisableTorchDispatch():
-                t = t.detach()
-        return Kept(t, t._version)
 
     def _new_entry(self, t: Tensor, st: torch.UntypedStorage, slot: Any,
                    guard: bool = True) -> tuple[Entry, bool]:
