@@ -91,6 +91,7 @@ class SteadyControl:
         self._soft = self.native is not None and self.residency.lift_cap is not None
         self._soft_on = False  # the soft cap is on now (a steady step's own ops run)
         self._retired: StepProgram | None = None  # the program a refusal retired this step
+        self._overran = False  # a steady step went past the budget once (said in the notes)
 
     def _choose_step(self) -> None:
         """Before a step starts: steady state if a program is ready and the dispatch mode can be left
@@ -272,6 +273,9 @@ class SteadyControl:
             residency.relieve(over)
         if count and steady is not None and residency.survey is None and self._retired is None:
             self._retired = steady.program
+            if self._overran:
+                return
+            self._overran = True  # said once: stats().cap_overruns counts them all
             self.stats.note(f"steady state: at step {self.steps.steps + 1} an allocation of {fmt_bytes(nbytes)} "
                             f"went {fmt_bytes(max(held + nbytes - self.budget, 0))} past the budget (the allocator "
                             "alone could not free enough; the step evicted to recover): its input shape is "
