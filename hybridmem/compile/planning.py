@@ -4,7 +4,9 @@ whose options and per-region state it reads)."""
 
 from __future__ import annotations
 
+import functools
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +34,107 @@ from .variants import Codecs, Planned, Prepared, Variant, codecs_could_pay, reco
 def _cost_model(device: torch.device, name: str | None, can_swap: bool) -> DeviceModel:
     model = cost_model_for(device, name)
     return model if can_swap else no_swap(model)
+
+
+@dataclass(eq=False)
+class _Counts:
+    """A region's joint graph as counted for planning (:meth:`Planning._count_region`)."""
+
+    gm: fx.GraphModule
+    joint_inputs: Any
+    kwargs: dict[str, Any]
+    dev: torch.device
+    model: Any                   # the cost model it is planned with
+    forward: list[fx.Node]
+    conv: bool
+    jg: Any                      # every forward value the backward reads held from the forward
+    part: Any                    # the partition PyTorch makes; None with the eager compiler
+    probe_s: float
+    scratch_s: float
+
+
+@dataclass
+class _Share:
+    """A region's share of the budget (:meth:`Planning._share_of`)."""
+
+    key: tuple[str, ...]
+    name: str
+    budget: int                  # what the region is planned at (above the budget while earlier ones make room)
+    outside: int                 # held outside it: the optimizer's state, earlier regions, the other runs
+    share: int                   # budget - outside
+    margin: int                  # left free for Inductor's buffers, ``extra`` included
+    extra: int                   # of the margin, what trial runs of earlier plans held beyond their share
+    slack: int                   # how far beyond the share a plan may go (the run at compile time checks it)
+    room: int                    # left where its backward begins for the regions compiled after it
+    others: int                  # the other runs in flight
+    fixed: int
+    grads: int
+    base_s: float                # the step's time without evicting anything
+
+
+def _floor(v: Variant, model: Any, others: int) -> int:
+    """The least budget any plan of count ``v`` may fit (its partition's too, with no other runs in flight)."""
+    from .. import solvers
+    f = solvers.memory_floor(v.jg.graph, model)
+    if v.part is not None and not others:
+        f = min(f, solvers.memory_floor(v.part.graph, model))
+    return f
+
+
+class _Tries:
+    """The counts of one region tried and what came of them. What compresses is measured once, where first
+    asked; that time, and the compressed counts' planning, count as the codec probe's."""
+
+    def __init__(self, planner: "Planning", c: _Counts, s: _Share) -> None:
+        self.planner, self.c, self.s = planner, c, s
+        self.plain = Variant("", c.jg, c.part)
+        self.variants: list[Variant] = [self.plain]
+        self.planned: list[Planned] = []
+        self.failures: list[BudgetInfeasibleError] = []
+        self.notes: list[str] = []
+        self.codec_s = 0.0
+        self.lazy: dict[str, Any] = {}           # "codecs", "every": made where first asked for
+
+    def codecs(self) -> Codecs | None:
+        """What compresses (measured once, where compress is allowed and the budget binds)."""
+        if "codecs" not in self.lazy:
+            t1 = time.perf_counter()
+            c = self.c
+            self.lazy["codecs"] = (self.planner._codec_choices(c.gm, c.forward, c.jg, c.part, c.model, self.notes)
+                                   if "compress" in self.planner.policies else None)
+            self.codec_s += time.perf_counter() - t1
+        return self.lazy["codecs"]
+
+    def every(self) -> Variant | None:
+        """The counts with every candidate compressed (made once, where asked for)."""
+        if "every" not in self.lazy:
+            t1 = time.perf_counter()
+            codecs = self.codecs()
+            self.lazy["every"] = (codecs.variant("compress all", self.c.jg, self.c.part, lambda j, order: order)
+                                  if codecs else None)
+            self.codec_s += time.perf_counter() - t1
+        return self.lazy["every"]
+
+    def attempt(self, v: Variant | None, least: bool = True) -> Planned | None:
+        """Plan count ``v``; ``least``: where it has no plan, find the least budget it has one for (a
+        bisection of solves) for the error, which only a count that may be the last one tried needs."""
+        if v is None or any(v is w for w in self.variants[1:]):
+            return None
+        if v is not self.plain:
+            self.variants.append(v)
+        c, s = self.c, self.s
+        t_v = time.perf_counter()
+        try:
+            r = self.planner._plan_variant(v, c.gm, c.joint_inputs, c.kwargs, s.share, s.margin, s.others, s.grads,
+                                           c.model, s.name, least=least)
+            self.planned.append(r)
+            return r
+        except BudgetInfeasibleError as e:
+            self.failures.append(e)
+            return None
+        finally:
+            if v is not self.plain:
+                self.codec_s += time.perf_counter() - t_v
 
 
 class Planning:
@@ -148,14 +251,36 @@ class Planning:
         return self._budget_b
 
     def _prepare(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> Prepared:
-        """Plan the joint graph ``gm`` and tag it; return what the partition's rewrite needs."""
+        """Plan the joint graph ``gm`` and tag it; return what the partition's rewrite needs. By step: count
+        the region, take its share of the budget, check the floor, plan the counts worth trying, record the
+        fastest plan."""
+        t0 = time.perf_counter()
+        c = self._count_region(gm, joint_inputs, kwargs)
+        s = self._share_of(c)
+        # read by the fit loop (hybridmem.compile.fit) when this compile has no plan
+        self._margin_now, self._slack_now = s.margin, s.slack
+        if s.room:
+            # the regions compiled after it run where its backward begins: their share is left free there (their
+            # share holds their own margin: this region's is not counted twice; a margin lowered to find a plan,
+            # which its run checks, lowers the room alike)
+            for j in (c.jg, c.part):
+                if j is not None:
+                    reserve(j.graph, s.room - (s.margin - s.extra))
+        tries = _Tries(self, c, s)
+        least_plain, least = self._floor_or_raise(c, s, tries)
+        self._try_variants(c, s, tries, least_plain)
+        best = self._best_or_raise(c, s, tries)
+        return self._record(c, s, tries, best, least, t0)
+
+    def _count_region(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> _Counts:
+        """The region's two counts: every forward value the backward reads held from the forward (the count
+        plans are made on first), and the count of the partition PyTorch makes (what it recomputes on its own
+        read from its sources): closer to the real peak, tried where the first has no plan
+        (:mod:`hybridmem.compile.defaults`)."""
         from torch._functorch import config as fconfig
         from torch._functorch.compile_utils import fx_graph_cse
         from torch._functorch.partitioners import classify_nodes
 
-        from .. import solvers
-
-        t0 = time.perf_counter()
         dev = self._dev or torch.device("cpu")
         can_swap = "swap" in self.policies and dev.type == "cuda"
         model = _cost_model(dev, self.cost_model_name, can_swap)
@@ -175,23 +300,17 @@ class Planning:
         t_probe = time.perf_counter()
         saved = saved_by_partition(gm, joint_inputs, kwargs) if fuse else None
         t_probe = time.perf_counter() - t_probe
-
-        def joint(saved_: set[fx.Node] | None) -> Any:
-            return joint_graph(gm, forward, [p for i, p in enumerate(placeholders) if i in static_idx],
-                               [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
-                               name=f"region {len(self._regions) + 1}", fuse=fuse,
-                               fuse_backward=fuse and not conv, saved=saved_, outputs_held=self.hold_outputs)
-
-        # two counts of the region: every forward value the backward reads held from the forward (the
-        # count plans are made on first), and the count of the partition PyTorch makes (what it
-        # recomputes on its own read from its sources): closer to the real peak, tried where the first
-        # has no plan (hybridmem.compile.defaults)
-        jg = joint(None)
-        jg_part = joint(saved) if saved is not None else None
+        joint = functools.partial(
+            joint_graph, gm, forward, [p for i, p in enumerate(placeholders) if i in static_idx],
+            [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
+            name=f"region {len(self._regions) + 1}", fuse=fuse, fuse_backward=fuse and not conv,
+            outputs_held=self.hold_outputs)
+        jg = joint(saved=None)
+        jg_part = joint(saved=saved) if saved is not None else None
         if "recompute" not in self.policies:
             for j in (jg, jg_part):      # no stage may be replayed: the planners keep, swap (or it compresses)
-                for st_ in (j.graph.stages if j is not None else ()):
-                    st_.deterministic = False
+                for stage in (j.graph.stages if j is not None else ()):
+                    stage.deterministic = False
         t_scratch = time.perf_counter()
         if self.scratch:
             counts = [j for j in (jg, jg_part) if j is not None]
@@ -199,198 +318,166 @@ class Planning:
             for j in counts:
                 j.graph.meta["workspace"] = note
         t_scratch = time.perf_counter() - t_scratch
-        g = jg.graph
+        return _Counts(gm, joint_inputs, kwargs, dev, model, forward, conv, jg, jg_part, t_probe, t_scratch)
+
+    def _share_of(self, c: _Counts) -> _Share:
+        """Region ``self._current``'s share of the budget, the margin it leaves for Inductor's buffers, and
+        what the other runs in flight hold beside it."""
         key = self._current
-        budget = self._budget_for(key, dev)
+        budget = self._budget_for(key, c.dev)
         outside = self._outside(key)
         share = budget - outside
         # the margin scales with the step as it runs: the keep-all peak of the partition PyTorch makes where
         # that count is the lower (MobileNetV2: 40.6 MiB, where the first count's 56 MiB holds every forward
         # value the backward reads from the forward on)
-        peak = min(j.graph.peak_bytes() for j in (jg, jg_part) if j is not None)
-        share_free = (tuning.INDUCTOR_MARGIN_CONCAT if conv and concatenates_feature_maps(gm.graph.nodes)
-                      else tuning.INDUCTOR_MARGIN if conv else tuning.INDUCTOR_MARGIN_NO_CONV)
-        # and what a trial run of an earlier plan of this compile held beyond its share (_compile_checked)
-        margin = (int(share_free * peak) if self.compiler == "inductor" else 0) + self._extra.get(key, 0)
-        self._margin_now = margin
+        peak = min(j.graph.peak_bytes() for j in (c.jg, c.part) if j is not None)
+        share_free = (tuning.INDUCTOR_MARGIN_CONCAT if c.conv and concatenates_feature_maps(c.gm.graph.nodes)
+                      else tuning.INDUCTOR_MARGIN if c.conv else tuning.INDUCTOR_MARGIN_NO_CONV)
+        inductor = self.compiler == "inductor"
+        # and what a trial run of an earlier plan of this compile held beyond its share (hybridmem.compile.fit)
+        extra = self._extra.get(key, 0)
+        margin = (int(share_free * peak) if inductor else 0) + extra
         # a count a little above the step as it runs (the partition recomputes some of what it keeps) may be
         # planned a little beyond the share: the run at compile time checks it
-        self._slack_now = int(tuning.REPLAN_SLACK * peak) if self.compiler == "inductor" else 0
+        slack = int(tuning.REPLAN_SLACK * peak) if inductor else 0
         name = f"region {list(self._regions).index(key) + 1 if key in self._regions else len(self._regions) + 1}"
-        room = self._room.get(key, 0)
-        if room:
-            # the regions compiled after it run where its backward begins: their share is left free there (their
-            # share holds their own margin: this region's is not counted twice; a margin lowered to find a plan,
-            # which its run checks, lowers the room alike)
-            for j in (jg, jg_part):
-                if j is not None:
-                    reserve(j.graph, room - (margin - self._extra.get(key, 0)))
         # each other run in flight (calls_per_step - 1) holds its inputs and parameters, and either what the
         # plan keeps for its backward (before it) or the gradients that backward made (after it)
         others = self.calls_per_step - 1
+        g = c.jg.graph
         fixed = g.fixed_bytes()
         grads = sum(t.nbytes for t in g.tensors if t.producer < 0 and t.kind == "param")
         outside += others * (fixed + grads)
         share -= others * (fixed + grads)
-        base_s = float(model.op_times(g).sum())
-        plain = Variant("", jg, jg_part)
-        variants = [plain]
-        notes: list[str] = []
-        t_codec = 0.0
-        lazy: dict[str, Any] = {}
+        return _Share(key, name, budget, outside, share, margin, extra, slack, self._room.get(key, 0), others,
+                      fixed, grads, float(c.model.op_times(g).sum()))
 
-        def codecs() -> "Codecs | None":
-            """What compresses (measured once, where compress is allowed and the budget binds)."""
-            nonlocal t_codec
-            if "codecs" not in lazy:
-                t1 = time.perf_counter()
-                lazy["codecs"] = (self._codec_choices(gm, forward, jg, jg_part, model, notes)
-                                  if "compress" in self.policies else None)
-                t_codec += time.perf_counter() - t1
-            return lazy["codecs"]
-
-        def every() -> Variant | None:
-            """The counts with every candidate compressed (made once, where asked for)."""
-            nonlocal t_codec
-            if "every" not in lazy:
-                t1 = time.perf_counter()
-                c = codecs()
-                lazy["every"] = c.variant("compress all", jg, jg_part, lambda j, order: order) if c else None
-                t_codec += time.perf_counter() - t1
-            return lazy["every"]
-
-        def floor(v: Variant) -> int:
-            f = solvers.memory_floor(v.jg.graph, model)
-            if v.part is not None and not others:
-                f = min(f, solvers.memory_floor(v.part.graph, model))
-            return f
-        least_plain = floor(plain) + margin + outside
+    def _floor_or_raise(self, c: _Counts, s: _Share, tries: "_Tries") -> tuple[int, int]:
+        """The least budget a plan of the count without compression, and of any count, may fit (floors: no plan
+        goes below them); the error, naming the least budget a plan exists for, where the budget is below."""
+        least_plain = _floor(tries.plain, c.model, s.others) + s.margin + s.outside
         least = least_plain
-        if budget < least_plain and every() is not None:
-            least = min(least, floor(every()) + margin + outside)
-        if budget < least:
-            # the floor is a bound no plan goes below; the error names the least budget a plan exists for
-            # (a bisection of solves), so that the budget it names compiles
-            region = None if others else self._least_planned([v for v in (plain, lazy.get("every")) if v], model)
-            named = least if region is None else max(least, region + margin + outside)
-            raise BudgetInfeasibleError(
-                f"hybridmem compile: {name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
-                + (f"it needs at least {fmt_bytes(named)} ({named} B) with every evictable activation "
-                   + ("recomputed, swapped or compressed" if lazy.get("every") else "recomputed or swapped")
-                   if region is None else f"the least budget it has a plan for is {fmt_bytes(named)} ({named} B)")
-                + f" ({fmt_bytes(named - outside)} in the region"
-                + (f", of which {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
-                + f"; {fmt_bytes(outside)} held outside it: the optimizer's state, the regions compiled "
-                f"before" + (", the other runs' inputs, parameters and gradients" if others else "")
-                + "); the compiled step's run at compile time checks that budget and names more where Inductor "
-                "holds more than the plan counts", named)
-        planned: list[Planned] = []
-        failures: list[BudgetInfeasibleError] = []
+        if s.budget < least_plain and tries.every() is not None:
+            least = min(least, _floor(tries.every(), c.model, s.others) + s.margin + s.outside)
+        if s.budget >= least:
+            return least_plain, least
+        # the floor is a bound no plan goes below; the error names the least budget a plan exists for (a
+        # bisection of solves), so that the budget it names compiles
+        region = None if s.others else self._least_planned(
+            [v for v in (tries.plain, tries.lazy.get("every")) if v], c.model)
+        named = least if region is None else max(least, region + s.margin + s.outside)
+        budget, margin, outside, others = s.budget, s.margin, s.outside, s.others
+        raise BudgetInfeasibleError(
+            f"hybridmem compile: {s.name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
+            + (f"it needs at least {fmt_bytes(named)} ({named} B) with every evictable activation "
+               + ("recomputed, swapped or compressed" if tries.lazy.get("every") else "recomputed or swapped")
+               if region is None else f"the least budget it has a plan for is {fmt_bytes(named)} ({named} B)")
+            + f" ({fmt_bytes(named - outside)} in the region"
+            + (f", of which {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
+            + f"; {fmt_bytes(outside)} held outside it: the optimizer's state, the regions compiled "
+            f"before" + (", the other runs' inputs, parameters and gradients" if others else "")
+            + "); the compiled step's run at compile time checks that budget and names more where Inductor "
+            "holds more than the plan counts", named)
 
-        def attempt(v: Variant | None, least: bool = True) -> Planned | None:
-            """Plan count ``v``; ``least``: where it has no plan, find the least budget it has one for (a
-            bisection of solves) for the error, which only a count that may be the last one tried needs."""
-            nonlocal t_codec
-            if v is None or any(v is w for w in variants[1:]):
-                return None
-            if v is not plain:
-                variants.append(v)
-            t_v = time.perf_counter()
-            try:
-                r = self._plan_variant(v, gm, joint_inputs, kwargs, share, margin, others, grads, model, name,
-                                       least=least)
-                planned.append(r)
-                return r
-            except BudgetInfeasibleError as e:
-                failures.append(e)
-                return None
-            finally:
-                if v is not plain:
-                    t_codec += time.perf_counter() - t_v
-
+    def _try_variants(self, c: _Counts, s: _Share, tries: "_Tries", least_plain: int) -> None:
+        """Plan the counts worth trying into ``tries``: without compression (where the budget is above its
+        floor), then with what compresses where that may pay."""
         # below the floor of the count without compression no plan of it fits: only compression may
-        first = attempt(plain) if budget >= least_plain else None
-        hopeless = first is not None and first.plan is not None and not codecs_could_pay(first, model, dev.type)
+        first = tries.attempt(tries.plain) if s.budget >= least_plain else None
+        hopeless = first is not None and first.plan is not None and not codecs_could_pay(first, c.model, c.dev.type)
         if hopeless and "compress" in self.policies:
-            notes.append("compression not tried: no recompute of the plan costs more per byte than the fastest "
-                         "lossless codec would to free it")
-        elif (first is None or first.plan is not None) and codecs() is not None:
-            if first is not None:
-                # hold compressed what that plan keeps, but the sources its recomputes replay from: the same
-                # recomputes still fit, and the bytes compression frees may spare some of them. Not where the
-                # codecs and the recomputes those bytes cannot spare cost more than that plan adds (it could
-                # not be faster)
-                d, ga = first.decisions, first.jg.graph
-                sources = {x for t in d.recompute for x in ga.stages[ga.tensors[t].producer].inputs}
-                evicted = set(d.recompute) | set(d.swap) | sources
-                pick = lazy["codecs"].pick(first.jg, lambda order: [t for t in order if t not in evicted])
-                if pick and lazy["codecs"].seconds(first.jg, pick) + recompute_left_s(
-                        first, model, lazy["codecs"].freed(first.jg, pick)) < first.time_s - base_s:
-                    # the first plan stands if this one has none: no least budget to find for an error
-                    attempt(lazy["codecs"].variant("compress what it keeps", first.jg, None, lambda j, order: pick),
-                            least=False)
-                elif pick:
-                    notes.append("compression not tried: its codecs, with the recomputes the bytes they free cannot "
-                                 "spare, would cost more than the recompute plan adds")
-            else:
-                attempt(every())
-                # the most worth it, for about half the bytes compressing all would save: the plan recomputes
-                # around them (compressing a recompute's source takes that recompute away). Compressing all
-                # needs the least budget of the two: the error names it from there
-                attempt(lazy["codecs"].variant("compress half", jg, jg_part, lazy["codecs"].half), least=False)
-        if not planned:
-            needs = [int(e.minimum_bytes) for e in failures if e.minimum_bytes is not None]
+            tries.notes.append("compression not tried: no recompute of the plan costs more per byte than the fastest "
+                               "lossless codec would to free it")
+            return
+        if not ((first is None or first.plan is not None) and (codecs := tries.codecs()) is not None):
+            return
+        if first is None:
+            tries.attempt(tries.every())
+            # the most worth it, for about half the bytes compressing all would save: the plan recomputes
+            # around them (compressing a recompute's source takes that recompute away). Compressing all
+            # needs the least budget of the two: the error names it from there
+            tries.attempt(codecs.variant("compress half", c.jg, c.part, codecs.half), least=False)
+            return
+        # hold compressed what that plan keeps, but the sources its recomputes replay from: the same
+        # recomputes still fit, and the bytes compression frees may spare some of them. Not where the
+        # codecs and the recomputes those bytes cannot spare cost more than that plan adds (it could
+        # not be faster)
+        d, ga = first.decisions, first.jg.graph
+        sources = {x for t in d.recompute for x in ga.stages[ga.tensors[t].producer].inputs}
+        evicted = set(d.recompute) | set(d.swap) | sources
+        pick = codecs.pick(first.jg, lambda order: [t for t in order if t not in evicted])
+        if pick and codecs.seconds(first.jg, pick) + recompute_left_s(
+                first, c.model, codecs.freed(first.jg, pick)) < first.time_s - s.base_s:
+            # the first plan stands if this one has none: no least budget to find for an error
+            tries.attempt(codecs.variant("compress what it keeps", first.jg, None, lambda j, order: pick),
+                          least=False)
+        elif pick:
+            tries.notes.append("compression not tried: its codecs, with the recomputes the bytes they free cannot "
+                               "spare, would cost more than the recompute plan adds")
+
+    def _best_or_raise(self, c: _Counts, s: _Share, tries: "_Tries") -> Planned:
+        """The fastest plan tried (the first, less compressed, on a tie); the error naming the least budget any
+        count has a plan for where none fits."""
+        if not tries.planned:
+            needs = [int(e.minimum_bytes) for e in tries.failures if e.minimum_bytes is not None]
             if not needs:
-                raise failures[0]
+                raise tries.failures[0]
             least_need = min(needs)
+            budget, margin, outside, others = s.budget, s.margin, s.outside, s.others
             need = least_need + margin + outside
             raise BudgetInfeasibleError(
-                f"hybridmem compile: {name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
+                f"hybridmem compile: {s.name} has no plan within the budget {fmt_bytes(budget)} ({budget} B); "
                 f"the least budget it has a plan for is {fmt_bytes(need)} ({need} B): "
                 f"{fmt_bytes(least_need)} in the region"
                 + (f" with the other {others} runs' kept tensors" if others else "")
                 + (f", {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
                 + f", {fmt_bytes(outside)} held outside it (the optimizer's state, the regions compiled "
                 f"before" + (", the other runs' inputs, parameters and gradients)" if others else ")")
-                + ("" if self._can_evict() else f"; policies {list(self.policies)} evict nothing on {dev} (swap "
+                + ("" if self._can_evict() else f"; policies {list(self.policies)} evict nothing on {c.dev} (swap "
                    "needs CUDA): add recompute or compress"),
                 need) from None
-        best = min(planned, key=lambda r: r.time_s)     # the fastest plan; the first (less compressed) on a tie
-        if len(variants) > 1:
+        best = min(tries.planned, key=lambda r: r.time_s)
+        if len(tries.variants) > 1:
             times = ", ".join(f"{v.name or 'no compression'} " + next(
-                (f"{100 * (r.time_s / base_s - 1):+.1f} %" for r in planned if r.variant is v), "no plan")
-                for v in variants)
-            notes.append(f"compression {'chosen' if best.variant.compressed else 'not chosen'} (predicted {times})")
-        st = self._region_stats_of(best, name, least, margin, share, base_s)
-        if notes:
-            st.note = "; ".join([*(x for x in [st.note] if x), *notes])
-        jg, g = best.jg, best.jg.graph
+                (f"{100 * (r.time_s / s.base_s - 1):+.1f} %" for r in tries.planned if r.variant is v), "no plan")
+                for v in tries.variants)
+            tries.notes.append(f"compression {'chosen' if best.variant.compressed else 'not chosen'} "
+                               f"(predicted {times})")
+        return best
+
+    def _record(self, c: _Counts, s: _Share, tries: "_Tries", best: Planned, least: int, t0: float) -> Prepared:
+        """Tag the joint graph with ``best``'s decisions, record the region's stats and what it holds through its
+        backward; what the partition's rewrite needs."""
+        st = self._region_stats_of(best, s.name, least, s.margin, s.share, s.base_s)
+        if tries.notes:
+            st.note = "; ".join([*(x for x in [st.note] if x), *tries.notes])
+        jg = best.jg
         if best.plan is not None:
             apply_plan(jg, best.decisions)
         elif jg.compressed:
             apply_plan(jg, Decisions())
-        beside = (fixed + st.compressed_to_bytes + (st.swapped_bytes if dev.type != "cuda" else 0)
-                  + others * (fixed + max(st.saved_bytes, grads)))
-        self._held[key] = beside + st.saved_bytes
-        self._kept[key] = st.saved_bytes + st.compressed_to_bytes
-        st.room_bytes = room
-        if room:
-            st.add_note(f"left {fmt_bytes(room)} where its backward begins for the regions compiled after it")
+        beside = (s.fixed + st.compressed_to_bytes + (st.swapped_bytes if c.dev.type != "cuda" else 0)
+                  + s.others * (s.fixed + max(st.saved_bytes, s.grads)))
+        self._held[s.key] = beside + st.saved_bytes
+        self._kept[s.key] = st.saved_bytes + st.compressed_to_bytes
+        st.room_bytes = s.room
+        if s.room:
+            st.add_note(f"left {fmt_bytes(s.room)} where its backward begins for the regions compiled after it")
         st.runs_planned = self.calls_per_step
         st.plan_s = time.perf_counter() - t0
-        st.scratch_s = t_scratch
-        st.probe_s = t_probe
-        st.codec_probe_s = t_codec
+        st.scratch_s = c.scratch_s
+        st.probe_s = c.probe_s
+        st.codec_probe_s = tries.codec_s
         st.solve_s = best.solve_s
         region = codec_ops.new_region() if best.variant.compressed else 0
         st.codec_region = region
-        self._regions[key] = st
+        self._regions[s.key] = st
         self._planned_now = best
-        return Prepared(offload=bool(best.decisions.swap), region=region, stats=st, model=model, key=key,
-                         held_beside=beside,
-                         offloaded=[compressed_mod.storage_of(n) for t in best.decisions.swap
-                                    for n in jg.forward_nodes_of(t)],
-                         compressed=[best.variant.compressed[n.name] for n in jg.compressed.values()])
+        return Prepared(offload=bool(best.decisions.swap), region=region, stats=st, model=c.model, key=s.key,
+                        held_beside=beside,
+                        offloaded=[compressed_mod.storage_of(n) for t in best.decisions.swap
+                                   for n in jg.forward_nodes_of(t)],
+                        compressed=[best.variant.compressed[n.name] for n in jg.compressed.values()])
 
     def _held_as_partitioned(self, prep: Prepared, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
         """What region ``prep.key`` holds through its backward, by the tensors its partition's backward reads
