@@ -36,10 +36,7 @@ from ..devices import budget_needs_cuda, parse_device_budget, resolve_device
 from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import get_cost_model
 from ..graph.units import fmt_bytes
-from ..native import cpumeter
-from . import codec_ops
-from . import trial as trial_mod
-from . import tuning
+from . import codec_ops, fit
 from .compressed import rewrite_partition
 from .copies import reload_timing, stream_ops_work
 from .heap import frozen_heap
@@ -49,7 +46,7 @@ from .planning import Planning
 from .room import Replannable
 from .runs import InFlight
 from .sizes import PlannedSizes, bound, planned_at, planning_at
-from .stats import CompileStats, RegionStats, sizes_line
+from .stats import CompileStats, RegionStats
 from .variants import Planned
 
 
@@ -328,12 +325,12 @@ class CompileBackend(Planning):
 
     def _compile_checked(self, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any],
                          sizes: PlannedSizes) -> Any:
-        """:meth:`_compile_fitted`; where the region was planned above the budget, beside earlier regions that
+        """:func:`~hybridmem.compile.fit.compile_fitted`; where the region was planned above the budget, beside earlier regions that
         keep too much (:mod:`hybridmem.compile.room`), those are asked to make room, and it to plan again after
         them, at their next calls."""
         self._lift.pop(key, None)
         try:
-            compiled = self._compile_fitted(key, gm, example_inputs, sizes)
+            compiled = fit.compile_fitted(self, key, gm, example_inputs, sizes)
         finally:
             lifted = self._lift.pop(key, None)
         st = self._regions.get(key)
@@ -386,153 +383,6 @@ class CompileBackend(Planning):
         """The budget region ``key`` is planned at: the budget, or above it while earlier regions make room."""
         return self._lift.get(key) or self._budget_bytes(dev)
 
-    def _compile_fitted(self, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any],
-                        sizes: PlannedSizes) -> Any:
-        """Compile the region and, with ``verify``, run it once (:mod:`hybridmem.compile.trial`); where its real
-        peak exceeds its share, plan and compile it again with the excess (and :data:`tuning.REPLAN_SLACK` of its
-        keep-all peak) more left free, up to :data:`tuning.REPLANS` times; where that leaves the count no plan, once
-        more with the count's least plan."""
-        self._extra[key] = 0
-        dev = self._dev or torch.device("cpu")
-        # the run's inputs, made before the level is read: they are not the compile's
-        measured_on, why_not = _at_planned_sizes(sizes, example_inputs) if self.verify else (None, "")
-        native = cpumeter.load() if dev.type == "cpu" else None
-        level = native.current_bytes if native is not None and native.installed else None   # before compiling
-        runs: list[trial_mod.Trial] = []        # the runs of the plans tried, their real peaks with the other runs'
-        compiled: Any = None
-        st: RegionStats | None = None
-        before = others = 0                      # the extra margin of the plan tried last; its other runs' bytes
-        earlier_s = 0.0                          # the planning seconds of the plans made before this one
-        least_tried = False
-        shrunk = shrinks = 0                     # bytes the margin was lowered by to find a plan (the run checks it)
-        unshrunk: BudgetInfeasibleError | None = None   # the error with the whole margin, raised where unchecked
-        while True:
-            self._planned_now = None
-            if st is not None:
-                earlier_s = st.plan_s           # the last plan's, which holds those before it
-            try:
-                compiled = self._compile(gm, example_inputs)
-            except BudgetInfeasibleError as e:
-                short = (e.minimum_bytes or 0) - self._budget_for(key, dev)
-                if not runs and self.verify and shrinks < tuning.SHRINKS and e.minimum_bytes is not None \
-                        and 0 < short <= self._margin_now + self._slack_now:
-                    # a plan may fit with less left free for Inductor's buffers than the margin (a guess): plan
-                    # with what the budget leaves (the least named is a bound: again with what the next error
-                    # names, a few times); the run below measures the step and plans again where it holds more
-                    shrinks += 1
-                    shrunk, unshrunk = shrunk + short, unshrunk or e
-                    self._extra[key] -= short
-                    self._revision += 1
-                    continue
-                if not runs or st is None:
-                    err = unshrunk or e
-                    if self._may_lift(key, err, self._budget_bytes(dev)):
-                        # the earlier regions keep too much beside it: planned at the least budget it has a plan
-                        # for, with the whole margin, while they make room (_ask_room)
-                        self._lift[key] = int(err.minimum_bytes)          # type: ignore[arg-type]
-                        self._extra[key], shrunk, shrinks, unshrunk = 0, 0, tuning.SHRINKS, None
-                        self._revision += 1
-                        continue
-                    if unshrunk is not None:
-                        raise unshrunk from None
-                    raise
-                room = self._budget_for(key, dev) - st.min_budget_bytes   # above the least, with the last margin
-                if not least_tried and room > 0:
-                    # more left free than the count allows: its least plan, the one that recomputes most
-                    least_tried = True
-                    self._extra[key] = before + room
-                    self._revision += 1
-                    continue
-                raise self._no_fit(st, key, dev, runs, compiled, measured_on or example_inputs, level,
-                                   others) from None
-            st, planned = self._regions.get(key), self._planned_now
-            if st is not None and earlier_s:
-                st.plan_s += earlier_s          # every plan made for this compile counts as its planning
-            if st is not None and shrunk and not runs:
-                st.add_note(f"planned with {fmt_bytes(shrunk)} less left for Inductor's buffers than the margin "
-                            f"(the budget leaves no more), checked by its run when compiled")
-            if planned is None or st is None or not self.verify:
-                return compiled          # no joint graph was planned (an inference region), or not asked
-            mutated = trial_mod.mutated_inputs(len(example_inputs))
-            try:
-                if measured_on is None:
-                    raise trial_mod.NotMeasurable(why_not)
-                got = trial_mod.run(compiled, measured_on, dev, mutated, cap_bytes=st.budget_bytes - planned.others_bytes,
-                                    level=level, hold_outputs=self.hold_outputs)
-            except Exception as e:      # a region that cannot run here: its plan stands as counted
-                if unshrunk is not None:
-                    raise unshrunk from e
-                reason = str(e) if isinstance(e, trial_mod.NotMeasurable) else f"{type(e).__name__}: {str(e)[:160]}"
-                st.add_note(f"not run at compile time ({reason})")
-                warnings.warn(f"hybridmem compile: {st.name}: its compiled step could not be run once to measure its "
-                              f"real peak ({reason}); the plan stands as counted, and the step may exceed the "
-                              "budget by what Inductor holds beyond the count", RuntimeWarning, stacklevel=3)
-                return compiled
-            if st.codec_region:
-                codec_ops.reset_stats(st.codec_region)     # a run at compile time is not a step
-            others = planned.others_bytes
-            if got.device_other_bytes and not any(k != key for k in self._held):
-                # CUDA, the first region: the budget caps the allocator's bytes, and what it held besides this
-                # region's inputs (library workspaces, other tensors) is in every step's peak. (A later region
-                # runs beside the earlier ones' saved tensors, which its share already leaves out.)
-                others += got.device_other_bytes
-                if not runs:
-                    st.add_note(f"the device held {fmt_bytes(got.device_other_bytes)} besides its inputs when it "
-                                f"ran (CUDA workspaces, other tensors): counted in its peak")
-            got = replace(got, peak_bytes=got.peak_bytes + others)
-            runs.append(got)
-            st.replans = len(runs) - 1
-            st.trial_peak_bytes, st.trial_s = got.peak_bytes, sum(r.seconds for r in runs)
-            if got.peak_bytes <= st.budget_bytes:
-                return compiled
-            if len(runs) > tuning.REPLANS:
-                break
-            before = self._extra[key]
-            stopped = sum(r.refused for r in runs[:-1])
-            slack = tuning.REPLAN_SLACK * (2 ** stopped if got.refused else 1)
-            self._extra[key] += got.peak_bytes - st.budget_bytes + int(slack * st.keep_all_peak_bytes)
-            self._revision += 1
-        over = got.peak_bytes - st.budget_bytes
-        st.add_note(f"its compiled step held {'more than ' if got.refused else ''}{fmt_bytes(got.peak_bytes)}, more "
-                    f"than its share {fmt_bytes(st.budget_bytes)}, after {len(runs)} plans")
-        warnings.warn(f"hybridmem compile: {st.name}'s compiled step, run once when it compiled, held "
-                      f"{'more than ' if got.refused else ''}{fmt_bytes(got.peak_bytes)}, more than its share of the "
-                      f"budget ({fmt_bytes(st.budget_bytes)}), after {len(runs)} plans each with more left free for "
-                      f"Inductor's buffers: the steps will exceed the budget by {'more than ' if got.refused else ''}"
-                      f"{fmt_bytes(over)}; a larger budget fits", RuntimeWarning, stacklevel=3)
-        return compiled
-
-    def _no_fit(self, st: RegionStats, key: tuple[str, ...], dev: torch.device, runs: list[Any], compiled: Any,
-                example_inputs: list[Any], level: int | None, others: int) -> BudgetInfeasibleError:
-        """The error for a region whose plans each held more than its share when run, and that has no plan
-        with more left free. It names a budget a plan was measured to fit: the least a run held, with what is
-        held outside the region; where every run was stopped at the share, the last plan's run to its end
-        (at compile time, more than the budget: no step follows) says it."""
-        budget = self._budget_for(key, dev)
-        outside = budget - st.budget_bytes
-        measured = [r.peak_bytes for r in runs if not r.refused]
-        if not measured and compiled is not None:
-            try:
-                got = trial_mod.run(compiled, example_inputs, dev, trial_mod.mutated_inputs(len(example_inputs)),
-                                    level=level, hold_outputs=self.hold_outputs)
-                measured.append(got.peak_bytes + others)
-            except Exception:     # the error then names the least the stopped runs needed
-                pass
-        lowest = min(r.peak_bytes for r in runs)
-        if measured:
-            need = min(measured) + outside
-            says = f"A budget of {fmt_bytes(need)} ({need} B) fits: the least a plan held, with what is held outside it"
-        else:
-            need = lowest + outside
-            says = (f"Its plans' runs were stopped at the share: a budget of at least {fmt_bytes(need)} ({need} B) "
-                    "is needed")
-        return BudgetInfeasibleError(
-            f"hybridmem compile: {st.name} does not fit the budget {fmt_bytes(budget)} ({budget} B) as Inductor "
-            f"compiles it: run once when it compiled, its plans' steps held {fmt_bytes(lowest)} at least (the last "
-            f"plan counted {fmt_bytes(st.predicted_peak_bytes)} of the region's {fmt_bytes(st.budget_bytes)} share), "
-            f"and with {fmt_bytes(self._extra[key])} more left free for Inductor's buffers it has no plan. "
-            f"{says}", need)
-
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         from torch._functorch import config as fconfig
         # the backward compiled with the forward (AOTAutograd compiles it at its first call otherwise): a trial
@@ -580,15 +430,6 @@ class CompileBackend(Planning):
                 now = codec_ops.stats_for(st.codec_region)
                 st.codec = replace(now, codecs=dict(now.codecs))
         return list(self._regions.values())
-
-
-def _at_planned_sizes(sizes: PlannedSizes, example_inputs: list[Any]) -> tuple[list[Any] | None, str]:
-    """The inputs the run at compile time measures the step on: the call's, at the sizes the region is planned
-    at (:meth:`PlannedSizes.inputs`); else None and why not."""
-    try:
-        return sizes.inputs(example_inputs), ""
-    except ValueError as e:
-        return None, f"no inputs at the planned sizes {sizes_line(sizes.planned)}: {e}"
 
 
 def _note_host_tokens(st: RegionStats, tokens: int) -> None:
