@@ -43,6 +43,7 @@ from .heap import frozen_heap
 from .measured import StepPeak
 from . import offload as offload_mod
 from .planning import Planning
+from .regions import Key, RegionState, planned_keys
 from .room import Replannable
 from .runs import InFlight
 from .sizes import PlannedSizes, bound, planned_at, planning_at
@@ -223,25 +224,11 @@ class CompileBackend(Planning):
         self._revision = 0                           # plans made again after a trial (partition cache keys)
         self._margin_now = 0                         # what the last plan left free for Inductor's buffers
         self._slack_now = 0                          # ... and how far below nothing it may go (tuning.REPLAN_SLACK)
-        self._extra: dict[tuple[str, ...], int] = {}  # region -> bytes more its margin leaves free (trials)
         self._planned_now: Planned | None = None     # the plan of the compile in progress
-        self._runs: dict[tuple[str, ...], InFlight] = {}
-        self._sizes: dict[tuple[str, ...], PlannedSizes] = {}    # regions compiled for dynamic shapes
-        self._largest: dict[tuple[str, ...], dict[tuple[str, int], int]] = {}  # region -> (input, dim) -> size
-        self._size_replans: dict[tuple[str, ...], int] = {}   # region -> compiles for sizes above its plan's
         self.peak = StepPeak()
-        self._held: dict[tuple[str, ...], int] = {}      # region key -> bytes it keeps through its backward
-        self._regions: dict[tuple[str, ...], RegionStats] = {}
-        self._kept: dict[tuple[str, ...], int] = {}      # region key -> of its held bytes, what a plan may evict
-        # graph breaks (hybridmem.compile.room): bytes a region leaves where its backward begins for the regions
-        # compiled after it; a budget a region is planned at, above the budget, while the earlier ones make room;
-        # the regions that asked for room; each region's compiled function, to plan again at its next call
-        self._room: dict[tuple[str, ...], int] = {}
-        self._lift: dict[tuple[str, ...], int] = {}
-        self._asked: set[tuple[str, ...]] = set()
-        self._replannable: dict[tuple[str, ...], Replannable] = {}
-        self._renew: set[tuple[str, ...]] = set()
-        self._current: tuple[str, ...] = ()
+        # each region's state, in the order the regions were first planned (hybridmem.compile.regions)
+        self.regions: dict[Key, RegionState] = {}
+        self._current: Key = ()
         self._dev: torch.device | None = self.device
         self._examples: list[Any] | None = None
         self.partitioner = _make_partitioner(self)
@@ -258,26 +245,23 @@ class CompileBackend(Planning):
             self._dev = _device_of(example_inputs)
         if self.measure:
             self.peak.start(self._dev, self._optimizer)
-        earlier = self._sizes.get(key)
+        r = self.regions.setdefault(key, RegionState())
+        earlier = r.sizes
         compiled, sizes = self._build(key, tensors, gm, example_inputs)
         if earlier is not None and sizes.above(earlier.planned):
             # Dynamo compiled it again because a call was larger than the plan's sizes (sizes.bound)
-            self._size_replans[key] = self._size_replans.get(key, 0) + 1
-        holder = self._replannable[key] = Replannable(compiled, lambda flat: self._replan(key, gm, flat))
-        if key in self._renew:          # planned above the budget: again once the earlier regions made room
-            self._renew.discard(key)
+            r.size_replans += 1
+        holder = r.replannable = Replannable(compiled, lambda flat: self._replan(key, gm, flat))
+        if r.renew:          # planned above the budget: again once the earlier regions made room
+            r.renew = False
             holder.renew(skip=1)
         compiled = holder
-        runs = self._runs.get(key)
-        if runs is None:  # a recompile of a region (new shapes, an input that needs no grad) shares its count
-            runs = self._runs[key] = InFlight(self.calls_per_step, lambda n: self._more_runs(key, n))
-        if sizes.at:
-            self._sizes[key] = sizes
-        else:
-            self._sizes.pop(key, None)
-        return self.peak.wrap(runs.wrap(compiled))
+        if r.runs is None:  # a recompile of a region (new shapes, an input that needs no grad) shares its count
+            r.runs = InFlight(self.calls_per_step, lambda n: self._more_runs(key, n))
+        r.sizes = sizes if sizes.at else None
+        return self.peak.wrap(r.runs.wrap(compiled))
 
-    def _build(self, key: tuple[str, ...], tensors: list[tuple[str, Any]], gm: fx.GraphModule,
+    def _build(self, key: Key, tensors: list[tuple[str, Any]], gm: fx.GraphModule,
                example_inputs: list[Any]) -> tuple[Any, PlannedSizes]:
         """Plan and compile region ``key`` (graph ``gm``) on ``example_inputs``; the compiled function and the
         sizes it was planned at."""
@@ -285,7 +269,7 @@ class CompileBackend(Planning):
         # compiled for any size: planned at the largest sizes compiled for before (the full batch, where a
         # smaller last batch made Dynamo compile the region again), which later calls are likely to bring; a
         # larger call fails the bound's guard and Dynamo compiles the region again, planned at its sizes
-        at = planned_at(tensors, self._largest.setdefault(key, {}))
+        at = planned_at(tensors, self.regions[key].largest)
         bound(tensors, at)
         self.peak.compiling()
         self._examples = example_inputs     # what the compress probe measures on; held while compiling only
@@ -299,13 +283,13 @@ class CompileBackend(Planning):
             self.peak.compiled()
         return compiled, sizes
 
-    def _replan(self, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+    def _replan(self, key: Key, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         """Region ``key`` planned and compiled again on a call's inputs (:mod:`hybridmem.compile.room`): the
         regions compiled after it asked for room, or it was planned above the budget while they made it."""
         _, tensors = _region_key(gm, example_inputs)
-        before = self._regions.get(key)
+        before = self.regions[key].stats
         compiled, _ = self._build(key, tensors, gm, example_inputs)
-        st = self._regions.get(key)
+        st = self.regions[key].stats
         if st is not None and before is not None and st is not before:
             # planning time counts every plan made for the region
             st.plan_s += before.plan_s
@@ -313,8 +297,8 @@ class CompileBackend(Planning):
             st.room_replans = before.room_replans + 1
         return compiled
 
-    def _more_runs(self, key: tuple[str, ...], n: int) -> None:
-        st = self._regions.get(key)
+    def _more_runs(self, key: Key, n: int) -> None:
+        st = self.regions[key].stats
         name = st.name if st is not None else "a region"
         held = f" of {fmt_bytes(st.saved_bytes)}" if st is not None else ""
         warnings.warn(f"hybridmem compile: {name} had {n} runs in flight (forwards whose backward had not "
@@ -323,40 +307,41 @@ class CompileBackend(Planning):
                       f"and may exceed the budget: compile_backend(calls_per_step={n}) plans for them",
                       RuntimeWarning, stacklevel=2)
 
-    def _compile_checked(self, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any],
+    def _compile_checked(self, key: Key, gm: fx.GraphModule, example_inputs: list[Any],
                          sizes: PlannedSizes) -> Any:
         """:func:`~hybridmem.compile.fit.compile_fitted`; where the region was planned above the budget, beside earlier regions that
         keep too much (:mod:`hybridmem.compile.room`), those are asked to make room, and it to plan again after
         them, at their next calls."""
-        self._lift.pop(key, None)
+        r = self.regions[key]
+        r.lift = None
         try:
             compiled = fit.compile_fitted(self, key, gm, example_inputs, sizes)
         finally:
-            lifted = self._lift.pop(key, None)
-        st = self._regions.get(key)
+            lifted, r.lift = r.lift, None
+        st = r.stats
         if lifted is not None and st is not None:
             self._ask_room(key, st)
         return compiled
 
-    def _earlier(self, key: tuple[str, ...]) -> list[tuple[str, ...]]:
+    def _earlier(self, key: Key) -> list[Key]:
         """The regions compiled before ``key`` (all of them while it compiles for the first time)."""
-        order = list(self._held)
+        order = planned_keys(self.regions)
         return order[:order.index(key)] if key in order else order
 
-    def _may_lift(self, key: tuple[str, ...], e: BudgetInfeasibleError, budget: int) -> bool:
+    def _may_lift(self, key: Key, e: BudgetInfeasibleError, budget: int) -> bool:
         """Whether region ``key``, which has no plan within ``budget`` beside the earlier regions (``e`` names the
         least budget it has one for), is planned at that budget while they make room: once, and only where
         what they keep and a plan may evict covers the difference."""
-        if key in self._asked or e.minimum_bytes is None or self.calls_per_step > 1:
+        if self.regions[key].asked or e.minimum_bytes is None or self.calls_per_step > 1:
             return False
         short = int(e.minimum_bytes) - budget
-        return 0 < short <= sum(self._kept.get(k, 0) for k in self._earlier(key))
+        return 0 < short <= sum(self.regions[k].kept for k in self._earlier(key))
 
-    def _ask_room(self, key: tuple[str, ...], st: RegionStats) -> None:
+    def _ask_room(self, key: Key, st: RegionStats) -> None:
         """Region ``key`` was planned at a share ``st`` above what the earlier regions leave: each of them leaves
         that share, and what the regions between hold, where its backward begins, planned again at its next
         call; ``key`` is planned again after them."""
-        self._asked.add(key)
+        self.regions[key].asked = True
         earlier = self._earlier(key)
         # what its plan counts or, where more, what it held as run at compile time (its share holds a margin for
         # what Inductor holds beyond the count: the run says how much that was): planned again after them, it
@@ -364,24 +349,24 @@ class CompileBackend(Planning):
         need = (min(st.budget_bytes, max(st.predicted_peak_bytes, st.trial_peak_bytes))
                 if st.trial_peak_bytes else st.budget_bytes)
         for i, k in enumerate(earlier):
-            room = need + sum(self._held.get(j, 0) for j in earlier[i + 1:])
-            self._room[k] = max(self._room.get(k, 0), room)
-            holder = self._replannable.get(k)
-            if holder is not None:
-                holder.renew()
-        self._renew.add(key)
+            room = need + sum(self.regions[j].held for j in earlier[i + 1:])
+            r = self.regions[k]
+            r.room = max(r.room, room)
+            if r.replannable is not None:
+                r.replannable.renew()
+        self.regions[key].renew = True
         over = st.budget_bytes - (self._budget_bytes(self._dev or torch.device("cpu")) - self._outside(key))
         st.add_note(f"planned {fmt_bytes(over)} above its share of the budget this once: the regions compiled before "
                     f"it keep more beside it; they are planned again at their next call, leaving it "
                     f"{fmt_bytes(need)} where their backward begins, and it after them")
 
-    def _outside(self, key: tuple[str, ...]) -> int:
+    def _outside(self, key: Key) -> int:
         """Bytes held outside region ``key`` while it runs: the optimizer's state, what the earlier regions keep."""
-        return self.optimizer_bytes + sum(self._held.get(k, 0) for k in self._earlier(key))
+        return self.optimizer_bytes + sum(self.regions[k].held for k in self._earlier(key))
 
-    def _budget_for(self, key: tuple[str, ...], dev: torch.device) -> int:
+    def _budget_for(self, key: Key, dev: torch.device) -> int:
         """The budget region ``key`` is planned at: the budget, or above it while earlier regions make room."""
-        return self._lift.get(key) or self._budget_bytes(dev)
+        return self.regions[key].lift or self._budget_bytes(dev)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         from torch._functorch import config as fconfig
@@ -399,7 +384,8 @@ class CompileBackend(Planning):
     def pending(self) -> int:
         """Regions to be planned and compiled again at their next call (graph breaks: the regions compiled
         after them asked for room, :mod:`hybridmem.compile.room`); 0 once the steps run the plans that fit."""
-        return sum(1 for h in self._replannable.values() if h.pending) + len(self._renew)
+        return sum(1 for r in self.regions.values() if r.replannable is not None and r.replannable.pending) \
+            + sum(1 for r in self.regions.values() if r.renew)
 
     def reset_stats(self) -> None:
         """Restart the measured peak at the current level (the regions' plan figures stay)."""
@@ -419,17 +405,20 @@ class CompileBackend(Planning):
                             measured=self.peak.how if self.measure else "not measured (measure=False)")
 
     def _region_stats(self) -> list[RegionStats]:
-        for key, st in self._regions.items():
-            runs = self._runs.get(key)
-            st.runs_in_flight = runs.most if runs is not None else 0
-            sizes = self._sizes.get(key)
-            if sizes is not None:
-                st.planned_sizes, st.compiled_sizes = sizes.planned, dict(sizes.compiled_at)
-            st.size_replans = self._size_replans.get(key, 0)
+        out = []
+        for r in self.regions.values():
+            st = r.stats
+            if st is None:
+                continue
+            st.runs_in_flight = r.runs.most if r.runs is not None else 0
+            if r.sizes is not None:
+                st.planned_sizes, st.compiled_sizes = r.sizes.planned, dict(r.sizes.compiled_at)
+            st.size_replans = r.size_replans
             if st.codec_region:
                 now = codec_ops.stats_for(st.codec_region)
                 st.codec = replace(now, codecs=dict(now.codecs))
-        return list(self._regions.values())
+            out.append(st)
+        return out
 
 
 def _note_host_tokens(st: RegionStats, tokens: int) -> None:

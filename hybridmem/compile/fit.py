@@ -22,6 +22,7 @@ from ..native import cpumeter
 from . import codec_ops
 from . import trial as trial_mod
 from . import tuning
+from .regions import Key, RegionState, planned_keys
 from .sizes import PlannedSizes
 from .stats import RegionStats, sizes_line
 from .variants import Planned
@@ -43,25 +44,23 @@ class Fitting(Protocol):
     _margin_now: int                     # the margin and slack of the plan made last (the planner's)
     _slack_now: int
     _planned_now: Planned | None         # the plan of the compile in progress; None: nothing was planned
-    _extra: dict[tuple[str, ...], int]
-    _lift: dict[tuple[str, ...], int]
-    _regions: dict[tuple[str, ...], RegionStats]
-    _held: dict[tuple[str, ...], int]
+    regions: dict[Key, RegionState]
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any: ...
 
-    def _budget_for(self, key: tuple[str, ...], dev: torch.device) -> int: ...
+    def _budget_for(self, key: Key, dev: torch.device) -> int: ...
 
     def _budget_bytes(self, dev: torch.device) -> int: ...
 
-    def _may_lift(self, key: tuple[str, ...], e: BudgetInfeasibleError, budget: int) -> bool: ...
+    def _may_lift(self, key: Key, e: BudgetInfeasibleError, budget: int) -> bool: ...
 
 
 @dataclass
 class FitState:
     """Where the loop over one region's plans stands."""
 
-    key: tuple[str, ...]
+    key: Key
+    region: RegionState
     dev: torch.device
     measured_on: list[Any] | None        # the run's inputs, at the planned sizes; None: ``why_not`` says why
     why_not: str
@@ -78,19 +77,20 @@ class FitState:
     unshrunk: BudgetInfeasibleError | None = None   # the error with the whole margin, raised where unchecked
 
 
-def compile_fitted(b: Fitting, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any],
+def compile_fitted(b: Fitting, key: Key, gm: fx.GraphModule, example_inputs: list[Any],
                    sizes: PlannedSizes) -> Any:
     """Compile the region and, with ``verify``, run it once (:mod:`hybridmem.compile.trial`); where its real
     peak exceeds its share, plan and compile it again with the excess (and :data:`tuning.REPLAN_SLACK` of its
     keep-all peak) more left free, up to :data:`tuning.REPLANS` times; where that leaves the count no plan, once
     more with the count's least plan."""
-    b._extra[key] = 0
+    region = b.regions[key]
+    region.extra = 0
     dev = b._dev or torch.device("cpu")
     # the run's inputs, made before the level is read: they are not the compile's
     measured_on, why_not = _at_planned_sizes(sizes, example_inputs) if b.verify else (None, "")
     native = cpumeter.load() if dev.type == "cpu" else None
     level = native.current_bytes if native is not None and native.installed else None   # before compiling
-    f = FitState(key, dev, measured_on, why_not, level)
+    f = FitState(key, region, dev, measured_on, why_not, level)
     while True:
         b._planned_now = None
         if f.st is not None:
@@ -116,7 +116,7 @@ def _plan_again_or_raise(b: Fitting, f: FitState, e: BudgetInfeasibleError, exam
         # the run measures the step and plans again where it holds more
         f.shrinks += 1
         f.shrunk, f.unshrunk = f.shrunk + short, f.unshrunk or e
-        b._extra[key] -= short
+        f.region.extra -= short
         b._revision += 1
         return
     if not f.runs or f.st is None:
@@ -124,8 +124,8 @@ def _plan_again_or_raise(b: Fitting, f: FitState, e: BudgetInfeasibleError, exam
         if b._may_lift(key, err, b._budget_bytes(f.dev)):
             # the earlier regions keep too much beside it: planned at the least budget it has a plan for, with
             # the whole margin, while they make room (the backend's _ask_room)
-            b._lift[key] = int(err.minimum_bytes)          # type: ignore[arg-type]
-            b._extra[key], f.shrunk, f.shrinks, f.unshrunk = 0, 0, tuning.SHRINKS, None
+            f.region.lift = int(err.minimum_bytes)          # type: ignore[arg-type]
+            f.region.extra, f.shrunk, f.shrinks, f.unshrunk = 0, 0, tuning.SHRINKS, None
             b._revision += 1
             return
         if f.unshrunk is not None:
@@ -135,7 +135,7 @@ def _plan_again_or_raise(b: Fitting, f: FitState, e: BudgetInfeasibleError, exam
     if not f.least_tried and room > 0:
         # more left free than the count allows: its least plan, the one that recomputes most
         f.least_tried = True
-        b._extra[key] = f.before + room
+        f.region.extra = f.before + room
         b._revision += 1
         return
     raise _no_fit(b, f, f.measured_on or example_inputs) from None
@@ -144,7 +144,7 @@ def _plan_again_or_raise(b: Fitting, f: FitState, e: BudgetInfeasibleError, exam
 def _stands(b: Fitting, f: FitState, n_inputs: int) -> bool:
     """Whether the plan just compiled stands: it was not run, or its run fits its share, or it is the last one
     tried (a warning says by how much it does not fit); else the next plan leaves the excess more free."""
-    st, planned = b._regions.get(f.key), b._planned_now
+    st, planned = f.region.stats, b._planned_now
     f.st = st
     if st is not None and f.earlier_s:
         st.plan_s += f.earlier_s          # every plan made for this compile counts as its planning
@@ -164,10 +164,10 @@ def _stands(b: Fitting, f: FitState, n_inputs: int) -> bool:
     if len(f.runs) > tuning.REPLANS:
         _warn_over(f, st)
         return True
-    f.before = b._extra[f.key]
+    f.before = f.region.extra
     stopped = sum(r.refused for r in f.runs[:-1])
     slack = tuning.REPLAN_SLACK * (2 ** stopped if got.refused else 1)
-    b._extra[f.key] += got.peak_bytes - st.budget_bytes + int(slack * st.keep_all_peak_bytes)
+    f.region.extra += got.peak_bytes - st.budget_bytes + int(slack * st.keep_all_peak_bytes)
     b._revision += 1
     return False
 
@@ -194,7 +194,7 @@ def _trial(b: Fitting, f: FitState, st: RegionStats, planned: Planned, n_inputs:
     if st.codec_region:
         codec_ops.reset_stats(st.codec_region)     # a run at compile time is not a step
     f.others = planned.others_bytes
-    if got.device_other_bytes and not any(k != f.key for k in b._held):
+    if got.device_other_bytes and not any(k != f.key for k in planned_keys(b.regions)):
         # CUDA, the first region: the budget caps the allocator's bytes, and what it held besides this
         # region's inputs (library workspaces, other tensors) is in every step's peak. (A later region
         # runs beside the earlier ones' saved tensors, which its share already leaves out.)
@@ -248,7 +248,7 @@ def _no_fit(b: Fitting, f: FitState, example_inputs: list[Any]) -> BudgetInfeasi
         f"hybridmem compile: {st.name} does not fit the budget {fmt_bytes(budget)} ({budget} B) as Inductor "
         f"compiles it: run once when it compiled, its plans' steps held {fmt_bytes(lowest)} at least (the last "
         f"plan counted {fmt_bytes(st.predicted_peak_bytes)} of the region's {fmt_bytes(st.budget_bytes)} share), "
-        f"and with {fmt_bytes(b._extra[f.key])} more left free for Inductor's buffers it has no plan. "
+        f"and with {fmt_bytes(f.region.extra)} more left free for Inductor's buffers it has no plan. "
         f"{says}", need)
 
 

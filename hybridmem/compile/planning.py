@@ -25,6 +25,7 @@ from .defaults import saved_by_partition, saved_bytes
 from .joint import concatenates_feature_maps, has_convolution, joint_graph
 from .partition import Decisions, apply_plan, decisions
 from .realized import realized_peak
+from .regions import mark_planned, planned_keys
 from .room import reserve
 from .scratch import inductor_channels_last, measure_scratch
 from .stats import RegionStats
@@ -303,7 +304,7 @@ class Planning:
         joint = functools.partial(
             joint_graph, gm, forward, [p for i, p in enumerate(placeholders) if i in static_idx],
             [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
-            name=f"region {len(self._regions) + 1}", fuse=fuse, fuse_backward=fuse and not conv,
+            name=f"region {len(planned_keys(self.regions)) + 1}", fuse=fuse, fuse_backward=fuse and not conv,
             outputs_held=self.hold_outputs)
         jg = joint(saved=None)
         jg_part = joint(saved=saved) if saved is not None else None
@@ -335,12 +336,14 @@ class Planning:
                       else tuning.INDUCTOR_MARGIN if c.conv else tuning.INDUCTOR_MARGIN_NO_CONV)
         inductor = self.compiler == "inductor"
         # and what a trial run of an earlier plan of this compile held beyond its share (hybridmem.compile.fit)
-        extra = self._extra.get(key, 0)
+        r = self.regions[key]
+        extra = r.extra
         margin = (int(share_free * peak) if inductor else 0) + extra
         # a count a little above the step as it runs (the partition recomputes some of what it keeps) may be
         # planned a little beyond the share: the run at compile time checks it
         slack = int(tuning.REPLAN_SLACK * peak) if inductor else 0
-        name = f"region {list(self._regions).index(key) + 1 if key in self._regions else len(self._regions) + 1}"
+        order = planned_keys(self.regions)
+        name = f"region {order.index(key) + 1 if key in order else len(order) + 1}"
         # each other run in flight (calls_per_step - 1) holds its inputs and parameters, and either what the
         # plan keeps for its backward (before it) or the gradients that backward made (after it)
         others = self.calls_per_step - 1
@@ -349,7 +352,7 @@ class Planning:
         grads = sum(t.nbytes for t in g.tensors if t.producer < 0 and t.kind == "param")
         outside += others * (fixed + grads)
         share -= others * (fixed + grads)
-        return _Share(key, name, budget, outside, share, margin, extra, slack, self._room.get(key, 0), others,
+        return _Share(key, name, budget, outside, share, margin, extra, slack, r.room, others,
                       fixed, grads, float(c.model.op_times(g).sum()))
 
     def _floor_or_raise(self, c: _Counts, s: _Share, tries: "_Tries") -> tuple[int, int]:
@@ -458,8 +461,9 @@ class Planning:
             apply_plan(jg, Decisions())
         beside = (s.fixed + st.compressed_to_bytes + (st.swapped_bytes if c.dev.type != "cuda" else 0)
                   + s.others * (s.fixed + max(st.saved_bytes, s.grads)))
-        self._held[s.key] = beside + st.saved_bytes
-        self._kept[s.key] = st.saved_bytes + st.compressed_to_bytes
+        r = self.regions[s.key]
+        r.held = beside + st.saved_bytes
+        r.kept = st.saved_bytes + st.compressed_to_bytes
         st.room_bytes = s.room
         if s.room:
             st.add_note(f"left {fmt_bytes(s.room)} where its backward begins for the regions compiled after it")
@@ -471,7 +475,7 @@ class Planning:
         st.solve_s = best.solve_s
         region = codec_ops.new_region() if best.variant.compressed else 0
         st.codec_region = region
-        self._regions[s.key] = st
+        mark_planned(self.regions, s.key, st)
         self._planned_now = best
         return Prepared(offload=bool(best.decisions.swap), region=region, stats=st, model=c.model, key=s.key,
                         held_beside=beside,
@@ -486,8 +490,9 @@ class Planning:
         compiled after it plan beside what it really keeps."""
         dev = self._dev or torch.device("cpu")
         saved = saved_bytes(fw, bw, dev)
-        self._held[prep.key] = prep.held_beside + saved
-        self._kept[prep.key] = saved + (prep.stats.compressed_to_bytes if prep.stats is not None else 0)
+        r = self.regions[prep.key]
+        r.held = prep.held_beside + saved
+        r.kept = saved + (prep.stats.compressed_to_bytes if prep.stats is not None else 0)
 
     def _codec_choices(self, gm: fx.GraphModule, forward: list[fx.Node], jg: Any, jg_part: Any, model: Any,
                        notes: list[str]) -> "Codecs | None":
