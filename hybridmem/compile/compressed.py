@@ -154,6 +154,27 @@ def with_compression(jg: JointGraph, chosen: dict[int, Compressed], nodes: dict[
             e = encoded[tid] = new_tensor(t, c.size, i, f"{t.name}.{c.codec}", True)
             stages[i].outputs = [e.id]
 
+    _relink(stages, tensors, index, encoded, decoded)
+    out = Graph(stages=stages, tensors=tensors, meta=dict(g.meta))
+    if model is not None:
+        for s, sec in zip(out.stages, model.op_times(out)):
+            s.cost_s = float(sec)
+    out.validate()
+    producer_node = dict(jg.producer_node)
+    tensor_nodes = dict(jg.tensor_nodes)
+    for tid, node in ((tid, jg.producer_node[tid]) for tid in chosen):
+        for extra in (encoded[tid], decoded[tid]):
+            producer_node[extra.id] = node
+            tensor_nodes[extra.id] = [node]
+    return JointGraph(graph=out, producer_node=producer_node, stage_node=stage_node, tensor_nodes=tensor_nodes,
+                      fused=jg.fused, recomputed=jg.recomputed,
+                      compressed={**jg.compressed, **{t: nodes[t] for t in chosen}})
+
+
+def _relink(stages: list[Stage], tensors: list[TensorInfo], index: dict[int, int], encoded: dict[int, TensorInfo],
+            decoded: dict[int, TensorInfo]) -> None:
+    """The backward's reads of the compressed tensors turned to their decoded copies, and every tensor's
+    consumers, producer and lifetime counted again in the new stage order (``index``: old stage -> new)."""
     for s in stages:
         if s.id.startswith(("backward/decode:", "forward/encode:")):
             continue
@@ -169,7 +190,7 @@ def with_compression(jg: JointGraph, chosen: dict[int, Compressed], nodes: dict[
             t.producer = index[t.producer]
         t.consumers = sorted(set(t.consumers))
         if t.id in added:
-            # an encoding is no planner's to move (only the ops above make and read it); a decoded tensor is
+            # an encoding is no planner's to move (only its encode and decode stages make and read it); a decoded tensor is
             # made in the backward, as the backward's own values are
             t.freed_after, t.saved = max([t.producer, *t.consumers]), False
         elif t.kind == "activation" and t.producer >= 0:
@@ -177,20 +198,6 @@ def with_compression(jg: JointGraph, chosen: dict[int, Compressed], nodes: dict[
             t.saved = stages[t.producer].phase == "forward" and any(stages[c].phase != "forward" for c in t.consumers)
         elif t.freed_after is not None:
             t.freed_after = max([index[t.freed_after], t.producer, *t.consumers])
-    out = Graph(stages=stages, tensors=tensors, meta=dict(g.meta))
-    if model is not None:
-        for s, sec in zip(out.stages, model.op_times(out)):
-            s.cost_s = float(sec)
-    out.validate()
-    producer_node = dict(jg.producer_node)
-    tensor_nodes = dict(jg.tensor_nodes)
-    for tid, node in ((tid, jg.producer_node[tid]) for tid in chosen):
-        for extra in (encoded[tid], decoded[tid]):
-            producer_node[extra.id] = node
-            tensor_nodes[extra.id] = [node]
-    return JointGraph(graph=out, producer_node=producer_node, stage_node=stage_node, tensor_nodes=tensor_nodes,
-                      fused=jg.fused, recomputed=jg.recomputed,
-                      compressed={**jg.compressed, **{t: nodes[t] for t in chosen}})
 
 
 def storage_of(node: fx.Node) -> Any:

@@ -293,7 +293,11 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
             reads[v] = ins
 
     _fold_forward(nodes, fw, returned, into)
+    return _kernel_groups(nodes, into)
 
+
+def _kernel_groups(nodes: list[fx.Node], into: dict[fx.Node, list[fx.Node]]) -> dict[fx.Node, list[fx.Node]]:
+    """``into`` (a fused node -> the nodes it is fused into) as each kernel's last node -> its fused nodes."""
     def roots(n: fx.Node) -> list[fx.Node]:
         out: list[fx.Node] = []
         for u in into[n]:
@@ -457,7 +461,6 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     """
     fw = set(forward)
     static = set(static_inputs)
-    user_out = set(fwd_outputs)
     nodes = list(gm.graph.nodes)
     out_node = next(n for n in nodes if n.op == "output")
     returned = {a for a in out_node.all_input_nodes}
@@ -469,99 +472,143 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
             [n for n in nodes if n.op == "call_function" and n not in fw]
     order = [n for n in order if n.target is not operator.getitem and n not in inner]
 
-    tensors: list[TensorInfo] = []
-    by_storage: dict[Any, int] = {}
-    node_tensor: dict[fx.Node, list[int]] = {}
     jg = JointGraph(graph=None, fused=groups, recomputed=set(redirect))  # type: ignore[arg-type]
-
-    def tensor_of(val: torch.Tensor, node: fx.Node, producer: int, kind: str, op: fx.Node | None = None) -> int:
-        key = _storage_key(val)
-        tid = by_storage.get(key)
-        if tid is None:
-            tid = len(tensors)
-            by_storage[key] = tid
-            tensors.append(TensorInfo(id=tid, nbytes=node_nbytes(val), dtype=str(val.dtype).replace("torch.", ""),
-                                      shape=tuple(size_hint(s) for s in val.shape), kind=kind, producer=producer,
-                                      name=node.name))
-            jg.producer_node[tid] = op if op is not None else node
-        jg.tensor_nodes.setdefault(tid, []).append(node)
-        return tid
-
+    tt = _Tensors(jg)
     for n in nodes:
         if n.op == "placeholder":
-            node_tensor[n] = [tensor_of(v, n, -1, "param" if n in static else "input") for v in tensor_vals(n.meta.get("val"))]
+            tt.of_node[n] = [tt.of(v, n, -1, "param" if n in static else "input")
+                             for v in tensor_vals(n.meta.get("val"))]
 
-    tangents = [n for n in nodes if is_tangent(n) and node_tensor.get(n)]
-    tangent_ids = {tid for t in tangents for tid in node_tensor[t]}
+    tangents = [n for n in nodes if is_tangent(n) and tt.of_node.get(n)]
+    tangent_ids = {tid for t in tangents for tid in tt.of_node[t]}
     stages: list[Stage] = []
     for n in order:
         phase = "forward" if n in fw else "backward"
         if phase == "backward" and tangents:
-            # the tangents exist from here on: a stage of their own, before the backward's first op
-            idx = len(stages)
-            made = [tid for t in tangents for tid in node_tensor[t]]
-            for tid in made:
-                tensors[tid].producer = idx
-            stages.append(Stage(index=idx, id="backward/tangents", op="tangents", phase="backward",
-                                inputs=[], outputs=list(dict.fromkeys(made))))
-            jg.stage_node.append(tangents[0])
+            _add_tangents(stages, tangents, tt)
             tangents = []
-        if phase == "backward" and _alias(n):
-            # a view in the backward (a ReLU's ``detach`` of its output, a ``t`` for a weight's gradient) is no
-            # kernel: it takes place where its readers run. As a stage of its own at the backward's start (where
-            # AOTAutograd traces a ReLU's detach) it would hold its base resident from there on
-            tids = [by_storage.get(_storage_key(v)) for v in tensor_vals(n.meta.get("val"))]
-            if tids and None not in tids:
-                node_tensor[n] = tids              # type: ignore[assignment]
-                for tid in tids:
-                    jg.tensor_nodes.setdefault(tid, []).append(n)   # type: ignore[index]
-                continue
-        idx = len(stages)
-        members = [*groups.get(n, ()), n]
-        ins: list[int] = []
-        for m in members:
-            # a value the backward recomputes is computed inside a pointwise or reduction kernel that reads
-            # it; for another kernel (a matrix product) it is stored: counted here from the forward on
-            inline = phase == "backward" and computes_inputs(m)
-            for a in m.all_input_nodes:
-                for r in (redirect.get(a, (a,)) if inline else (a,)):
-                    for tid in node_tensor.get(r, ()):      # a fused member has no tensor: skipped
-                        if tid not in ins:
-                            ins.append(tid)
-        outs: list[int] = []
-        vals = tensor_vals(n.meta.get("val"))
-        getitems = [u for u in n.users if u.target is operator.getitem]
-        if getitems and not isinstance(n.meta.get("val"), torch.Tensor):
-            produced = []
-            for g in getitems:
-                gv = tensor_vals(g.meta.get("val"))
-                tids = [tensor_of(v, g, idx, "activation", op=n) for v in gv]
-                node_tensor[g] = tids
-                produced += tids
-            node_tensor[n] = produced
-        else:
-            node_tensor[n] = [tensor_of(v, n, idx, "activation") for v in vals]
-        for tid in node_tensor[n]:
-            if tensors[tid].producer == idx and tid not in outs:
-                outs.append(tid)
-        read = sum(tensors[t].nbytes for t in ins)
-        wrote = sum(tensors[t].nbytes for t in outs)
-        random = _is_random(n)
-        op = "+".join(str(m.target) for m in members)
-        # what a fused stage writes to memory inside itself (a folded matrix product's output)
-        inner_bytes = sum(node_nbytes(v) for v in materialized(members))
-        stages.append(Stage(index=idx, id=f"{phase}/{n.name}", op=op, phase=phase,
-                            flops=sum(node_flops(m) for m in members), bytes_accessed=read + wrote, inputs=ins,
-                            outputs=outs, rng=random, deterministic=not random, workspace=inner_bytes,
-                            ops=kernels(members)))
-        jg.stage_node.append(n)
+        if phase == "backward" and _alias(n) and _as_view(n, tt):
+            continue
+        _add_stage(stages, n, phase, [*groups.get(n, ()), n], redirect, tt)
 
+    _count_lifetimes(stages, tt, nodes, fw, returned, set(fwd_outputs), tangent_ids, outputs_held)
+    # no tracing of a recompute's gone sources (Graph.replay_stages): the partitioner recomputes them on its
+    # own, inside the kernels Inductor fuses, and the forward's single-reader values are folded above
+    g = Graph(stages=stages, tensors=tt.tensors, meta={"source": "aot-joint", "model": name,
+                                                        "writes_recorded": True, "trace_sources": False})
+    if cost_model is not None:
+        times = cost_model.op_times(g)
+        for s, t in zip(g.stages, times):
+            s.cost_s = float(t)
+        g.meta["cost_model"] = cost_model.name
+    jg.graph = g.validate()
+    return jg
+
+
+class _Tensors:
+    """The Graph's tensors as :func:`joint_graph` meets the nodes that make them: one per storage."""
+
+    def __init__(self, jg: JointGraph) -> None:
+        self.jg = jg
+        self.tensors: list[TensorInfo] = []
+        self.by_storage: dict[Any, int] = {}
+        self.of_node: dict[fx.Node, list[int]] = {}
+
+    def of(self, val: torch.Tensor, node: fx.Node, producer: int, kind: str, op: fx.Node | None = None) -> int:
+        """The tensor of ``val`` (``node``'s value; ``op`` makes it where ``node`` is a getitem of it)."""
+        key = _storage_key(val)
+        tid = self.by_storage.get(key)
+        if tid is None:
+            tid = len(self.tensors)
+            self.by_storage[key] = tid
+            self.tensors.append(TensorInfo(id=tid, nbytes=node_nbytes(val),
+                                           dtype=str(val.dtype).replace("torch.", ""),
+                                           shape=tuple(size_hint(s) for s in val.shape), kind=kind,
+                                           producer=producer, name=node.name))
+            self.jg.producer_node[tid] = op if op is not None else node
+        self.jg.tensor_nodes.setdefault(tid, []).append(node)
+        return tid
+
+
+def _add_tangents(stages: list[Stage], tangents: list[fx.Node], tt: _Tensors) -> None:
+    """The tangents exist from here on: a stage of their own, before the backward's first op."""
+    idx = len(stages)
+    made = [tid for t in tangents for tid in tt.of_node[t]]
+    for tid in made:
+        tt.tensors[tid].producer = idx
+    stages.append(Stage(index=idx, id="backward/tangents", op="tangents", phase="backward",
+                        inputs=[], outputs=list(dict.fromkeys(made))))
+    tt.jg.stage_node.append(tangents[0])
+
+
+def _as_view(n: fx.Node, tt: _Tensors) -> bool:
+    """Whether backward view ``n`` is counted as the tensors it views (no stage of its own). A view in the
+    backward (a ReLU's ``detach`` of its output, a ``t`` for a weight's gradient) is no kernel: it takes place
+    where its readers run. As a stage of its own at the backward's start (where AOTAutograd traces a ReLU's
+    detach) it would hold its base resident from there on."""
+    tids = [tt.by_storage.get(_storage_key(v)) for v in tensor_vals(n.meta.get("val"))]
+    if not tids or None in tids:
+        return False
+    tt.of_node[n] = tids              # type: ignore[assignment]
+    for tid in tids:
+        tt.jg.tensor_nodes.setdefault(tid, []).append(n)   # type: ignore[index]
+    return True
+
+
+def _add_stage(stages: list[Stage], n: fx.Node, phase: str, members: list[fx.Node],
+               redirect: dict[fx.Node, Any], tt: _Tensors) -> None:
+    """The stage of node ``n`` (with ``members``, the nodes fused into it, ``n`` last)."""
+    idx = len(stages)
+    ins: list[int] = []
+    for m in members:
+        # a value the backward recomputes is computed inside a pointwise or reduction kernel that reads
+        # it; for another kernel (a matrix product) it is stored: counted here from the forward on
+        inline = phase == "backward" and computes_inputs(m)
+        for a in m.all_input_nodes:
+            for r in (redirect.get(a, (a,)) if inline else (a,)):
+                for tid in tt.of_node.get(r, ()):      # a fused member has no tensor: skipped
+                    if tid not in ins:
+                        ins.append(tid)
+    outs: list[int] = []
+    vals = tensor_vals(n.meta.get("val"))
+    getitems = [u for u in n.users if u.target is operator.getitem]
+    if getitems and not isinstance(n.meta.get("val"), torch.Tensor):
+        produced = []
+        for g in getitems:
+            gv = tensor_vals(g.meta.get("val"))
+            tids = [tt.of(v, g, idx, "activation", op=n) for v in gv]
+            tt.of_node[g] = tids
+            produced += tids
+        tt.of_node[n] = produced
+    else:
+        tt.of_node[n] = [tt.of(v, n, idx, "activation") for v in vals]
+    for tid in tt.of_node[n]:
+        if tt.tensors[tid].producer == idx and tid not in outs:
+            outs.append(tid)
+    read = sum(tt.tensors[t].nbytes for t in ins)
+    wrote = sum(tt.tensors[t].nbytes for t in outs)
+    random = _is_random(n)
+    op = "+".join(str(m.target) for m in members)
+    # what a fused stage writes to memory inside itself (a folded matrix product's output)
+    inner_bytes = sum(node_nbytes(v) for v in materialized(members))
+    stages.append(Stage(index=idx, id=f"{phase}/{n.name}", op=op, phase=phase,
+                        flops=sum(node_flops(m) for m in members), bytes_accessed=read + wrote, inputs=ins,
+                        outputs=outs, rng=random, deterministic=not random, workspace=inner_bytes,
+                        ops=kernels(members)))
+    tt.jg.stage_node.append(n)
+
+
+def _count_lifetimes(stages: list[Stage], tt: _Tensors, nodes: list[fx.Node], fw: set[fx.Node],
+                     returned: set[fx.Node], user_out: set[fx.Node], tangent_ids: set[int],
+                     outputs_held: bool) -> None:
+    """Each tensor's readers, kind and last stage, once every stage is made."""
+    tensors = tt.tensors
     for s in stages:
         for tid in s.inputs:
             tensors[tid].consumers.append(s.index)
     released: set[int] = set()     # user outputs freed once the forward ends (outputs_held=False)
     for n in returned:
-        for tid in node_tensor.get(n, ()):
+        for tid in tt.of_node.get(n, ()):
             t = tensors[tid]
             if t.producer >= 0:
                 t.freed_after = None
@@ -573,7 +620,7 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
             # the backward computes random numbers again from these seeds where it recomputes a dropout
             # mask: they stay for the step (a few bytes; the partition saves them whenever anything is
             # recomputed, hybridmem.compile.partition)
-            for tid in node_tensor.get(n, ()):
+            for tid in tt.of_node.get(n, ()):
                 tensors[tid].kind, tensors[tid].freed_after = "other", None
     forward_end = max((s.index for s in stages if s.phase == "forward"), default=0)
     for t in tensors:
@@ -590,14 +637,3 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
             # the compiled backward owns its tangents (it clears its argument list): each is freed after
             # its last read, as the backward's saved tensors are
             t.freed_after = max([t.producer, *t.consumers])
-    # no tracing of a recompute's gone sources (Graph.replay_stages): the partitioner recomputes them on its
-    # own, inside the kernels Inductor fuses, and the forward's single-reader values are folded above
-    g = Graph(stages=stages, tensors=tensors, meta={"source": "aot-joint", "model": name, "writes_recorded": True,
-                                                     "trace_sources": False})
-    if cost_model is not None:
-        times = cost_model.op_times(g)
-        for s, t in zip(g.stages, times):
-            s.cost_s = float(t)
-        g.meta["cost_model"] = cost_model.name
-    jg.graph = g.validate()
-    return jg
