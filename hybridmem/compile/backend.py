@@ -32,23 +32,24 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
-from ..devices import budget_needs_cuda, parse_device_budget, resolve_device
+from ..devices import budget_needs_cuda, device_budget_bytes, parse_device_budget, resolve_device
 from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import get_cost_model
 from ..graph.units import fmt_bytes
 from . import codec_ops, fit
 from .compressed import rewrite_partition
 from .copies import reload_timing, stream_ops_work
+from .defaults import saved_bytes
 from .heap import frozen_heap
 from .measured import StepPeak
 from . import offload as offload_mod
-from .planning import Planning
+from .planner import PlanOptions, Planner
 from .regions import Key, RegionState, planned_keys
 from .room import Replannable
 from .runs import InFlight
 from .sizes import PlannedSizes, bound, planned_at, planning_at
 from .stats import CompileStats, RegionStats
-from .variants import Planned
+from .variants import Prepared
 
 
 __all__ = ["CompileBackend", "CompileStats", "RegionStats", "compile_backend", "POLICIES", "COMPILERS"]
@@ -99,7 +100,8 @@ class _Partitioner:
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(frozen_heap())     # planning and the partition: hybridmem.compile.heap
-            prep = self.backend._prepare(gm, joint_inputs, kwargs)
+            b = self.backend
+            prep = b.planner.prepare(gm, joint_inputs, kwargs, b._current, b._dev or torch.device("cpu"), b._examples)
             if prep.offload and stream_ops_work():
                 stack.enter_context(fconfig.patch(
                     enable_activation_offloading=True, activation_offload_separate_stream=True,
@@ -149,7 +151,7 @@ class _Partitioner:
         return (str, (self.uuid(),))
 
 
-class CompileBackend(Planning):
+class CompileBackend:
     """A ``torch.compile`` backend that plans each compiled region under a byte budget.
 
     ``budget``: bytes (``8 << 30``, ``"8GiB"``; on CUDA also ``"60%"`` of the device's memory).
@@ -222,12 +224,11 @@ class CompileBackend(Planning):
                              "plan it again where its real peak exceeds its share) or False")
         self.verify = verify
         self._revision = 0                           # plans made again after a trial (partition cache keys)
-        self._margin_now = 0                         # what the last plan left free for Inductor's buffers
-        self._slack_now = 0                          # ... and how far below nothing it may go (tuning.REPLAN_SLACK)
-        self._planned_now: Planned | None = None     # the plan of the compile in progress
         self.peak = StepPeak()
         # each region's state, in the order the regions were first planned (hybridmem.compile.regions)
         self.regions: dict[Key, RegionState] = {}
+        self.planner = Planner(PlanOptions(self.policies, solver, time_limit, compiler, self.scratch, cost_model,
+                                           hold_outputs, calls_per_step), self.regions, self._budget_for, self._outside)
         self._current: Key = ()
         self._dev: torch.device | None = self.device
         self._examples: list[Any] | None = None
@@ -363,6 +364,22 @@ class CompileBackend(Planning):
     def _outside(self, key: Key) -> int:
         """Bytes held outside region ``key`` while it runs: the optimizer's state, what the earlier regions keep."""
         return self.optimizer_bytes + sum(self.regions[k].held for k in self._earlier(key))
+
+    def _budget_bytes(self, dev: torch.device) -> int:
+        if self._budget_b is None:   # a percentage, of the region's device's memory
+            return device_budget_bytes(self.budget, dev, capacity=False, what="this region")
+        return self._budget_b
+
+    def _held_as_partitioned(self, prep: Prepared, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+        """What region ``prep.key`` holds through its backward, by the tensors its partition's backward reads
+        from its forward (:func:`~hybridmem.compile.defaults.saved_bytes`) rather than by the plan's count: the
+        partition recomputes some of what a plan keeps (:mod:`hybridmem.compile.realized`), and the regions
+        compiled after it plan beside what it really keeps."""
+        dev = self._dev or torch.device("cpu")
+        saved = saved_bytes(fw, bw, dev)
+        r = self.regions[prep.key]
+        r.held = prep.held_beside + saved
+        r.kept = saved + (prep.stats.compressed_to_bytes if prep.stats is not None else 0)
 
     def _budget_for(self, key: Key, dev: torch.device) -> int:
         """The budget region ``key`` is planned at: the budget, or above it while earlier regions make room."""

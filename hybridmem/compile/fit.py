@@ -22,6 +22,7 @@ from ..native import cpumeter
 from . import codec_ops
 from . import trial as trial_mod
 from . import tuning
+from .planner import Planner
 from .regions import Key, RegionState, planned_keys
 from .sizes import PlannedSizes
 from .stats import RegionStats, sizes_line
@@ -41,9 +42,7 @@ class Fitting(Protocol):
     hold_outputs: bool
     _dev: torch.device | None
     _revision: int                       # bumped at each plan made again: the partition's cache key
-    _margin_now: int                     # the margin and slack of the plan made last (the planner's)
-    _slack_now: int
-    _planned_now: Planned | None         # the plan of the compile in progress; None: nothing was planned
+    planner: Planner                     # what its last plan left: margin_now, slack_now, planned_now
     regions: dict[Key, RegionState]
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any: ...
@@ -92,7 +91,7 @@ def compile_fitted(b: Fitting, key: Key, gm: fx.GraphModule, example_inputs: lis
     level = native.current_bytes if native is not None and native.installed else None   # before compiling
     f = FitState(key, region, dev, measured_on, why_not, level)
     while True:
-        b._planned_now = None
+        b.planner.planned_now = None
         if f.st is not None:
             f.earlier_s = f.st.plan_s           # the last plan's, which holds those before it
         try:
@@ -110,7 +109,7 @@ def _plan_again_or_raise(b: Fitting, f: FitState, e: BudgetInfeasibleError, exam
     key = f.key
     short = (e.minimum_bytes or 0) - b._budget_for(key, f.dev)
     if not f.runs and b.verify and f.shrinks < tuning.SHRINKS and e.minimum_bytes is not None \
-            and 0 < short <= b._margin_now + b._slack_now:
+            and 0 < short <= b.planner.margin_now + b.planner.slack_now:
         # a plan may fit with less left free for Inductor's buffers than the margin (a guess): plan with what
         # the budget leaves (the least named is a bound: again with what the next error names, a few times);
         # the run measures the step and plans again where it holds more
@@ -144,7 +143,7 @@ def _plan_again_or_raise(b: Fitting, f: FitState, e: BudgetInfeasibleError, exam
 def _stands(b: Fitting, f: FitState, n_inputs: int) -> bool:
     """Whether the plan just compiled stands: it was not run, or its run fits its share, or it is the last one
     tried (a warning says by how much it does not fit); else the next plan leaves the excess more free."""
-    st, planned = f.region.stats, b._planned_now
+    st, planned = f.region.stats, b.planner.planned_now
     f.st = st
     if st is not None and f.earlier_s:
         st.plan_s += f.earlier_s          # every plan made for this compile counts as its planning

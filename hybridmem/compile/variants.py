@@ -26,7 +26,7 @@ class Variant:
 
 
 class Codecs:
-    """What compresses in a region's counts (:meth:`CompileBackend._codec_choices`), and the counts that hold a
+    """What compresses in a region's counts (:meth:`~hybridmem.compile.planner.Planner._codec_choices`), and the counts that hold a
     choice of it compressed."""
 
     def __init__(self, model: Any, device_type: str) -> None:

@@ -1,31 +1,31 @@
-"""The compiled backend's planning: a region's joint graph turned into counts, a plan under its share of
-the budget, and the partition's tags (mixed into :class:`~hybridmem.compile.backend.CompileBackend`,
-whose options and per-region state it reads)."""
+"""A compiled region's planning: its joint graph turned into counts, a plan under its share of the budget, and
+the partition's tags (:class:`Planner`, which the backend makes once with its options, its regions' state
+and its budget rules)."""
 
 from __future__ import annotations
 
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx
 
-from ..devices import cost_model_for, device_budget_bytes
+from ..devices import cost_model_for
 from ..errors import BudgetInfeasibleError
 from ..graph.costs import DeviceModel, copies_overlap
 from ..graph.units import fmt_bytes
 from ..plugins.compress import codec_seconds
 from . import codec_ops, probe
 from . import compressed as compressed_mod
-from . import tuning
+from . import solving, tuning
 from .copies import cheaper, no_swap, overlap
-from .defaults import saved_by_partition, saved_bytes
+from .defaults import saved_by_partition
 from .joint import concatenates_feature_maps, has_convolution, joint_graph
 from .partition import Decisions, apply_plan, decisions
 from .realized import realized_peak
-from .regions import mark_planned, planned_keys
+from .regions import Key, RegionState, mark_planned, planned_keys
 from .room import reserve
 from .scratch import inductor_channels_last, measure_scratch
 from .stats import RegionStats
@@ -39,12 +39,14 @@ def _cost_model(device: torch.device, name: str | None, can_swap: bool) -> Devic
 
 @dataclass(eq=False)
 class _Counts:
-    """A region's joint graph as counted for planning (:meth:`Planning._count_region`)."""
+    """A region's joint graph as counted for planning (:meth:`Planner._count_region`)."""
 
     gm: fx.GraphModule
     joint_inputs: Any
     kwargs: dict[str, Any]
+    key: Key
     dev: torch.device
+    examples: list[Any] | None   # the call's inputs, which the compress probe measures on
     model: Any                   # the cost model it is planned with
     forward: list[fx.Node]
     conv: bool
@@ -56,7 +58,7 @@ class _Counts:
 
 @dataclass
 class _Share:
-    """A region's share of the budget (:meth:`Planning._share_of`)."""
+    """A region's share of the budget (:meth:`Planner._share_of`)."""
 
     key: tuple[str, ...]
     name: str
@@ -86,7 +88,7 @@ class _Tries:
     """The counts of one region tried and what came of them. What compresses is measured once, where first
     asked; that time, and the compressed counts' planning, count as the codec probe's."""
 
-    def __init__(self, planner: "Planning", c: _Counts, s: _Share) -> None:
+    def __init__(self, planner: "Planner", c: _Counts, s: _Share) -> None:
         self.planner, self.c, self.s = planner, c, s
         self.plain = Variant("", c.jg, c.part)
         self.variants: list[Variant] = [self.plain]
@@ -101,7 +103,7 @@ class _Tries:
         if "codecs" not in self.lazy:
             t1 = time.perf_counter()
             c = self.c
-            self.lazy["codecs"] = (self.planner._codec_choices(c.gm, c.forward, c.jg, c.part, c.model, self.notes)
+            self.lazy["codecs"] = (self.planner._codec_choices(c, self.notes)
                                    if "compress" in self.planner.policies else None)
             self.codec_s += time.perf_counter() - t1
         return self.lazy["codecs"]
@@ -127,7 +129,7 @@ class _Tries:
         t_v = time.perf_counter()
         try:
             r = self.planner._plan_variant(v, c.gm, c.joint_inputs, c.kwargs, s.share, s.margin, s.others, s.grads,
-                                           c.model, s.name, least=least)
+                                           c.model, s.name, c.dev, least=least)
             self.planned.append(r)
             return r
         except BudgetInfeasibleError as e:
@@ -138,128 +140,54 @@ class _Tries:
                 self.codec_s += time.perf_counter() - t_v
 
 
-class Planning:
-    """Planning methods of :class:`~hybridmem.compile.backend.CompileBackend`."""
+@dataclass(frozen=True)
+class PlanOptions:
+    """The backend's options the planner reads (:class:`~hybridmem.compile.backend.CompileBackend`)."""
+
+    policies: tuple[str, ...]
+    solver: str
+    time_limit: float | None
+    compiler: str
+    scratch: bool
+    cost_model_name: str | None
+    hold_outputs: bool
+    calls_per_step: int
+
+
+class Planner:
+    """Plans a backend's compiled regions, one joint graph at a time (:meth:`prepare`). ``regions``: the
+    backend's per-region state, which it reads (what the earlier regions hold, the room asked of a region)
+    and records each plan in; ``budget_for(key, device)``: the budget a region is planned at;
+    ``outside(key)``: the bytes held outside it while it runs.
+
+    The plan-compile-run loop (:mod:`hybridmem.compile.fit`) reads what the last :meth:`prepare` of a compile
+    left: ``margin_now`` and ``slack_now`` (set before any error it raises), ``planned_now`` (the plan taken;
+    the loop sets it to None before each compile)."""
+
+    def __init__(self, options: PlanOptions, regions: dict[Key, RegionState],
+                 budget_for: Callable[[Key, torch.device], int], outside: Callable[[Key], int]) -> None:
+        self.options = options
+        self.policies, self.compiler, self.calls_per_step = options.policies, options.compiler, options.calls_per_step
+        self.regions, self.budget_for, self.outside = regions, budget_for, outside
+        self.margin_now = 0                          # what the last plan left free for Inductor's buffers
+        self.slack_now = 0                           # ... and how far below nothing it may go (tuning.REPLAN_SLACK)
+        self.planned_now: Planned | None = None      # the plan of the compile in progress
 
     def _solve(self, g: Any, budget: int | str, model: Any) -> Any:
         from .. import solvers
-        return solvers.plan(g, budget, device=model, solver=self.solver, time_limit=self.time_limit)
+        return solvers.plan(g, budget, device=model, solver=self.options.solver, time_limit=self.options.time_limit)
 
-    def _least_planned(self, variants: list["Variant"], model: Any) -> int | None:
-        """The least budget the solver has a plan for on any count of ``variants`` (the region's bytes: no
-        margin, nothing held outside it); None where it finds none."""
-        found = []
-        for v in variants:
-            for j in (v.jg, v.part):
-                if j is None:
-                    continue
-                try:
-                    found.append(int(self._solve(j.graph, "min", model).budget_bytes))
-                except BudgetInfeasibleError:
-                    continue
-        return min(found) if found else None
-
-    def _plan_realized(self, g: Any, share: int, model: Any, judge: Any) -> tuple[Any, int]:
-        """A plan that fits ``share`` by its count or by its peak as PyTorch's partition runs it (``judge``:
-        :func:`~hybridmem.compile.realized.realized_peak`). The partition recomputes some of what a plan
-        keeps, so a plan for a budget above ``share`` may fit it as partitioned, and recomputes less. The
-        plan at ``share`` (or, where the count has none, at the least budget it has one for) is taken
-        where it fits; where that leaves :data:`tuning.REALIZED_HEADROOM` of ``share`` free, a bisection above it
-        (:data:`tuning.REALIZED_PROBES` plans, for :data:`tuning.REALIZED_TIME_SHARE` times the first one's time at most)
-        keeps the highest budget whose plan fits as partitioned. Returns the plan and the peak it was
-        taken by; on failure the error names the least peak found."""
-        def judged(b: int | str) -> tuple[Any, int, int] | None:
-            try:
-                p = self._solve(g, b, model)
-            except BudgetInfeasibleError:
-                return None
-            count = int(p.predicted_peak_bytes)
-            real = judge(p)
-            return p, count, count if real is None else real
-
-        t0 = time.perf_counter()
-        first = judged(share)
-        if first is None:
-            first = judged("min")          # the count has no plan at the share: its least plan may fit
-            if first is None:
-                raise BudgetInfeasibleError("no plan", None)
-            if first[2] > share:
-                raise BudgetInfeasibleError("no plan fits as the partition runs it", min(first[1], first[2]))
-        p, count, real = first
-        best = (p, min(count, real))       # at the share the count fits, whatever the partition does
-        if share - best[1] < tuning.REALIZED_HEADROOM * share:
-            return best                    # nothing to gain above it
-        lo, hi = int(p.budget_bytes) + 1, g.peak_bytes()
-        stop = time.perf_counter() + tuning.REALIZED_TIME_SHARE * (time.perf_counter() - t0)
-        for _ in range(tuning.REALIZED_PROBES):
-            if lo > hi or time.perf_counter() > stop:
-                break
-            b = (lo + hi) // 2
-            got = judged(b)
-            if got is not None and got[2] <= share:
-                best, lo = (got[0], got[2]), b + 1
-            else:
-                hi = b - 1
-        return best
-
-    def _plan_runs(self, g: Any, share: int, others: int, grads: int, model: Any) -> tuple[Any, int]:
-        """A plan, and its peak with ``others`` more runs in flight beside it, that fits ``share``: each other
-        run holds what the plan keeps for the backward beyond the ``grads`` bytes already set aside for it.
-
-        The planners see one run. To make them weigh what the other runs hold, they plan a copy of the
-        graph whose saved tensors are ``others + 1`` times their size (keeping one costs that much); each
-        plan is then judged on the real graph with the other runs added, and a bisection over the copy's
-        budget finds the highest one whose plan fits (6 plans at most). On failure the error names the
-        least total any of those plans needs."""
-        import copy
-
-        from .. import solvers
-        from ..graph.simulate import simulate
-
-        if not others:
-            p = self._solve(g, share, model)
-            return p, int(p.predicted_peak_bytes)
-        heavy = copy.deepcopy(g)
-        for t in heavy.tensors:
-            if t.saved and t.evictable:
-                t.nbytes *= others + 1
-        best: tuple[Any, int] | None = None
-        least: int | None = None
-        lo, hi = solvers.memory_floor(heavy, model), heavy.peak_bytes()
-        for _ in range(6):
-            if lo > hi:
-                break
-            b = (lo + hi) // 2
-            try:
-                p = self._solve(heavy, b, model)
-            except BudgetInfeasibleError:
-                lo = b + 1
-                continue
-            peak = simulate(g, p, model, budget=None, check_hash=False).peak_bytes
-            need = int(peak) + others * max(_kept_bytes(g, p) - grads, 0)
-            least = need if least is None else min(least, need)
-            if need <= share:
-                best, lo = (p, need), b + 1
-            else:
-                hi = b - 1
-        if best is None:
-            raise BudgetInfeasibleError("no plan of one run fits beside the other runs in flight", least)
-        return best
-
-    def _budget_bytes(self, dev: torch.device) -> int:
-        if self._budget_b is None:   # a percentage, of the region's device's memory
-            return device_budget_bytes(self.budget, dev, capacity=False, what="this region")
-        return self._budget_b
-
-    def _prepare(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> Prepared:
+    def prepare(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any], key: Key, dev: torch.device,
+                examples: list[Any] | None) -> Prepared:
         """Plan the joint graph ``gm`` and tag it; return what the partition's rewrite needs. By step: count
         the region, take its share of the budget, check the floor, plan the counts worth trying, record the
-        fastest plan."""
+        fastest plan. ``key``: the region's; ``dev``: its device; ``examples``: the call's inputs (None: not
+        held)."""
         t0 = time.perf_counter()
-        c = self._count_region(gm, joint_inputs, kwargs)
+        c = self._count_region(gm, joint_inputs, kwargs, key, dev, examples)
         s = self._share_of(c)
         # read by the fit loop (hybridmem.compile.fit) when this compile has no plan
-        self._margin_now, self._slack_now = s.margin, s.slack
+        self.margin_now, self.slack_now = s.margin, s.slack
         if s.room:
             # the regions compiled after it run where its backward begins: their share is left free there (their
             # share holds their own margin: this region's is not counted twice; a margin lowered to find a plan,
@@ -273,7 +201,8 @@ class Planning:
         best = self._best_or_raise(c, s, tries)
         return self._record(c, s, tries, best, least, t0)
 
-    def _count_region(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> _Counts:
+    def _count_region(self, gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any], key: Key,
+                      dev: torch.device, examples: list[Any] | None) -> _Counts:
         """The region's two counts: every forward value the backward reads held from the forward (the count
         plans are made on first), and the count of the partition PyTorch makes (what it recomputes on its own
         read from its sources): closer to the real peak, tried where the first has no plan
@@ -282,9 +211,8 @@ class Planning:
         from torch._functorch.compile_utils import fx_graph_cse
         from torch._functorch.partitioners import classify_nodes
 
-        dev = self._dev or torch.device("cpu")
         can_swap = "swap" in self.policies and dev.type == "cuda"
-        model = _cost_model(dev, self.cost_model_name, can_swap)
+        model = _cost_model(dev, self.options.cost_model_name, can_swap)
         # the same clean-up the partitioner starts with, so that the tags land on the nodes it keeps
         gm.graph.eliminate_dead_code()
         if fconfig.cse:
@@ -305,7 +233,7 @@ class Planning:
             joint_graph, gm, forward, [p for i, p in enumerate(placeholders) if i in static_idx],
             [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
             name=f"region {len(planned_keys(self.regions)) + 1}", fuse=fuse, fuse_backward=fuse and not conv,
-            outputs_held=self.hold_outputs)
+            outputs_held=self.options.hold_outputs)
         jg = joint(saved=None)
         jg_part = joint(saved=saved) if saved is not None else None
         if "recompute" not in self.policies:
@@ -313,20 +241,21 @@ class Planning:
                 for stage in (j.graph.stages if j is not None else ()):
                     stage.deterministic = False
         t_scratch = time.perf_counter()
-        if self.scratch:
+        if self.options.scratch:
             counts = [j for j in (jg, jg_part) if j is not None]
             note = measure_scratch(counts, dev, channels_last=fuse and conv and inductor_channels_last(gm))
             for j in counts:
                 j.graph.meta["workspace"] = note
         t_scratch = time.perf_counter() - t_scratch
-        return _Counts(gm, joint_inputs, kwargs, dev, model, forward, conv, jg, jg_part, t_probe, t_scratch)
+        return _Counts(gm, joint_inputs, kwargs, key, dev, examples, model, forward, conv, jg, jg_part, t_probe,
+                       t_scratch)
 
     def _share_of(self, c: _Counts) -> _Share:
-        """Region ``self._current``'s share of the budget, the margin it leaves for Inductor's buffers, and
+        """Region ``c.key``'s share of the budget, the margin it leaves for Inductor's buffers, and
         what the other runs in flight hold beside it."""
-        key = self._current
-        budget = self._budget_for(key, c.dev)
-        outside = self._outside(key)
+        key = c.key
+        budget = self.budget_for(key, c.dev)
+        outside = self.outside(key)
         share = budget - outside
         # the margin scales with the step as it runs: the keep-all peak of the partition PyTorch makes where
         # that count is the lower (MobileNetV2: 40.6 MiB, where the first count's 56 MiB holds every forward
@@ -366,8 +295,8 @@ class Planning:
             return least_plain, least
         # the floor is a bound no plan goes below; the error names the least budget a plan exists for (a
         # bisection of solves), so that the budget it names compiles
-        region = None if s.others else self._least_planned(
-            [v for v in (tries.plain, tries.lazy.get("every")) if v], c.model)
+        region = None if s.others else solving.least_planned(
+            self._solve, [v for v in (tries.plain, tries.lazy.get("every")) if v], c.model)
         named = least if region is None else max(least, region + s.margin + s.outside)
         budget, margin, outside, others = s.budget, s.margin, s.outside, s.others
         raise BudgetInfeasibleError(
@@ -436,7 +365,7 @@ class Planning:
                 + (f", {fmt_bytes(margin)} left for Inductor's buffers" if margin else "")
                 + f", {fmt_bytes(outside)} held outside it (the optimizer's state, the regions compiled "
                 f"before" + (", the other runs' inputs, parameters and gradients)" if others else ")")
-                + ("" if self._can_evict() else f"; policies {list(self.policies)} evict nothing on {c.dev} (swap "
+                + ("" if self._can_evict(c.dev) else f"; policies {list(self.policies)} evict nothing on {c.dev} (swap "
                    "needs CUDA): add recompute or compress"),
                 need) from None
         best = min(tries.planned, key=lambda r: r.time_s)
@@ -476,44 +405,33 @@ class Planning:
         region = codec_ops.new_region() if best.variant.compressed else 0
         st.codec_region = region
         mark_planned(self.regions, s.key, st)
-        self._planned_now = best
+        self.planned_now = best
         return Prepared(offload=bool(best.decisions.swap), region=region, stats=st, model=c.model, key=s.key,
                         held_beside=beside,
                         offloaded=[compressed_mod.storage_of(n) for t in best.decisions.swap
                                    for n in jg.forward_nodes_of(t)],
                         compressed=[best.variant.compressed[n.name] for n in jg.compressed.values()])
 
-    def _held_as_partitioned(self, prep: Prepared, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
-        """What region ``prep.key`` holds through its backward, by the tensors its partition's backward reads
-        from its forward (:func:`~hybridmem.compile.defaults.saved_bytes`) rather than by the plan's count: the
-        partition recomputes some of what a plan keeps (:mod:`hybridmem.compile.realized`), and the regions
-        compiled after it plan beside what it really keeps."""
-        dev = self._dev or torch.device("cpu")
-        saved = saved_bytes(fw, bw, dev)
-        r = self.regions[prep.key]
-        r.held = prep.held_beside + saved
-        r.kept = saved + (prep.stats.compressed_to_bytes if prep.stats is not None else 0)
-
-    def _codec_choices(self, gm: fx.GraphModule, forward: list[fx.Node], jg: Any, jg_part: Any, model: Any,
-                       notes: list[str]) -> "Codecs | None":
+    def _codec_choices(self, c: _Counts, notes: list[str]) -> "Codecs | None":
         """The saved tensors of the region's counts a lossless codec shrinks to :data:`tuning.COMPRESS_MAX_RATIO` of
         their bytes or less, measured on the example inputs (:mod:`hybridmem.compile.probe`), most worth it
         first (recomputing their producer costs most more than the codec, per byte saved); None (``notes``
         says why) where none does or the forward cannot be measured."""
+        gm, forward, jg, jg_part, model = c.gm, c.forward, c.jg, c.part, c.model
         fw = set(forward)
         found_in = {id(j): compressed_mod.candidates(j, fw) for j in (jg, jg_part) if j is not None}
         cands = {n for found in found_in.values() for n in found.values()}
         if not cands:
             return None
-        if self._examples is None:
+        if c.examples is None:
             notes.append("compression: no example inputs to measure the saved tensors on")
             return None
         try:
-            measured = probe.measure(gm, forward, self._examples, cands)
+            measured = probe.measure(gm, forward, c.examples, cands)
         except Exception as e:     # an op the probe cannot run eagerly: plan without compression
             notes.append(f"compression: the forward could not be measured ({type(e).__name__}: {str(e)[:120]})")
             return None
-        dev_type = (self._dev or torch.device("cpu")).type
+        dev_type = c.dev.type
         out = Codecs(model, dev_type)
         for j in (jg, jg_part):
             if j is None:
@@ -538,7 +456,8 @@ class Planning:
         return out
 
     def _plan_variant(self, v: "Variant", gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any], share: int,
-                      margin: int, others: int, grads: int, model: Any, name: str, least: bool = True) -> "Planned":
+                      margin: int, others: int, grads: int, model: Any, name: str, dev: torch.device,
+                      least: bool = True) -> "Planned":
         """A plan for one count of the region (with or without compression) that fits ``share``; raises
         BudgetInfeasibleError whose ``minimum_bytes`` is the least the region needs (the margin and what is
         held outside it not included), or None where ``least`` is False (finding it takes a bisection of up
@@ -556,12 +475,12 @@ class Planning:
             return Planned(v, jg, None, Decisions(), peak, peak, time_s, 0.0,
                             "the share holds the keep-all peak: PyTorch's own partition"
                             + (" with the compressed tensors" if v.compressed else ""), others_keep_all)
-        if not self._can_evict():
+        if not self._can_evict(dev):
             # nothing but keeping (and the compression this count holds): its keep-all peak is the least
             raise BudgetInfeasibleError("no plan", peak + others_keep_all)
         try:
             try:
-                p, predicted = self._plan_runs(g, share - margin, others, grads, model)
+                p, predicted = solving.plan_runs(self._solve, g, share - margin, others, grads, model)
             except BudgetInfeasibleError:
                 if jg_part is None or others:
                     raise
@@ -569,7 +488,7 @@ class Planning:
 
                 def judge(p: Any) -> int | None:
                     return realized_peak(gm, joint_inputs, kwargs, part, p, decisions(p), model)
-                p, predicted = self._plan_realized(part.graph, share - margin, model, judge)
+                p, predicted = solving.plan_realized(self._solve, part.graph, share - margin, model, judge)
                 jg, g = part, part.graph
                 peak = g.peak_bytes()
         except BudgetInfeasibleError as e:
@@ -584,7 +503,6 @@ class Planning:
                     least_need = min(least_need, int(e.minimum_bytes))   # a plan as partitioned
             raise BudgetInfeasibleError("no plan", least_need) from None
         d = decisions(p)
-        dev = self._dev or torch.device("cpu")
         note = ""
         if d.swap and not overlap(dev):
             if copies_overlap(model):
@@ -603,11 +521,10 @@ class Planning:
                    else "policies with recompute or compress, or a larger budget, may fit"), None)
         time_s = float(p.predicted_time_s or 0.0)
         return Planned(v, jg, p, d, peak, predicted, time_s, float(p.info.get("solve_s") or 0.0), note,
-                        others * max(_kept_bytes(g, p) - grads, 0))
+                        others * max(solving.kept_bytes(g, p) - grads, 0))
 
-    def _can_evict(self) -> bool:
+    def _can_evict(self, dev: torch.device) -> bool:
         """Whether a plan may evict anything: recompute, or swap on CUDA (compression is a count of its own)."""
-        dev = self._dev or torch.device("cpu")
         return "recompute" in self.policies or ("swap" in self.policies and dev.type == "cuda")
 
     def _region_stats_of(self, r: "Planned", name: str, least: int, margin: int, share: int,
@@ -635,9 +552,3 @@ class Planning:
             plan_from=str(p.info.get("plan_from") or "") if p is not None else "",
             note=r.note, decisions=sorted(records, key=lambda x: -x["bytes"]))
 
-
-def _kept_bytes(g: Any, p: Any) -> int:
-    """Bytes of saved activations plan ``p`` keeps for the backward (neither recomputed nor swapped)."""
-    d = decisions(p)
-    evicted = set(d.recompute) | set(d.swap)
-    return sum(t.nbytes for t in g.tensors if t.saved and t.evictable and t.id not in evicted)
