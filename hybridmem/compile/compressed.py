@@ -28,7 +28,8 @@ from torch import fx
 from ..graph.ir import Graph, Stage, TensorInfo
 from ..plugins.compress import codec_seconds
 from . import codec_ops
-from .joint import JointGraph, node_nbytes
+from .fxnodes import node_nbytes
+from .joint import JointGraph
 
 __all__ = ["Compressed", "candidates", "rewrite_partition", "storage_of", "with_compression"]
 
