@@ -310,9 +310,9 @@ class CompileBackend:
 
     def _compile_checked(self, key: Key, gm: fx.GraphModule, example_inputs: list[Any],
                          sizes: PlannedSizes) -> Any:
-        """:func:`~hybridmem.compile.fit.compile_fitted`; where the region was planned above the budget, beside earlier regions that
-        keep too much (:mod:`hybridmem.compile.room`), those are asked to make room, and it to plan again after
-        them, at their next calls."""
+        """:func:`~hybridmem.compile.fit.compile_fitted`; where the region was planned above the budget, beside
+        earlier regions that keep too much (:mod:`hybridmem.compile.room`), those are asked to make room, and it
+        to plan again after them, at their next calls."""
         r = self.regions[key]
         r.lift = None
         try:

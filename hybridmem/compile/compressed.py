@@ -187,8 +187,8 @@ def _relink(stages: list[Stage], tensors: list[TensorInfo], index: dict[int, int
             t.producer = index[t.producer]
         t.consumers = sorted(set(t.consumers))
         if t.id in added:
-            # an encoding is no planner's to move (only its encode and decode stages make and read it); a decoded tensor is
-            # made in the backward, as the backward's own values are
+            # an encoding is no planner's to move (only its encode and decode stages make and read it); a decoded
+            # tensor is made in the backward, as the backward's own values are
             t.freed_after, t.saved = max([t.producer, *t.consumers]), False
         elif t.kind == "activation" and t.producer >= 0:
             t.freed_after = max([t.producer, *t.consumers])

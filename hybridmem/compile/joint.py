@@ -92,13 +92,14 @@ def joint_graph(gm: fx.GraphModule, forward: Iterable[fx.Node], static_inputs: I
     ``forward``: the nodes the forward computes (``classify_nodes``' required forward nodes);
     ``static_inputs``: the placeholders that are parameters or buffers; ``fwd_outputs``: the nodes the
     forward returns to the user (not evictable). ``cost_model``: a hybridmem cost model for stage costs
-    (None: costs stay 0). ``fuse``: one stage per forward pointwise chain (:func:`~hybridmem.compile.fusion.fusion_groups`), as a
-    fusing compiler runs it: its inner values take no memory, and recomputing its output replays the
-    chain; ``fuse_backward``: the backward's chains too. ``saved``: the forward values PyTorch's own
-    partition saves (:func:`hybridmem.compile.defaults.saved_by_partition`; with ``fuse``): a forward value
-    it leaves out is recomputed in the backward, inside the pointwise or reduction kernel that reads it, so
-    those read what it is recomputed from (:func:`~hybridmem.compile.fusion.recomputed_reads`; another reader, a matrix product,
-    reads it as the forward made it), and a saved value is never fused away.
+    (None: costs stay 0). ``fuse``: one stage per forward pointwise chain
+    (:func:`~hybridmem.compile.fusion.fusion_groups`), as a fusing compiler runs it: its inner values take no
+    memory, and recomputing its output replays the chain; ``fuse_backward``: the backward's chains too.
+    ``saved``: the forward values PyTorch's own partition saves
+    (:func:`hybridmem.compile.defaults.saved_by_partition`; with ``fuse``): a forward value it leaves out is
+    recomputed in the backward, inside the pointwise or reduction kernel that reads it, so
+    those read what it is recomputed from (:func:`~hybridmem.compile.fusion.recomputed_reads`; another
+    reader, a matrix product, reads it as the forward made it), and a saved value is never fused away.
 
     ``outputs_held``: the forward's user outputs live until the step ends (the training loop may hold them
     through the backward); False: until the forward ends or their last read, whichever is later (a loop
