@@ -245,11 +245,11 @@ def test_only_a_count_that_may_be_the_last_tried_searches_for_its_least_budget(m
     most: 32 s on ResNet-50 small's count with compression). The error needs it only from the count
     without compression and the one with everything compressed; the variants tried besides (compress
     half, compress what the first plan keeps) fail without it."""
-    from hybridmem.compile.backend import CompileBackend
+    from hybridmem.compile.planner import Planner
 
     calls: list[tuple[str, bool]] = []
     mins: list[str] = []
-    plan_variant, solve = CompileBackend._plan_variant, CompileBackend._solve
+    plan_variant, solve = Planner._plan_variant, Planner._solve
 
     def spy_variant(self: Any, v: Any, *args: Any, least: bool = True) -> Any:
         calls.append((v.name, least))
@@ -260,8 +260,8 @@ def test_only_a_count_that_may_be_the_last_tried_searches_for_its_least_budget(m
             mins.append(calls[-1][0])
         return solve(self, g, budget, model)
 
-    monkeypatch.setattr(CompileBackend, "_plan_variant", spy_variant)
-    monkeypatch.setattr(CompileBackend, "_solve", spy_solve)
+    monkeypatch.setattr(Planner, "_plan_variant", spy_variant)
+    monkeypatch.setattr(Planner, "_solve", spy_solve)
     model, x, y = _mlp_case()
     ref_peaks, _, _ = _train(copy.deepcopy(model), x, y, "aot_eager", steps=1)
     b = compile_backend(int(0.85 * ref_peaks[-1]), compiler="eager", policies=("recompute", "compress"))

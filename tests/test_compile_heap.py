@@ -45,10 +45,14 @@ def test_the_partitioner_plans_with_the_heap_frozen_and_thaws_it_when_planning_f
 
     seen = []
 
-    class Backend:
-        def _prepare(self, gm, joint_inputs, kwargs):
+    class Planner:
+        def prepare(self, gm, joint_inputs, kwargs, key, dev, examples):
             seen.append(gc.get_freeze_count())
             raise RuntimeError("planning failed")
+
+    class Backend:
+        planner = Planner()
+        _current, _dev, _examples = (), None, None
 
     with pytest.raises(RuntimeError, match="planning failed"):
         _Partitioner(Backend())(None, None, num_fwd_outputs=1)

@@ -1,11 +1,11 @@
-"""Which values the compile backend's graph counts as stored under Inductor (``joint.fusion_groups``),
+"""Which values the compile backend's graph counts as stored under Inductor (``fusion.fusion_groups``),
 on small aten graphs traced with ``make_fx``: nothing here compiles."""
 from __future__ import annotations
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hybridmem.compile.joint import MAX_INLINED_USERS, fusion_groups, kernels, materialized
+from hybridmem.compile.fusion import MAX_INLINED_USERS, fusion_groups, kernels, materialized
 
 
 def _groups(fn, *args) -> tuple[dict[str, list[str]], set[str]]:

@@ -32,25 +32,24 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
-from ..devices import budget_needs_cuda, parse_device_budget, resolve_device
+from ..devices import budget_needs_cuda, device_budget_bytes, parse_device_budget, resolve_device
 from ..errors import BudgetInfeasibleError, UnknownNameError
 from ..graph.costs import get_cost_model
 from ..graph.units import fmt_bytes
-from ..native import cpumeter
-from . import codec_ops
-from . import trial as trial_mod
-from . import tuning
+from . import codec_ops, fit
 from .compressed import rewrite_partition
 from .copies import reload_timing, stream_ops_work
+from .defaults import saved_bytes
 from .heap import frozen_heap
 from .measured import StepPeak
 from . import offload as offload_mod
-from .planning import Planning
+from .planner import PlanOptions, Planner
+from .regions import Key, RegionState, planned_keys
 from .room import Replannable
 from .runs import InFlight
 from .sizes import PlannedSizes, bound, planned_at, planning_at
-from .stats import CompileStats, RegionStats, sizes_line
-from .variants import Planned
+from .stats import CompileStats, RegionStats
+from .variants import Prepared
 
 
 __all__ = ["CompileBackend", "CompileStats", "RegionStats", "compile_backend", "POLICIES", "COMPILERS"]
@@ -101,7 +100,8 @@ class _Partitioner:
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(frozen_heap())     # planning and the partition: hybridmem.compile.heap
-            prep = self.backend._prepare(gm, joint_inputs, kwargs)
+            b = self.backend
+            prep = b.planner.prepare(gm, joint_inputs, kwargs, b._current, b._dev or torch.device("cpu"), b._examples)
             if prep.offload and stream_ops_work():
                 stack.enter_context(fconfig.patch(
                     enable_activation_offloading=True, activation_offload_separate_stream=True,
@@ -151,7 +151,7 @@ class _Partitioner:
         return (str, (self.uuid(),))
 
 
-class CompileBackend(Planning):
+class CompileBackend:
     """A ``torch.compile`` backend that plans each compiled region under a byte budget.
 
     ``budget``: bytes (``8 << 30``, ``"8GiB"``; on CUDA also ``"60%"`` of the device's memory).
@@ -224,27 +224,12 @@ class CompileBackend(Planning):
                              "plan it again where its real peak exceeds its share) or False")
         self.verify = verify
         self._revision = 0                           # plans made again after a trial (partition cache keys)
-        self._margin_now = 0                         # what the last plan left free for Inductor's buffers
-        self._slack_now = 0                          # ... and how far below nothing it may go (tuning.REPLAN_SLACK)
-        self._extra: dict[tuple[str, ...], int] = {}  # region -> bytes more its margin leaves free (trials)
-        self._planned_now: Planned | None = None     # the plan of the compile in progress
-        self._runs: dict[tuple[str, ...], InFlight] = {}
-        self._sizes: dict[tuple[str, ...], PlannedSizes] = {}    # regions compiled for dynamic shapes
-        self._largest: dict[tuple[str, ...], dict[tuple[str, int], int]] = {}  # region -> (input, dim) -> size
-        self._size_replans: dict[tuple[str, ...], int] = {}   # region -> compiles for sizes above its plan's
         self.peak = StepPeak()
-        self._held: dict[tuple[str, ...], int] = {}      # region key -> bytes it keeps through its backward
-        self._regions: dict[tuple[str, ...], RegionStats] = {}
-        self._kept: dict[tuple[str, ...], int] = {}      # region key -> of its held bytes, what a plan may evict
-        # graph breaks (hybridmem.compile.room): bytes a region leaves where its backward begins for the regions
-        # compiled after it; a budget a region is planned at, above the budget, while the earlier ones make room;
-        # the regions that asked for room; each region's compiled function, to plan again at its next call
-        self._room: dict[tuple[str, ...], int] = {}
-        self._lift: dict[tuple[str, ...], int] = {}
-        self._asked: set[tuple[str, ...]] = set()
-        self._replannable: dict[tuple[str, ...], Replannable] = {}
-        self._renew: set[tuple[str, ...]] = set()
-        self._current: tuple[str, ...] = ()
+        # each region's state, in the order the regions were first planned (hybridmem.compile.regions)
+        self.regions: dict[Key, RegionState] = {}
+        self.planner = Planner(PlanOptions(self.policies, solver, time_limit, compiler, self.scratch, cost_model,
+                                           hold_outputs, calls_per_step), self.regions, self._budget_for, self._outside)
+        self._current: Key = ()
         self._dev: torch.device | None = self.device
         self._examples: list[Any] | None = None
         self.partitioner = _make_partitioner(self)
@@ -261,26 +246,23 @@ class CompileBackend(Planning):
             self._dev = _device_of(example_inputs)
         if self.measure:
             self.peak.start(self._dev, self._optimizer)
-        earlier = self._sizes.get(key)
+        r = self.regions.setdefault(key, RegionState())
+        earlier = r.sizes
         compiled, sizes = self._build(key, tensors, gm, example_inputs)
         if earlier is not None and sizes.above(earlier.planned):
             # Dynamo compiled it again because a call was larger than the plan's sizes (sizes.bound)
-            self._size_replans[key] = self._size_replans.get(key, 0) + 1
-        holder = self._replannable[key] = Replannable(compiled, lambda flat: self._replan(key, gm, flat))
-        if key in self._renew:          # planned above the budget: again once the earlier regions made room
-            self._renew.discard(key)
+            r.size_replans += 1
+        holder = r.replannable = Replannable(compiled, lambda flat: self._replan(key, gm, flat))
+        if r.renew:          # planned above the budget: again once the earlier regions made room
+            r.renew = False
             holder.renew(skip=1)
         compiled = holder
-        runs = self._runs.get(key)
-        if runs is None:  # a recompile of a region (new shapes, an input that needs no grad) shares its count
-            runs = self._runs[key] = InFlight(self.calls_per_step, lambda n: self._more_runs(key, n))
-        if sizes.at:
-            self._sizes[key] = sizes
-        else:
-            self._sizes.pop(key, None)
-        return self.peak.wrap(runs.wrap(compiled))
+        if r.runs is None:  # a recompile of a region (new shapes, an input that needs no grad) shares its count
+            r.runs = InFlight(self.calls_per_step, lambda n: self._more_runs(key, n))
+        r.sizes = sizes if sizes.at else None
+        return self.peak.wrap(r.runs.wrap(compiled))
 
-    def _build(self, key: tuple[str, ...], tensors: list[tuple[str, Any]], gm: fx.GraphModule,
+    def _build(self, key: Key, tensors: list[tuple[str, Any]], gm: fx.GraphModule,
                example_inputs: list[Any]) -> tuple[Any, PlannedSizes]:
         """Plan and compile region ``key`` (graph ``gm``) on ``example_inputs``; the compiled function and the
         sizes it was planned at."""
@@ -288,7 +270,7 @@ class CompileBackend(Planning):
         # compiled for any size: planned at the largest sizes compiled for before (the full batch, where a
         # smaller last batch made Dynamo compile the region again), which later calls are likely to bring; a
         # larger call fails the bound's guard and Dynamo compiles the region again, planned at its sizes
-        at = planned_at(tensors, self._largest.setdefault(key, {}))
+        at = planned_at(tensors, self.regions[key].largest)
         bound(tensors, at)
         self.peak.compiling()
         self._examples = example_inputs     # what the compress probe measures on; held while compiling only
@@ -302,13 +284,13 @@ class CompileBackend(Planning):
             self.peak.compiled()
         return compiled, sizes
 
-    def _replan(self, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+    def _replan(self, key: Key, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         """Region ``key`` planned and compiled again on a call's inputs (:mod:`hybridmem.compile.room`): the
         regions compiled after it asked for room, or it was planned above the budget while they made it."""
         _, tensors = _region_key(gm, example_inputs)
-        before = self._regions.get(key)
+        before = self.regions[key].stats
         compiled, _ = self._build(key, tensors, gm, example_inputs)
-        st = self._regions.get(key)
+        st = self.regions[key].stats
         if st is not None and before is not None and st is not before:
             # planning time counts every plan made for the region
             st.plan_s += before.plan_s
@@ -316,8 +298,8 @@ class CompileBackend(Planning):
             st.room_replans = before.room_replans + 1
         return compiled
 
-    def _more_runs(self, key: tuple[str, ...], n: int) -> None:
-        st = self._regions.get(key)
+    def _more_runs(self, key: Key, n: int) -> None:
+        st = self.regions[key].stats
         name = st.name if st is not None else "a region"
         held = f" of {fmt_bytes(st.saved_bytes)}" if st is not None else ""
         warnings.warn(f"hybridmem compile: {name} had {n} runs in flight (forwards whose backward had not "
@@ -326,40 +308,41 @@ class CompileBackend(Planning):
                       f"and may exceed the budget: compile_backend(calls_per_step={n}) plans for them",
                       RuntimeWarning, stacklevel=2)
 
-    def _compile_checked(self, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any],
+    def _compile_checked(self, key: Key, gm: fx.GraphModule, example_inputs: list[Any],
                          sizes: PlannedSizes) -> Any:
-        """:meth:`_compile_fitted`; where the region was planned above the budget, beside earlier regions that
-        keep too much (:mod:`hybridmem.compile.room`), those are asked to make room, and it to plan again after
-        them, at their next calls."""
-        self._lift.pop(key, None)
+        """:func:`~hybridmem.compile.fit.compile_fitted`; where the region was planned above the budget, beside
+        earlier regions that keep too much (:mod:`hybridmem.compile.room`), those are asked to make room, and it
+        to plan again after them, at their next calls."""
+        r = self.regions[key]
+        r.lift = None
         try:
-            compiled = self._compile_fitted(key, gm, example_inputs, sizes)
+            compiled = fit.compile_fitted(self, key, gm, example_inputs, sizes)
         finally:
-            lifted = self._lift.pop(key, None)
-        st = self._regions.get(key)
+            lifted, r.lift = r.lift, None
+        st = r.stats
         if lifted is not None and st is not None:
             self._ask_room(key, st)
         return compiled
 
-    def _earlier(self, key: tuple[str, ...]) -> list[tuple[str, ...]]:
+    def _earlier(self, key: Key) -> list[Key]:
         """The regions compiled before ``key`` (all of them while it compiles for the first time)."""
-        order = list(self._held)
+        order = planned_keys(self.regions)
         return order[:order.index(key)] if key in order else order
 
-    def _may_lift(self, key: tuple[str, ...], e: BudgetInfeasibleError, budget: int) -> bool:
+    def _may_lift(self, key: Key, e: BudgetInfeasibleError, budget: int) -> bool:
         """Whether region ``key``, which has no plan within ``budget`` beside the earlier regions (``e`` names the
         least budget it has one for), is planned at that budget while they make room: once, and only where
         what they keep and a plan may evict covers the difference."""
-        if key in self._asked or e.minimum_bytes is None or self.calls_per_step > 1:
+        if self.regions[key].asked or e.minimum_bytes is None or self.calls_per_step > 1:
             return False
         short = int(e.minimum_bytes) - budget
-        return 0 < short <= sum(self._kept.get(k, 0) for k in self._earlier(key))
+        return 0 < short <= sum(self.regions[k].kept for k in self._earlier(key))
 
-    def _ask_room(self, key: tuple[str, ...], st: RegionStats) -> None:
+    def _ask_room(self, key: Key, st: RegionStats) -> None:
         """Region ``key`` was planned at a share ``st`` above what the earlier regions leave: each of them leaves
         that share, and what the regions between hold, where its backward begins, planned again at its next
         call; ``key`` is planned again after them."""
-        self._asked.add(key)
+        self.regions[key].asked = True
         earlier = self._earlier(key)
         # what its plan counts or, where more, what it held as run at compile time (its share holds a margin for
         # what Inductor holds beyond the count: the run says how much that was): planned again after them, it
@@ -367,171 +350,40 @@ class CompileBackend(Planning):
         need = (min(st.budget_bytes, max(st.predicted_peak_bytes, st.trial_peak_bytes))
                 if st.trial_peak_bytes else st.budget_bytes)
         for i, k in enumerate(earlier):
-            room = need + sum(self._held.get(j, 0) for j in earlier[i + 1:])
-            self._room[k] = max(self._room.get(k, 0), room)
-            holder = self._replannable.get(k)
-            if holder is not None:
-                holder.renew()
-        self._renew.add(key)
+            room = need + sum(self.regions[j].held for j in earlier[i + 1:])
+            r = self.regions[k]
+            r.room = max(r.room, room)
+            if r.replannable is not None:
+                r.replannable.renew()
+        self.regions[key].renew = True
         over = st.budget_bytes - (self._budget_bytes(self._dev or torch.device("cpu")) - self._outside(key))
         st.add_note(f"planned {fmt_bytes(over)} above its share of the budget this once: the regions compiled before "
                     f"it keep more beside it; they are planned again at their next call, leaving it "
                     f"{fmt_bytes(need)} where their backward begins, and it after them")
 
-    def _outside(self, key: tuple[str, ...]) -> int:
+    def _outside(self, key: Key) -> int:
         """Bytes held outside region ``key`` while it runs: the optimizer's state, what the earlier regions keep."""
-        return self.optimizer_bytes + sum(self._held.get(k, 0) for k in self._earlier(key))
+        return self.optimizer_bytes + sum(self.regions[k].held for k in self._earlier(key))
 
-    def _budget_for(self, key: tuple[str, ...], dev: torch.device) -> int:
-        """The budget region ``key`` is planned at: the budget, or above it while earlier regions make room."""
-        return self._lift.get(key) or self._budget_bytes(dev)
+    def _budget_bytes(self, dev: torch.device) -> int:
+        if self._budget_b is None:   # a percentage, of the region's device's memory
+            return device_budget_bytes(self.budget, dev, capacity=False, what="this region")
+        return self._budget_b
 
-    def _compile_fitted(self, key: tuple[str, ...], gm: fx.GraphModule, example_inputs: list[Any],
-                        sizes: PlannedSizes) -> Any:
-        """Compile the region and, with ``verify``, run it once (:mod:`hybridmem.compile.trial`); where its real
-        peak exceeds its share, plan and compile it again with the excess (and :data:`tuning.REPLAN_SLACK` of its
-        keep-all peak) more left free, up to :data:`tuning.REPLANS` times; where that leaves the count no plan, once
-        more with the count's least plan."""
-        self._extra[key] = 0
+    def _held_as_partitioned(self, prep: Prepared, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+        """What region ``prep.key`` holds through its backward, by the tensors its partition's backward reads
+        from its forward (:func:`~hybridmem.compile.defaults.saved_bytes`) rather than by the plan's count: the
+        partition recomputes some of what a plan keeps (:mod:`hybridmem.compile.realized`), and the regions
+        compiled after it plan beside what it really keeps."""
         dev = self._dev or torch.device("cpu")
-        # the run's inputs, made before the level is read: they are not the compile's
-        measured_on, why_not = _at_planned_sizes(sizes, example_inputs) if self.verify else (None, "")
-        native = cpumeter.load() if dev.type == "cpu" else None
-        level = native.current_bytes if native is not None and native.installed else None   # before compiling
-        runs: list[trial_mod.Trial] = []        # the runs of the plans tried, their real peaks with the other runs'
-        compiled: Any = None
-        st: RegionStats | None = None
-        before = others = 0                      # the extra margin of the plan tried last; its other runs' bytes
-        earlier_s = 0.0                          # the planning seconds of the plans made before this one
-        least_tried = False
-        shrunk = shrinks = 0                     # bytes the margin was lowered by to find a plan (the run checks it)
-        unshrunk: BudgetInfeasibleError | None = None   # the error with the whole margin, raised where unchecked
-        while True:
-            self._planned_now = None
-            if st is not None:
-                earlier_s = st.plan_s           # the last plan's, which holds those before it
-            try:
-                compiled = self._compile(gm, example_inputs)
-            except BudgetInfeasibleError as e:
-                short = (e.minimum_bytes or 0) - self._budget_for(key, dev)
-                if not runs and self.verify and shrinks < tuning.SHRINKS and e.minimum_bytes is not None \
-                        and 0 < short <= self._margin_now + self._slack_now:
-                    # a plan may fit with less left free for Inductor's buffers than the margin (a guess): plan
-                    # with what the budget leaves (the least named is a bound: again with what the next error
-                    # names, a few times); the run below measures the step and plans again where it holds more
-                    shrinks += 1
-                    shrunk, unshrunk = shrunk + short, unshrunk or e
-                    self._extra[key] -= short
-                    self._revision += 1
-                    continue
-                if not runs or st is None:
-                    err = unshrunk or e
-                    if self._may_lift(key, err, self._budget_bytes(dev)):
-                        # the earlier regions keep too much beside it: planned at the least budget it has a plan
-                        # for, with the whole margin, while they make room (_ask_room)
-                        self._lift[key] = int(err.minimum_bytes)          # type: ignore[arg-type]
-                        self._extra[key], shrunk, shrinks, unshrunk = 0, 0, tuning.SHRINKS, None
-                        self._revision += 1
-                        continue
-                    if unshrunk is not None:
-                        raise unshrunk from None
-                    raise
-                room = self._budget_for(key, dev) - st.min_budget_bytes   # above the least, with the last margin
-                if not least_tried and room > 0:
-                    # more left free than the count allows: its least plan, the one that recomputes most
-                    least_tried = True
-                    self._extra[key] = before + room
-                    self._revision += 1
-                    continue
-                raise self._no_fit(st, key, dev, runs, compiled, measured_on or example_inputs, level,
-                                   others) from None
-            st, planned = self._regions.get(key), self._planned_now
-            if st is not None and earlier_s:
-                st.plan_s += earlier_s          # every plan made for this compile counts as its planning
-            if st is not None and shrunk and not runs:
-                st.add_note(f"planned with {fmt_bytes(shrunk)} less left for Inductor's buffers than the margin "
-                            f"(the budget leaves no more), checked by its run when compiled")
-            if planned is None or st is None or not self.verify:
-                return compiled          # no joint graph was planned (an inference region), or not asked
-            mutated = trial_mod.mutated_inputs(len(example_inputs))
-            try:
-                if measured_on is None:
-                    raise trial_mod.NotMeasurable(why_not)
-                got = trial_mod.run(compiled, measured_on, dev, mutated, cap_bytes=st.budget_bytes - planned.others_bytes,
-                                    level=level, hold_outputs=self.hold_outputs)
-            except Exception as e:      # a region that cannot run here: its plan stands as counted
-                if unshrunk is not None:
-                    raise unshrunk from e
-                reason = str(e) if isinstance(e, trial_mod.NotMeasurable) else f"{type(e).__name__}: {str(e)[:160]}"
-                st.add_note(f"not run at compile time ({reason})")
-                warnings.warn(f"hybridmem compile: {st.name}: its compiled step could not be run once to measure its "
-                              f"real peak ({reason}); the plan stands as counted, and the step may exceed the "
-                              "budget by what Inductor holds beyond the count", RuntimeWarning, stacklevel=3)
-                return compiled
-            if st.codec_region:
-                codec_ops.reset_stats(st.codec_region)     # a run at compile time is not a step
-            others = planned.others_bytes
-            if got.device_other_bytes and not any(k != key for k in self._held):
-                # CUDA, the first region: the budget caps the allocator's bytes, and what it held besides this
-                # region's inputs (library workspaces, other tensors) is in every step's peak. (A later region
-                # runs beside the earlier ones' saved tensors, which its share already leaves out.)
-                others += got.device_other_bytes
-                if not runs:
-                    st.add_note(f"the device held {fmt_bytes(got.device_other_bytes)} besides its inputs when it "
-                                f"ran (CUDA workspaces, other tensors): counted in its peak")
-            got = replace(got, peak_bytes=got.peak_bytes + others)
-            runs.append(got)
-            st.replans = len(runs) - 1
-            st.trial_peak_bytes, st.trial_s = got.peak_bytes, sum(r.seconds for r in runs)
-            if got.peak_bytes <= st.budget_bytes:
-                return compiled
-            if len(runs) > tuning.REPLANS:
-                break
-            before = self._extra[key]
-            stopped = sum(r.refused for r in runs[:-1])
-            slack = tuning.REPLAN_SLACK * (2 ** stopped if got.refused else 1)
-            self._extra[key] += got.peak_bytes - st.budget_bytes + int(slack * st.keep_all_peak_bytes)
-            self._revision += 1
-        over = got.peak_bytes - st.budget_bytes
-        st.add_note(f"its compiled step held {'more than ' if got.refused else ''}{fmt_bytes(got.peak_bytes)}, more "
-                    f"than its share {fmt_bytes(st.budget_bytes)}, after {len(runs)} plans")
-        warnings.warn(f"hybridmem compile: {st.name}'s compiled step, run once when it compiled, held "
-                      f"{'more than ' if got.refused else ''}{fmt_bytes(got.peak_bytes)}, more than its share of the "
-                      f"budget ({fmt_bytes(st.budget_bytes)}), after {len(runs)} plans each with more left free for "
-                      f"Inductor's buffers: the steps will exceed the budget by {'more than ' if got.refused else ''}"
-                      f"{fmt_bytes(over)}; a larger budget fits", RuntimeWarning, stacklevel=3)
-        return compiled
+        saved = saved_bytes(fw, bw, dev)
+        r = self.regions[prep.key]
+        r.held = prep.held_beside + saved
+        r.kept = saved + (prep.stats.compressed_to_bytes if prep.stats is not None else 0)
 
-    def _no_fit(self, st: RegionStats, key: tuple[str, ...], dev: torch.device, runs: list[Any], compiled: Any,
-                example_inputs: list[Any], level: int | None, others: int) -> BudgetInfeasibleError:
-        """The error for a region whose plans each held more than its share when run, and that has no plan
-        with more left free. It names a budget a plan was measured to fit: the least a run held, with what is
-        held outside the region; where every run was stopped at the share, the last plan's run to its end
-        (at compile time, more than the budget: no step follows) says it."""
-        budget = self._budget_for(key, dev)
-        outside = budget - st.budget_bytes
-        measured = [r.peak_bytes for r in runs if not r.refused]
-        if not measured and compiled is not None:
-            try:
-                got = trial_mod.run(compiled, example_inputs, dev, trial_mod.mutated_inputs(len(example_inputs)),
-                                    level=level, hold_outputs=self.hold_outputs)
-                measured.append(got.peak_bytes + others)
-            except Exception:     # the error then names the least the stopped runs needed
-                pass
-        lowest = min(r.peak_bytes for r in runs)
-        if measured:
-            need = min(measured) + outside
-            says = f"A budget of {fmt_bytes(need)} ({need} B) fits: the least a plan held, with what is held outside it"
-        else:
-            need = lowest + outside
-            says = (f"Its plans' runs were stopped at the share: a budget of at least {fmt_bytes(need)} ({need} B) "
-                    "is needed")
-        return BudgetInfeasibleError(
-            f"hybridmem compile: {st.name} does not fit the budget {fmt_bytes(budget)} ({budget} B) as Inductor "
-            f"compiles it: run once when it compiled, its plans' steps held {fmt_bytes(lowest)} at least (the last "
-            f"plan counted {fmt_bytes(st.predicted_peak_bytes)} of the region's {fmt_bytes(st.budget_bytes)} share), "
-            f"and with {fmt_bytes(self._extra[key])} more left free for Inductor's buffers it has no plan. "
-            f"{says}", need)
+    def _budget_for(self, key: Key, dev: torch.device) -> int:
+        """The budget region ``key`` is planned at: the budget, or above it while earlier regions make room."""
+        return self.regions[key].lift or self._budget_bytes(dev)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         from torch._functorch import config as fconfig
@@ -549,7 +401,8 @@ class CompileBackend(Planning):
     def pending(self) -> int:
         """Regions to be planned and compiled again at their next call (graph breaks: the regions compiled
         after them asked for room, :mod:`hybridmem.compile.room`); 0 once the steps run the plans that fit."""
-        return sum(1 for h in self._replannable.values() if h.pending) + len(self._renew)
+        return sum(1 for r in self.regions.values() if r.replannable is not None and r.replannable.pending) \
+            + sum(1 for r in self.regions.values() if r.renew)
 
     def reset_stats(self) -> None:
         """Restart the measured peak at the current level (the regions' plan figures stay)."""
@@ -569,26 +422,20 @@ class CompileBackend(Planning):
                             measured=self.peak.how if self.measure else "not measured (measure=False)")
 
     def _region_stats(self) -> list[RegionStats]:
-        for key, st in self._regions.items():
-            runs = self._runs.get(key)
-            st.runs_in_flight = runs.most if runs is not None else 0
-            sizes = self._sizes.get(key)
-            if sizes is not None:
-                st.planned_sizes, st.compiled_sizes = sizes.planned, dict(sizes.compiled_at)
-            st.size_replans = self._size_replans.get(key, 0)
+        out = []
+        for r in self.regions.values():
+            st = r.stats
+            if st is None:
+                continue
+            st.runs_in_flight = r.runs.most if r.runs is not None else 0
+            if r.sizes is not None:
+                st.planned_sizes, st.compiled_sizes = r.sizes.planned, dict(r.sizes.compiled_at)
+            st.size_replans = r.size_replans
             if st.codec_region:
                 now = codec_ops.stats_for(st.codec_region)
                 st.codec = replace(now, codecs=dict(now.codecs))
-        return list(self._regions.values())
-
-
-def _at_planned_sizes(sizes: PlannedSizes, example_inputs: list[Any]) -> tuple[list[Any] | None, str]:
-    """The inputs the run at compile time measures the step on: the call's, at the sizes the region is planned
-    at (:meth:`PlannedSizes.inputs`); else None and why not."""
-    try:
-        return sizes.inputs(example_inputs), ""
-    except ValueError as e:
-        return None, f"no inputs at the planned sizes {sizes_line(sizes.planned)}: {e}"
+            out.append(st)
+        return out
 
 
 def _note_host_tokens(st: RegionStats, tokens: int) -> None:

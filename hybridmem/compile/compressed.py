@@ -16,7 +16,6 @@ planners may recompute or swap the other saved tensors around it.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import operator
 from dataclasses import dataclass, field
@@ -28,7 +27,9 @@ from torch import fx
 from ..graph.ir import Graph, Stage, TensorInfo
 from ..plugins.compress import codec_seconds
 from . import codec_ops
-from .joint import JointGraph, node_nbytes
+from .fxnodes import node_nbytes
+from .joint import JointGraph
+from .rewrite import covers, rewrite_saved, static
 
 __all__ = ["Compressed", "candidates", "rewrite_partition", "storage_of", "with_compression"]
 
@@ -50,14 +51,10 @@ class Compressed:
         return self.size / self.nbytes if self.nbytes else 1.0
 
 
-def _static(v: torch.Tensor) -> bool:
-    return all(isinstance(x, int) for x in (*v.shape, *v.stride(), v.storage_offset()))
-
-
 def _whole(n: fx.Node, nbytes: int) -> bool:
     """Whether ``n``'s value covers its whole storage of ``nbytes``, densely, with static sizes."""
     v = n.meta.get("val")
-    return (isinstance(v, torch.Tensor) and v.layout == torch.strided and _static(v) and codec_ops.dense(v)
+    return (isinstance(v, torch.Tensor) and v.layout == torch.strided and static(v) and codec_ops.dense(v)
             and v.numel() * v.element_size() == nbytes == node_nbytes(v))
 
 
@@ -154,29 +151,7 @@ def with_compression(jg: JointGraph, chosen: dict[int, Compressed], nodes: dict[
             e = encoded[tid] = new_tensor(t, c.size, i, f"{t.name}.{c.codec}", True)
             stages[i].outputs = [e.id]
 
-    for s in stages:
-        if s.id.startswith(("backward/decode:", "forward/encode:")):
-            continue
-        s.inputs = [decoded[x].id if x in decoded and s.phase != "forward" else x for x in s.inputs]
-    for t in tensors:
-        t.consumers = []
-    for s in stages:
-        for x in s.inputs:
-            tensors[x].consumers.append(s.index)
-    added = {x.id for x in (*encoded.values(), *decoded.values())}
-    for t in tensors:
-        if t.producer >= 0 and t.id not in added:
-            t.producer = index[t.producer]
-        t.consumers = sorted(set(t.consumers))
-        if t.id in added:
-            # an encoding is no planner's to move (only the ops above make and read it); a decoded tensor is
-            # made in the backward, as the backward's own values are
-            t.freed_after, t.saved = max([t.producer, *t.consumers]), False
-        elif t.kind == "activation" and t.producer >= 0:
-            t.freed_after = max([t.producer, *t.consumers])
-            t.saved = stages[t.producer].phase == "forward" and any(stages[c].phase != "forward" for c in t.consumers)
-        elif t.freed_after is not None:
-            t.freed_after = max([index[t.freed_after], t.producer, *t.consumers])
+    _relink(stages, tensors, index, encoded, decoded)
     out = Graph(stages=stages, tensors=tensors, meta=dict(g.meta))
     if model is not None:
         for s, sec in zip(out.stages, model.op_times(out)):
@@ -193,6 +168,35 @@ def with_compression(jg: JointGraph, chosen: dict[int, Compressed], nodes: dict[
                       compressed={**jg.compressed, **{t: nodes[t] for t in chosen}})
 
 
+def _relink(stages: list[Stage], tensors: list[TensorInfo], index: dict[int, int], encoded: dict[int, TensorInfo],
+            decoded: dict[int, TensorInfo]) -> None:
+    """The backward's reads of the compressed tensors turned to their decoded copies, and every tensor's
+    consumers, producer and lifetime counted again in the new stage order (``index``: old stage -> new)."""
+    for s in stages:
+        if s.id.startswith(("backward/decode:", "forward/encode:")):
+            continue
+        s.inputs = [decoded[x].id if x in decoded and s.phase != "forward" else x for x in s.inputs]
+    for t in tensors:
+        t.consumers = []
+    for s in stages:
+        for x in s.inputs:
+            tensors[x].consumers.append(s.index)
+    added = {x.id for x in (*encoded.values(), *decoded.values())}
+    for t in tensors:
+        if t.producer >= 0 and t.id not in added:
+            t.producer = index[t.producer]
+        t.consumers = sorted(set(t.consumers))
+        if t.id in added:
+            # an encoding is no planner's to move (only its encode and decode stages make and read it); a decoded
+            # tensor is made in the backward, as the backward's own values are
+            t.freed_after, t.saved = max([t.producer, *t.consumers]), False
+        elif t.kind == "activation" and t.producer >= 0:
+            t.freed_after = max([t.producer, *t.consumers])
+            t.saved = stages[t.producer].phase == "forward" and any(stages[c].phase != "forward" for c in t.consumers)
+        elif t.freed_after is not None:
+            t.freed_after = max([index[t.freed_after], t.producer, *t.consumers])
+
+
 def storage_of(node: fx.Node) -> Any:
     """The storage of ``node``'s value (its fake tensor's), as a key."""
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -205,74 +209,47 @@ def rewrite_partition(fw: fx.GraphModule, bw: fx.GraphModule, chosen: Iterable[C
     them in ``bw`` before their first read (the module docstring): the node itself, or what the partition saves
     in its place (a view of it that covers its storage). Returns the ``chosen`` nodes whose storage it rewrote
     (one the partition did not save, or saved only in a form that is not dense, is left as it is)."""
-    from torch._functorch.partitioners import get_default_op_list
-    from torch._subclasses.fake_tensor import extract_tensor_metadata
-
     codec_ops.register()
-    fence = getattr(torch.ops.hybridmem, "offload_wait", None)     # defined where a graph offloads
-    wanted = {c.storage: c for c in chosen if c.storage is not None}
-    out_node = next(iter(fw.graph.find_nodes(op="output")))
-    outs = list(out_node.args[0])
-    order = {n: i for i, n in enumerate(fw.graph.nodes)}
-    views = get_default_op_list()
-    bw_inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
-    done: dict[str, bool] = {}
-    for k, node in enumerate(outs):
-        if not isinstance(node, fx.Node) or node.name not in bw_inputs or outs.index(node) != k:
-            continue
-        c = wanted.get(storage_of(node))
+    how = _Encode(chosen, region)
+    rewrite_saved(fw, bw, how)
+    return [n for n, ok in how.done.items() if ok]
+
+
+class _Encode:
+    """The codec ops (:mod:`hybridmem.compile.codec_ops`) as a :class:`~hybridmem.compile.rewrite.SavedRewrite`."""
+
+    def __init__(self, chosen: Iterable[Compressed], region: int) -> None:
+        self.wanted = {c.storage: c for c in chosen if c.storage is not None}
+        self.region = region
+        self.fence = getattr(torch.ops.hybridmem, "offload_wait", None)     # defined where a graph offloads
+        self.done: dict[str, bool] = {}          # chosen node -> whether its storage was rewritten
+
+    def wants(self, node: fx.Node, val: Any) -> bool:
+        c = self.wanted.get(storage_of(node))
         if c is None:
-            continue
-        val = node.meta.get("val")
-        if not (isinstance(val, torch.Tensor) and _static(val) and codec_ops.dense(val)
-                and val.numel() * val.element_size() == c.nbytes):
-            done[c.node] = False          # saved in a form that does not cover the storage: it stays alive
-            continue
+            return False
+        if not covers(val, c.nbytes):
+            self.done[c.node] = False          # saved in a form that does not cover the storage: it stays alive
+            return False
+        return True
+
+    def reads(self, reader: fx.Node) -> bool:
         # an offload's fence may read the value to order itself after it (hybridmem.compile.offload): no read
         # of its data
-        readers = [r for r in _effective_users(node, views) if fence is None or r.target is not fence.default]
-        last = max(readers, key=order.__getitem__) if readers else node
-        fake = getattr(val, "fake_mode", None)
-        with fw.graph.inserting_after(last):
-            pack = fw.graph.call_function(torch.ops.hybridmem.pack_saved.default, (node, region, c.size),
-                                          name=f"hybridmem_pack_{node.name}")
-        with (fake if fake is not None else contextlib.nullcontext()):
-            token = torch.empty((1,), dtype=torch.int64, device="cpu")
-        pack.meta["val"] = token
-        pack.meta["tensor_meta"] = extract_tensor_metadata(token)
-        outs[k] = pack
-        # the backward reads the token in the value's place, and decodes it before its first read
-        old = bw_inputs[node.name]
-        with bw.graph.inserting_after(old):
-            ph = bw.graph.placeholder(pack.name)
-        ph.meta.update(pack.meta)
-        bw_order = {n: i for i, n in enumerate(bw.graph.nodes)}
-        first = min(old.users, key=bw_order.__getitem__) if old.users else next(iter(bw.graph.find_nodes(op="output")))
-        with bw.graph.inserting_before(first):
-            unpack = bw.graph.call_function(
-                torch.ops.hybridmem.unpack_saved.default,
-                (ph, list(val.shape), list(val.stride()), val.dtype, val.device, region),
-                name=f"hybridmem_unpack_{node.name}")
-        unpack.meta.update({k2: v for k2, v in old.meta.items() if k2 in ("val", "tensor_meta")})
-        old.replace_all_uses_with(unpack)
-        bw.graph.erase_node(old)
-        done.setdefault(c.node, True)
-    if any(done.values()):
-        out_node.update_arg(0, tuple(outs))
-        fw.graph.lint()
-        bw.graph.lint()
-        fw.recompile()
-        bw.recompile()
-    return [n for n, ok in done.items() if ok]
+        return self.fence is None or reader.target is not self.fence.default
 
+    def pack(self, fw: fx.Graph, node: fx.Node, last: fx.Node, meta: dict[str, Any], views: Any) -> fx.Node:
+        c = self.wanted[storage_of(node)]
+        with fw.inserting_after(last):
+            pack = fw.call_function(torch.ops.hybridmem.pack_saved.default, (node, self.region, c.size),
+                                    name=f"hybridmem_pack_{node.name}")
+        pack.meta.update(meta)
+        self.done.setdefault(c.node, True)
+        return pack
 
-def _effective_users(node: fx.Node, op_types: Any) -> list[fx.Node]:
-    """``node``'s readers in its graph, the readers of its views included (a view keeps the storage)."""
-    out: list[fx.Node] = []
-    for u in node.users:
-        if u.op == "output":
-            continue
-        out.append(u)
-        if op_types.is_view(u):
-            out.extend(_effective_users(u, op_types))
-    return out
+    def unpack(self, bw: fx.Graph, token: fx.Node, first: fx.Node, nodes: list[fx.Node], node: fx.Node, val: Any,
+               views: Any) -> fx.Node:
+        with bw.inserting_before(first):
+            return bw.call_function(torch.ops.hybridmem.unpack_saved.default,
+                                    (token, list(val.shape), list(val.stride()), val.dtype, val.device, self.region),
+                                    name=f"hybridmem_unpack_{node.name}")

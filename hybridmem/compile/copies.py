@@ -21,7 +21,7 @@ from torch import fx
 
 from ..graph.costs import NO_LINK_BW, DeviceModel, get_cost_model, without_swaps as no_swap
 from ..graph.simulate import simulate
-from .joint import node_flops, node_nbytes, tensor_vals
+from .fxnodes import node_flops, node_nbytes, tensor_vals
 
 __all__ = ["NO_LINK_BW", "cheaper", "no_swap", "node_ms", "overlap", "reload_timing", "serial_time",
            "stream_ops_work"]

@@ -48,15 +48,15 @@ def saved_bytes(fw: fx.GraphModule, bw: fx.GraphModule, device: Any) -> int:
     ``device``, but the forward's inputs' (the region's inputs and parameters, held for the step anyway; a
     weight's transpose is a view of its storage) and the tangents (made by the backward's caller). A value
     swapped to the host or held compressed (a token on the host) is not on ``device``."""
-    from .joint import _storage_key, node_nbytes, tensor_vals
+    from .fxnodes import node_nbytes, storage_key, tensor_vals
 
-    inputs = {_storage_key(v) for n in fw.graph.find_nodes(op="placeholder") for v in tensor_vals(n.meta.get("val"))}
+    inputs = {storage_key(v) for n in fw.graph.find_nodes(op="placeholder") for v in tensor_vals(n.meta.get("val"))}
     seen: dict[Any, int] = {}
     for n in bw.graph.find_nodes(op="placeholder"):
         if str(n.target).startswith(("primals", "tangents")):
             continue
         for v in tensor_vals(n.meta.get("val")):
-            k = _storage_key(v)
+            k = storage_key(v)
             if v.device.type == getattr(device, "type", device) and k not in inputs:
                 seen.setdefault(k, node_nbytes(v))
     return sum(seen.values())

@@ -9,11 +9,10 @@ reload one kernel before its first read (``hybridmem::reload_start``) and waits 
 kernel. A fence (``hybridmem::offload_wait``) a few nodes after the offload, where the copy out is predicted
 done, reads the value: Inductor keeps its buffer (does not hand it to a later kernel) until the compute
 stream has waited for the copy; the forward saves the fence's token. The codec ops' rewrite
-(:func:`hybridmem.compile.compressed.rewrite_partition`) is the same shape.
+(:func:`hybridmem.compile.compressed.rewrite_partition`) is the same one (:mod:`hybridmem.compile.rewrite`).
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import Any, Callable, Iterable
 
@@ -21,8 +20,9 @@ import torch
 from torch import fx
 
 from . import offload_ops
-from .compressed import _effective_users, _static, storage_of
+from .compressed import storage_of
 from .copies import node_ms
+from .rewrite import covers, rewrite_saved
 
 __all__ = ["FENCE_NODES", "host_tokens", "rewrite_partition"]
 
@@ -38,69 +38,51 @@ def rewrite_partition(fw: fx.GraphModule, bw: fx.GraphModule, storages: Iterable
     that places each fence after the nodes its copy out is predicted to take; without one, after
     :data:`FENCE_NODES` nodes. Returns the names of the saved values rewritten; one saved in a form that
     does not cover its storage densely is left as it is (held on the device)."""
-    from torch._functorch.partitioners import get_default_op_list
-    from torch._subclasses.fake_tensor import extract_tensor_metadata
-
     offload_ops.register()
-    wanted = {s for s in storages if s is not None}
-    out_node = next(iter(fw.graph.find_nodes(op="output")))
-    outs = list(out_node.args[0])
-    order = {n: i for i, n in enumerate(fw.graph.nodes)}
-    views = get_default_op_list()
-    bw_inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
-    done: list[str] = []
-    for k, node in enumerate(outs):
-        if not isinstance(node, fx.Node) or node.name not in bw_inputs or outs.index(node) != k:
-            continue
-        if storage_of(node) not in wanted:
-            continue
-        val = node.meta.get("val")
-        if not (isinstance(val, torch.Tensor) and _static(val) and offload_ops.dense(val)
-                and val.numel() * val.element_size() == val.untyped_storage().nbytes()):
-            continue
-        # an earlier fence may read the value to order itself (not a read of its data)
-        readers = [r for r in _effective_users(node, views) if not _hybridmem_op(r)]
-        last = max(readers, key=order.__getitem__) if readers else node
-        with fw.graph.inserting_after(last):
-            off = fw.graph.call_function(torch.ops.hybridmem.offload.default, (node,),
-                                         name=f"hybridmem_offload_{node.name}")
-        fake = getattr(val, "fake_mode", None)
-        with fake if fake is not None else contextlib.nullcontext():
-            token = torch.empty((1,), dtype=torch.int64, device="cpu")
-        off.meta["val"], off.meta["tensor_meta"] = token, extract_tensor_metadata(token)
-        point, after = _fence_point(off, views, _copy_done(model, val))
-        with fw.graph.inserting_before(point):
-            fence = fw.graph.call_function(torch.ops.hybridmem.offload_wait.default, (off, node, after),
-                                           name=f"hybridmem_offload_wait_{node.name}")
+    how = _Offload(storages, model)
+    rewrite_saved(fw, bw, how)
+    return how.done
+
+
+class _Offload:
+    """The offload ops (:mod:`hybridmem.compile.offload_ops`) as a :class:`~hybridmem.compile.rewrite.SavedRewrite`."""
+
+    def __init__(self, storages: Iterable[Any], model: Any) -> None:
+        self.wanted = {s for s in storages if s is not None}
+        self.model = model
+        self.done: list[str] = []
+
+    def wants(self, node: fx.Node, val: Any) -> bool:
+        return storage_of(node) in self.wanted and covers(val)
+
+    def reads(self, reader: fx.Node) -> bool:
+        return not _hybridmem_op(reader)      # an earlier fence may read the value to order itself (not its data)
+
+    def pack(self, fw: fx.Graph, node: fx.Node, last: fx.Node, meta: dict[str, Any], views: Any) -> fx.Node:
+        with fw.inserting_after(last):
+            off = fw.call_function(torch.ops.hybridmem.offload.default, (node,), name=f"hybridmem_offload_{node.name}")
+        off.meta.update(meta)
+        point, after = _fence_point(off, views, _copy_done(self.model, node.meta["val"]))
+        with fw.inserting_before(point):
+            fence = fw.call_function(torch.ops.hybridmem.offload_wait.default, (off, node, after),
+                                     name=f"hybridmem_offload_wait_{node.name}")
         fence.meta.update(off.meta)
-        outs[k] = fence
-        old = bw_inputs[node.name]
-        with bw.graph.inserting_after(old):
-            ph = bw.graph.placeholder(fence.name)
-        ph.meta.update(off.meta)
-        nodes = list(bw.graph.nodes)
-        first = min(old.users, key=nodes.index) if old.users else next(iter(bw.graph.find_nodes(op="output")))
+        self.done.append(node.name)
+        return fence
+
+    def unpack(self, bw: fx.Graph, token: fx.Node, first: fx.Node, nodes: list[fx.Node], node: fx.Node, val: Any,
+               views: Any) -> fx.Node:
         # one kernel early: the copy runs beside the call before the first read (a view is no kernel)
         before = [n for n in nodes[:nodes.index(first)] if n.op == "call_function" and not views.is_view(n)]
         early = before[-1] if before else first
         geometry = (list(val.shape), list(val.stride()), val.dtype, val.device)
-        with bw.graph.inserting_before(early):
-            start = bw.graph.call_function(torch.ops.hybridmem.reload_start.default, (ph, *geometry),
-                                           name=f"hybridmem_reload_start_{node.name}")
-        start.meta.update(off.meta)
-        with bw.graph.inserting_before(first):
-            wait = bw.graph.call_function(torch.ops.hybridmem.reload_wait.default, (start, *geometry),
-                                          name=f"hybridmem_reload_{node.name}")
-        wait.meta.update({key: v for key, v in old.meta.items() if key in ("val", "tensor_meta")})
-        old.replace_all_uses_with(wait)
-        bw.graph.erase_node(old)
-        done.append(node.name)
-    if done:
-        out_node.update_arg(0, tuple(outs))
-        for g in (fw, bw):
-            g.graph.lint()
-            g.recompile()
-    return done
+        with bw.inserting_before(early):
+            start = bw.call_function(torch.ops.hybridmem.reload_start.default, (token, *geometry),
+                                     name=f"hybridmem_reload_start_{node.name}")
+        start.meta.update(token.meta)
+        with bw.inserting_before(first):
+            return bw.call_function(torch.ops.hybridmem.reload_wait.default, (start, *geometry),
+                                    name=f"hybridmem_reload_{node.name}")
 
 
 def _copy_done(model: Any, val: torch.Tensor) -> Callable[[fx.Node], bool]:

@@ -23,7 +23,8 @@ from ..graph.ir import Graph, TensorInfo
 from ..graph.plan import Plan
 from ..graph.simulate import simulate
 from .defaults import saved_by_partition
-from .joint import JointGraph, computes_inputs, fusible
+from .fusion import computes_inputs, fusible
+from .joint import JointGraph
 from .partition import Decisions, apply_plan, remove_tags
 
 __all__ = ["realized_peak"]

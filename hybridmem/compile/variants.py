@@ -26,8 +26,8 @@ class Variant:
 
 
 class Codecs:
-    """What compresses in a region's counts (:meth:`CompileBackend._codec_choices`), and the counts that hold a
-    choice of it compressed."""
+    """What compresses in a region's counts (:meth:`~hybridmem.compile.planner.Planner._codec_choices`), and the
+    counts that hold a choice of it compressed."""
 
     def __init__(self, model: Any, device_type: str) -> None:
         self.model, self.device_type = model, device_type
