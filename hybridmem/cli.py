@@ -1,4 +1,5 @@
-"""``hybridmem`` command line: capture | plan | simulate | run | bench | report."""
+"""``hybridmem`` command line: capture | plan | simulate | run | bench | report.
+One concern, hence one module: the commands' arguments, their checks and their output."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """Benchmark model zoo: the STR paper's models in plain PyTorch, at four sizes.
+One concern, hence one module: the models every benchmark and test of the zoo builds, side by side.
 
 ``build(name, size)`` returns a :class:`ZooEntry`: a model in training mode, deterministic inputs
 and a loss function, ready for one training step::
