@@ -17,57 +17,25 @@ Work the runtime does itself is either *quiet* (not metered, not counted: polici
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import torch
 
-from ..graph.ops import op_info, uses_rng
-from .distributed import is_collective
+from ..graph.ops import uses_rng
 from ..graph.outputs import storage_of as _storage
 from .meter import Meter, MeterMode, _register, _register_inputs, _reread_written
-from .lineage import replay_info
+from .opfacts import FACTS, OpFacts, facts
+from .parts import ModeRuntime
 from .rng import RngBefore, host_state, rng_state
 from .saved import REGISTER_BELOW
 
-if TYPE_CHECKING:
-    from .core import Runtime
-
 Tensor = torch.Tensor
-
-
-class OpFacts(NamedTuple):
-    """What the mode needs to know about one op, computed once."""
-
-    name: str
-    stage: bool
-    fresh: tuple[bool, ...]     # per return: a new storage
-    any_fresh: bool
-    writes: bool                # writes some argument in place
-    maybe_rng: bool             # may draw random numbers (checked per call only then)
-    collective: bool = False    # c10d / fsdp op (hybridmem.runtime.distributed.is_collective)
-    may_resize: bool = False    # may resize a storage it writes (the meter re-reads its size)
-
-
-_FACTS: dict[int, OpFacts] = {}
-
-
-def facts(func: Any) -> OpFacts:
-    f = _FACTS.get(id(func))
-    if f is None:
-        info = op_info(func)
-        ri = replay_info(func)
-        fresh = ri.fresh
-        f = _FACTS[id(func)] = OpFacts(info.name, info.stage, fresh, any(fresh),
-                                       bool(ri.written or info.written_kw or info.bn_training >= 0),
-                                       info.rng or info.dropout_arg >= 0, is_collective(func),
-                                       info.may_resize)
-    return f
 
 
 class RuntimeMode(MeterMode):
     """``MeterMode`` subclass driving the runtime (see the module docstring)."""
 
-    def __init__(self, meter: Meter, rt: "Runtime"):
+    def __init__(self, meter: Meter, rt: ModeRuntime):
         super().__init__(meter)
         self.rt = rt
         self.depth = 0          # > 0 while inside this mode's handler (the mode is off for nested ops)
@@ -145,7 +113,7 @@ class RuntimeMode(MeterMode):
         live = self._live
         _register_inputs(m, live, args, kwargs)
         self.clock.now += 1
-        f = self._facts = _FACTS.get(id(func)) or facts(func)
+        f = self._facts = FACTS.get(id(func)) or facts(func)
         steps = self.steps
         self._stage = steps.observe(f.stage, args)
         self.depth += 1
@@ -189,7 +157,7 @@ class RuntimeMode(MeterMode):
         if self._sim:
             _register_inputs(self.meter, self._live, args, kwargs)
         self.clock.now += 1
-        f = self._facts = _FACTS.get(id(func)) or facts(func)
+        f = self._facts = FACTS.get(id(func)) or facts(func)
         if self.internal:
             self._stage = -1
             if self.budget is not None:
