@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 
 from ..graph.ops import uses_rng
-from ..graph.outputs import storage_of as _storage
+from ..graph.outputs import storage_of as _storage, walk_outputs
 from .meter import Meter, MeterMode, _register, _register_inputs, _reread_written
 from .opfacts import FACTS, OpFacts, facts
 from .parts import ModeRuntime
@@ -121,25 +121,11 @@ class RuntimeMode(MeterMode):
             out = func(*args, **kwargs)
         finally:
             self.depth -= 1
-        if type(out) is Tensor:  # the common case of _outputs, inline
-            try:
-                st = out.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                st = None
-            if st is not None:
-                k = id(st)
-                if k not in live:
-                    nb = st.nbytes()
-                    if f.any_fresh and k not in self.slots:
-                        self.produced.new(st, k, nb).stage = steps.stage
-                    else:
-                        m._add(st)
-        else:
-            fresh, _ = self._outputs(f, out)
-            if fresh:  # as in capture: what a non-stage op allocates belongs to the last stage
-                stage = steps.stage
-                for _, slot, _ in fresh:
-                    slot.stage = stage
+        fresh, _ = self._outputs(f, out)
+        if fresh:  # as in capture: what a non-stage op allocates belongs to the last stage
+            stage = steps.stage
+            for _, slot, _ in fresh:
+                slot.stage = stage
         if f.may_resize:
             _reread_written(m, func, args, kwargs)
         if m._current > m._peak:
@@ -235,66 +221,47 @@ class RuntimeMode(MeterMode):
         """Simulated device: register the op's outputs with the meter; those at fresh return positions
         (not aliases of inputs) that neither the meter nor the produced table knows are activations.
         Returns (output position, slot, tensor) of those and their bytes."""
-        live = self._live
-        if isinstance(out, Tensor):
-            if type(out) is not Tensor:
-                return self._outputs_slow(f, (out,))
+        if type(out) is Tensor:  # the common case (hybridmem.graph.outputs, "Fast path")
             try:
                 st = out.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 return _NONE, 0
             k = id(st)
-            if k in live:  # a view, an in-place result, or an input returned
+            if k in self._live:  # a view, an in-place result, or an input returned
                 return _NONE, 0
             nb = st.nbytes()
             if f.any_fresh and k not in self.slots:
                 return [(0, self.produced.new(st, k, nb), out)], nb
             self.meter._add(st)
             return _NONE, 0
-        if type(out) is not tuple and type(out) is not list:
-            return _NONE, 0
-        res: list[tuple[int, Any, Tensor]] = []
-        nbytes = pos = 0
-        flags = f.fresh
-        nflags = len(flags)
-        for i, o in enumerate(out):
-            group = o if type(o) is list or type(o) is tuple else (o,)
-            new = i < nflags and flags[i]
-            for t in group:
-                if isinstance(t, Tensor):
-                    if type(t) is not Tensor:
-                        more, nb = self._outputs_slow(f, (t,), new, pos)
-                        res += more
-                        nbytes += nb
-                    else:
-                        try:
-                            st = t.untyped_storage()
-                        except (RuntimeError, NotImplementedError):
-                            st = None
-                        if st is not None and id(st) not in live:
-                            k = id(st)
-                            nb = st.nbytes()
-                            if new and k not in self.slots:
-                                res.append((pos, self.produced.new(st, k, nb), t))
-                                nbytes += nb
-                            else:
-                                self.meter._add(st)
-                pos += 1
-        return res, nbytes
-
-    def _outputs_slow(self, f: OpFacts, group: tuple, new: bool | None = None,
-                      pos: int = 0) -> tuple[list[tuple[int, Any, Tensor]], int]:
-        """Tensor subclasses (DTensor): produced by their own storage, metered by their inner ones."""
         res: list[tuple[int, Any, Tensor]] = []
         nbytes = 0
-        live, slots = self._live, self.slots
-        for t in group:
-            st = _storage(t)
-            if (f.any_fresh if new is None else new) and st is not None and id(st) not in slots \
-                    and id(st) not in live:
-                res.append((pos, self.produced.add(st), t))
-                nbytes += st.nbytes()
-            _register(self.meter, live, t)
+        live, slots, flags = self._live, self.slots, f.fresh
+        nflags = len(flags)
+        for i, pos, t in walk_outputs(out):
+            if not isinstance(t, Tensor):
+                continue
+            new = i < nflags and flags[i]
+            if type(t) is not Tensor:  # a subclass (DTensor): produced by its own storage, metered by its inner ones
+                st = _storage(t)
+                if new and st is not None and id(st) not in slots and id(st) not in live:
+                    res.append((pos, self.produced.add(st), t))
+                    nbytes += st.nbytes()
+                _register(self.meter, live, t)
+                continue
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            k = id(st)
+            if k in live:
+                continue
+            if new and k not in slots:
+                nb = st.nbytes()
+                res.append((pos, self.produced.new(st, k, nb), t))
+                nbytes += nb
+            else:
+                self.meter._add(st)
         return res, nbytes
 
     def _fresh(self, f: OpFacts, out: Any) -> tuple[list[tuple[int, Any, Tensor]], int]:
@@ -310,21 +277,14 @@ class RuntimeMode(MeterMode):
             return [(0, self.produced.add(st), out)], st.nbytes()
         res: list[tuple[int, Any, Tensor]] = []
         nbytes = 0
-        pos = 0
         flags = f.fresh
-        for i, o in enumerate(out if isinstance(out, (tuple, list)) else ()):
-            group = o if isinstance(o, (list, tuple)) else (o,)
-            new = i < len(flags) and flags[i]
-            for t in group:
-                if new and isinstance(t, Tensor):
-                    try:
-                        st = t.untyped_storage()
-                    except (RuntimeError, NotImplementedError):
-                        st = None
-                    if st is not None and id(st) not in slots:
-                        res.append((pos, self.produced.add(st), t))
-                        nbytes += st.nbytes()
-                pos += 1
+        nflags = len(flags)
+        for i, pos, t in walk_outputs(out):
+            if i < nflags and flags[i] and isinstance(t, Tensor):
+                st = _storage(t)
+                if st is not None and id(st) not in slots:
+                    res.append((pos, self.produced.add(st), t))
+                    nbytes += st.nbytes()
         return res, nbytes
 
     def _cap(self, func: Any, args: tuple, kwargs: dict, stage: int, f: OpFacts) -> None:
