@@ -341,21 +341,21 @@ def persistent_runtime(**kw: Any) -> Callable[[], AbstractContextManager]:
     if not hasattr(rtmod, "session"):
         raise Unavailable("hybridmem runtime has no session()")
     hybridmem.enable(**kw)
-    rt = getattr(rtmod, "_current", None)
+    rt = rtmod.current.rt
     hybridmem.disable()
     if rt is None or not hasattr(rt, "install") or not hasattr(rt, "uninstall"):
         return lambda: hybridmem.session(**kw)
 
     @contextmanager
     def active() -> Iterator[Any]:
-        if rtmod._current is not None:
+        if rtmod.current.rt is not None:
             raise RuntimeError("another hybridmem runtime is enabled: the benchmark needs the thread to itself")
         rt.install(reset_peak=False)
-        rtmod._current = rt
+        rtmod.current.rt = rt
         try:
             yield rt
         finally:
-            rtmod._current = None
+            rtmod.current.rt = None
             rt.uninstall()
 
     return active

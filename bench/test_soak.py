@@ -70,7 +70,7 @@ def _soak(policies: tuple[str, ...]) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     series: dict[str, list[int]] = {"managed": [], "peak": [], "entries": [], "rss": []}
     with hybridmem.session(budget=budget, policies=policies, device="cpu") as s:
-        rt = hybridmem.runtime._current
+        rt = hybridmem.runtime.current.rt
         for _ in range(STEPS):
             hybridmem.reset_stats()
             _step(model, x, opt)

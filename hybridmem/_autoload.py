@@ -67,7 +67,7 @@ def _enable_from_env() -> None:
     # enabled again (`hybridmem run` after the start-up hook): the exit hooks still run once
     atexit.unregister(_print_stats)
     atexit.unregister(_save_report)
-    if runtime._current is not None and runtime._current.cfg.verbose:
+    if runtime.current.rt is not None and runtime.current.rt.cfg.verbose:
         atexit.register(_print_stats)
     if report is not None:
         atexit.register(_save_report, report)
@@ -130,7 +130,7 @@ def _save_report(path: str) -> None:
         print(f"hybridmem: HYBRIDMEM_REPORT={path}: could not write the run file: {type(e).__name__}: {e}",
               file=sys.stderr)
         return
-    if runtime._current is not None and runtime._current.cfg.verbose:
+    if runtime.current.rt is not None and runtime.current.rt.cfg.verbose:
         print(f"hybridmem: wrote {path} (render it with: hybridmem report {path})", file=sys.stderr)
 
 

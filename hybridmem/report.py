@@ -24,17 +24,22 @@ Three sources, each optional, never mixed silently (every figure says which it i
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
 from .graph.ir import Graph
 from .graph.plan import Plan
 from .graph.simulate import SimResult, _resolve_model, min_feasible_budget, simulate
 from .graph.units import fmt_bytes
 
-if TYPE_CHECKING:
-    from .runtime.stats import Stats
+__all__ = ["Report", "TensorRow", "Reason", "build_report", "stats_dict", "StatsLike"]
 
-__all__ = ["Report", "TensorRow", "Reason", "build_report", "stats_dict"]
+
+class StatsLike(Protocol):
+    """What the report reads of :class:`~hybridmem.runtime.stats.Stats` (or of a compiled step's stats):
+    its fields as a dict. A protocol, so that the report imports nothing from the runtime, whose
+    ``Stats.report()`` renders through it."""
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 # ---- rows and reasons ------------------------------------------------------------------------------------
@@ -176,7 +181,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 # ---- building a report --------------------------------------------------------------------------------------
-def build_report(stats: "Stats | Mapping[str, Any] | None" = None, plan: "Plan | None" = None,
+def build_report(stats: "StatsLike | Mapping[str, Any] | None" = None, plan: "Plan | None" = None,
                  graph: "Graph | None" = None, device: Any = None, *, sim: "SimResult | None" = None,
                  step_time_s: float | None = None, tensors: Iterable[Mapping[str, Any]] | None = None,
                  title: str = "") -> Report:
@@ -211,7 +216,7 @@ def build_report(stats: "Stats | Mapping[str, Any] | None" = None, plan: "Plan |
     return Report(rows, predicted, measured, reasons, meta)
 
 
-def stats_dict(stats: Any) -> dict[str, Any]:
+def stats_dict(stats: StatsLike | Mapping[str, Any] | None) -> dict[str, Any]:
     if stats is None:
         return {}
     if isinstance(stats, Mapping):

@@ -189,7 +189,7 @@ def _loop(make, data, *, budget=None, plan=None, managed=True):
                     opt.step()
         if managed:
             stats = hybridmem.stats()
-            usage = getattr(rt._current, "buckets", None)
+            usage = getattr(rt.current.rt, "buckets", None)
             usage = None if usage is None else {str(k): dict(v) for k, v in usage.usage.items()}
     finally:
         if managed:

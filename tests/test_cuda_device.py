@@ -148,15 +148,15 @@ def test_a_real_fork_releases_the_parents_cuda_runtime_without_calling_cuda(allo
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: os.getpid() != parent)
     monkeypatch.setattr(alloc, "_cuda", lambda what: _raise_in_child(parent, what))
     fake_rt = SimpleNamespace(release=dev.uninstall)
-    monkeypatch.setattr(runtime, "_current", fake_rt)
+    monkeypatch.setattr(runtime.current, "rt", fake_rt)
     unraisable: list = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     pid = os.fork()
     if pid == 0:  # the child: the at-fork handler has run
-        ok = runtime._current is None and not unraisable and ("cuda_budget", 0, None, 0) in calls
+        ok = runtime.current.rt is None and not unraisable and ("cuda_budget", 0, None, 0) in calls
         os._exit(0 if ok else 3)
     _, status = os.waitpid(pid, 0)
-    runtime._current = None
+    runtime.current.rt = None
     dev.uninstall()
     assert os.waitstatus_to_exitcode(status) == 0
 

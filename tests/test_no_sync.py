@@ -153,7 +153,7 @@ def test_managed_steps_never_wait_for_the_device(policies: tuple[str, ...], monk
         monkeypatch.setattr(Meter, "current_bytes", property(read))
         config = {"plugins": {"compress": {"force_torch": True, "wait_for_stats": False}}}
         with hybridmem.session(budget=int(peak - 0.2 * saved), device="cpu", policies=policies, config=config) as s:
-            from hybridmem.runtime import _current as rt
+            from hybridmem.runtime.current import rt
             from hybridmem.runtime.saved import SavedStore
             real_unpack = SavedStore.unpack
 

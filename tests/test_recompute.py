@@ -166,7 +166,7 @@ def test_lineage_of_inplace_chain_and_refusal_after_input_change() -> None:
     conv = nn.Conv2d(3, 4, 3)
     x = torch.randn(2, 3, 8, 8)
     with hybridmem.session(budget=10**9, policies=("recompute",), device="cpu"):
-        rt = hybridmem.runtime._current
+        rt = hybridmem.runtime.current.rt
         y = torch.relu_(conv(x))
         z = y.exp()
         slot = rt.produced.get(y.untyped_storage())

@@ -59,11 +59,11 @@ def test_enable_disable_stats_and_reset() -> None:
 
 def test_session_restores_the_runtime_enabled_before() -> None:
     hybridmem.enable(budget=None, device="cpu")
-    outer = hybridmem.runtime._current
+    outer = hybridmem.runtime.current.rt
     with hybridmem.session(budget="512MiB", policies=("swap",), device="cpu") as s:
         assert hybridmem.stats().budget_bytes == 512 * 2**20
     assert s.stats().budget_bytes == 512 * 2**20
-    assert hybridmem.runtime._current is outer
+    assert hybridmem.runtime.current.rt is outer
 
 
 @pytest.mark.parametrize("bad", ["12XB", "-5", -5, True, "60%", [1]])
@@ -89,10 +89,10 @@ def test_environment_and_arguments_precedence(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("HYBRIDMEM_POLICIES", "recompute")
     monkeypatch.setenv("HYBRIDMEM_BUDGET", "2GiB")
     hybridmem.enable(device="cpu")  # policies left at the default: the environment decides
-    rt = hybridmem.runtime._current
+    rt = hybridmem.runtime.current.rt
     assert list(rt.policies) == ["recompute"] and rt.budget == 2 * 2**30
     hybridmem.enable(budget="1GiB", policies=("swap",), device="cpu")
-    rt = hybridmem.runtime._current
+    rt = hybridmem.runtime.current.rt
     assert list(rt.policies) == ["swap"] and rt.budget == 2**30
 
 
@@ -141,7 +141,7 @@ def test_entries_die_with_the_graph() -> None:
     case = _mlp_case()
     model = copy.deepcopy(case.model)
     with hybridmem.session(budget=10**9, policies=("recompute",), device="cpu"):
-        rt = hybridmem.runtime._current
+        rt = hybridmem.runtime.current.rt
         loss = case.loss(model)
         assert rt.store.resident
         loss.backward()

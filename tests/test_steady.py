@@ -312,7 +312,7 @@ def test_steady_state_rebuilds_each_tensor_once_per_chain_without_the_mode(monke
     run, call = replay.Replayer._replay, replay.Replayer._call
 
     def steady() -> Any:
-        rt = rtmod._current
+        rt = rtmod.current.rt
         return rt if rt is not None and rt._steady is not None else None
 
     def counted(self: Any, n: Any, v: int, memo: dict) -> Any:

@@ -48,7 +48,7 @@ def _run(name: str, cut: float, policies: tuple[str, ...], on_enable: Any = None
     for _ in range(4):  # raised to the minimum an OOM names + 1 %, as a user would
         try:
             got, st = _train(model, batches, loss_fn, session={"budget": budget, "policies": policies},
-                             per_step=(lambda i, s: on_enable(hybridmem.runtime._current)) if on_enable else None)
+                             per_step=(lambda i, s: on_enable(hybridmem.runtime.current.rt)) if on_enable else None)
             return ref, got, st, budget
         except torch.OutOfMemoryError as e:
             budget = int(e.min_budget_bytes * 1.01)

@@ -114,7 +114,7 @@ def _follow(case: Case, p: Any, registered: list | None = None, on_enable: Any =
         if registered is not None:
             _watch_registrations(registered)
         if on_enable is not None:
-            from hybridmem.runtime import _current
+            from hybridmem.runtime.current import rt as _current
             on_enable(_current)
         got = train(case, model, STEPS, "sgd-plain")
     return got, s.stats()
@@ -123,7 +123,7 @@ def _follow(case: Case, p: Any, registered: list | None = None, on_enable: Any =
 def _watch_registrations(out: list) -> None:
     """Record ("registered", in a steady step, planned, priority) of every registration with the allocator
     and ("freed", in a steady step, planned, None) of every entry the allocator frees."""
-    from hybridmem.runtime import _current as rt
+    from hybridmem.runtime.current import rt
 
     store, register, dropped = rt.store, rt.store.register, rt.store.dropped
 

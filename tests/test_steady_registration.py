@@ -145,7 +145,7 @@ def test_registration_cost_matches_the_full_checks(monkeypatch: pytest.MonkeyPat
     seen = {"steady": 0, "none": 0, "cost": 0}
 
     def checked(self: Any, entry: Any) -> Any:
-        rt = rtmod._current
+        rt = rtmod.current.rt
         nodes = list(rt.recorder._step_nodes) if rt is not None and rt.recorder is not None else []
         if rt is not None and rt.program is not None:
             nodes += rt.program.nodes

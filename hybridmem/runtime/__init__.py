@@ -28,53 +28,18 @@ tensors are managed (:mod:`.ckpt`).
 """
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ..config import DEFAULT_POLICIES, Config
 from ..graph.plan import Plan
+from . import current
+from .core import Runtime, resolve_plan
 from .stats import PolicyStats, Stats
 
 __all__ = ["enable", "disable", "session", "stats", "reset_stats", "enabled", "Session", "Stats", "PolicyStats"]
-
-_current: Any = None  # the enabled Runtime, if any
-_orphan: Any = None   # the runtime last released because its thread exited (its stats stay readable)
-
-
-def _live() -> Any:
-    """The enabled runtime; one whose thread has exited is released first (its hooks died with it)."""
-    global _current, _orphan
-    rt = _current
-    if rt is not None and not rt.owner.here() and not rt.owner.alive():
-        _current, _orphan = None, rt
-        rt.release()
-        return None
-    return rt
-
-
-def _after_fork_in_child() -> None:
-    """A forked child starts unmanaged: its copy of the runtime would count the parent's bytes against
-    the parent's budget. The child may enable its own. The release calls no CUDA where the parent had
-    initialised it (``runtime.device``: any CUDA call raises in such a child); whatever else fails in it
-    is said once as a warning, and the child goes on unmanaged (an exception here would only reach
-    ``sys.unraisablehook`` and stop the release halfway)."""
-    global _current, _orphan
-    rt, _current, _orphan = _current, None, None
-    if rt is None:
-        return
-    try:
-        rt.release()
-    except Exception as e:  # noqa: BLE001  (a fork handler cannot raise to anyone)
-        warnings.warn(f"hybridmem: a forked child could not fully release its parent's runtime "
-                      f"({type(e).__name__}: {e}); the child runs unmanaged", RuntimeWarning, stacklevel=1)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
 
 def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFAULT_POLICIES,
            plan: "Plan | str | Path | None" = None, device: str | None = None,
@@ -97,9 +62,6 @@ def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFA
     ``stats()`` then returns its :class:`~hybridmem.compile.CompileStats`. Raises ValueError on a malformed
     budget or setting, UnknownNameError (a ValueError) on an unknown policy.
     """
-    global _current
-    from .core import Runtime, resolve_plan  # here, not at the top: core reads this package's _current
-
     plan_obj = plan if isinstance(plan, Plan) else None
     cfg = Config.resolve(config, budget=budget, device=device, monitor=monitor, compile=compile,
                          policies=None if policies is DEFAULT_POLICIES else policies,
@@ -112,22 +74,21 @@ def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFA
         rt: Any = CompileSession(cfg)
     else:
         rt = Runtime(cfg, plan_obj if plan_obj is not None else resolve_plan(cfg.plan))
-    if _live() is not None:
+    if current.live() is not None:
         disable()
     rt.install()
-    _current = rt
+    current.rt = rt
 
 
 def disable() -> None:
     """Stop managing new saved tensors. Entries already evicted are still regenerated when read.
     Called on another thread than the enabling one, that thread's hooks pass everything through."""
-    global _current, _orphan
-    rt, _current, _orphan = _live(), None, None
+    rt, current.rt, current.orphan = current.live(), None, None
     if rt is not None:
         try:
             rt.uninstall()
         except Exception:
-            _current = rt
+            current.rt = rt
             raise
         err, rt.survey_error = getattr(rt, "survey_error", None), None
         if err is not None and sys.exc_info()[0] is None:  # a step over the budget, measured (runtime.survey):
@@ -138,14 +99,14 @@ def disable() -> None:
 
 
 def enabled() -> bool:
-    return _live() is not None
+    return current.live() is not None
 
 
 def stats() -> Stats:
     """Measurements since ``enable()`` or the last ``reset_stats()`` (see :class:`Stats`); after the
     enabling thread exited, those it left. Under ``enable(compile=True)``: the compiled regions' plans
     (:class:`~hybridmem.compile.CompileStats`)."""
-    rt = _live() or _orphan
+    rt = current.live() or current.orphan
     if rt is None:
         raise RuntimeError("hybridmem is not enabled: call hybridmem.enable() (or set HYBRIDMEM_BUDGET) first")
     return rt.snapshot()
@@ -153,7 +114,7 @@ def stats() -> Stats:
 
 def reset_stats() -> None:
     """Restart the peak at the current level and zero the counters."""
-    rt = _live()
+    rt = current.live()
     if rt is not None:
         rt.reset_stats()
 
@@ -177,15 +138,14 @@ def session(budget: int | str | None = None, policies: Sequence[str] | str = DEF
             config: "str | Path | Mapping[str, Any] | Config | None" = None, *,
             monitor: str | None = None, compile: bool | None = None) -> Iterator[Session]:
     """``enable(...)`` for the duration of a ``with`` block; the runtime enabled before (if any) comes back."""
-    global _current
-    outer = _live()
+    outer = current.live()
     if outer is not None:
         outer.uninstall()
-        _current = None
+        current.rt = None
     try:
         enable(budget=budget, policies=policies, plan=plan, device=device, config=config, monitor=monitor,
                compile=compile)
-        s = Session(_current)
+        s = Session(current.rt)
         try:
             yield s
         finally:
@@ -193,4 +153,4 @@ def session(budget: int | str | None = None, policies: Sequence[str] | str = DEF
     finally:
         if outer is not None:
             outer.install(reset_peak=False)
-            _current = outer
+            current.rt = outer

@@ -15,6 +15,7 @@ from ..errors import StalePlanError
 from ..graph.plan import Plan
 from ..graph.planbook import PlanBook, ShapeKey
 from .follow import PlanFollower
+from .parts import BucketRuntime
 
 __all__ = ["RootCallWatcher", "BucketSwitch"]
 
@@ -85,7 +86,7 @@ class BucketSwitch:
     ``scorer`` (no plan), ``refused`` / ``diverged``.
     """
 
-    def __init__(self, book: PlanBook, rt: Any):
+    def __init__(self, book: PlanBook, rt: BucketRuntime):
         self.book = book
         self.rt = rt
         self.followers: dict[ShapeKey, Any] = {}

@@ -31,7 +31,7 @@ from .meter import Meter
 from ..graph.units import fmt_bytes, parse_bytes
 from ..graph.plan import Plan
 from .ledger import TensorLog
-from . import ckpt
+from . import ckpt, current
 from ..native.allocconf import SavedAllocator
 from ..native.cpumeter import load, unavailable_reason
 from .estimate import OutputEstimator
@@ -93,9 +93,7 @@ def named(cfg: Config, key: str) -> Iterator[None]:
 
 def regions_runtime() -> "Runtime | None":
     """The runtime that takes ``torch.utils.checkpoint`` regions over on the calling thread, if any."""
-    from . import _current  # the package's state, read per call (the package imports core lazily)
-
-    rt = _current
+    rt = current.rt  # read per call: the runtime enabled now
     if rt is not None and rt.takes_regions and rt.mode is not None and rt.owner.here():
         return rt
     return None

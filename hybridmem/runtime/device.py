@@ -28,7 +28,7 @@ process (a DataLoader worker) cannot call CUDA: its release leaves the allocator
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -38,9 +38,8 @@ from ..native.allocconf import EXPANDABLE_SLACK, SavedAllocator
 from ..native.cpumeter import cuda_note, load, unavailable_reason
 from .entry import Entry
 from .meter import cap_cuda
-
-if TYPE_CHECKING:
-    from .core import Runtime
+from .parts import DeviceRuntime
+from .residency import Residency
 
 NOTE_CPU = "budget: the CPU allocator's bytes (native device: kernel scratch counted, enforced at allocation time)"
 NOTE_PEAK = ("peak: torch.cuda.max_memory_allocated is left as it was at enable (it held a peak from before): "
@@ -52,18 +51,17 @@ def cuda_usable() -> bool:
     return not torch.cuda._is_in_bad_fork()
 
 
-def cuda_headroom(rt: "Runtime") -> int:
+def cuda_headroom(res: Residency) -> int:
     """Room the free-memory callback keeps under the budget: the workspace room plus the larger of the
     slack and two expandable-segment roundings (a miss checks reserved bytes plus one rounding against the
     fraction cap; the request itself may need another)."""
-    res = rt.residency
     return res.workspace + max(res.slack, 2 * EXPANDABLE_SLACK)
 
 
 class NativeDevice:
     """Installs the native allocator device for one runtime (see the module docstring)."""
 
-    def __init__(self, native: Any, rt: "Runtime"):
+    def __init__(self, native: Any, rt: DeviceRuntime):
         self.native = native
         self.rt = rt
         self.cuda = rt.device.type == "cuda"
@@ -75,7 +73,7 @@ class NativeDevice:
         if self.cuda:
             # a cache miss frees down to the budget less this (the miss may be a workspace: the hook does not
             # see the request's size)
-            native.set_cuda_budget(rt.device.index or 0, rt.budget, cuda_headroom(rt))
+            native.set_cuda_budget(rt.device.index or 0, rt.budget, cuda_headroom(rt.residency))
             # and so does the dispatch mode at each op (a quarter of the budget at most: a tiny budget still runs)
             res = rt.residency
             res.reserve = max(res.reserve, min(res.workspace + 2 * EXPANDABLE_SLACK, rt.budget // 4))
@@ -110,7 +108,7 @@ class NativeDevice:
                 # uncapped means as the user capped it (their own fraction), not past it
                 torch.cuda.set_per_process_memory_fraction(self.saved.fraction if self.saved else 1.0, rt.device)
             else:
-                native.set_cuda_budget(idx, rt.budget, cuda_headroom(rt))
+                native.set_cuda_budget(idx, rt.budget, cuda_headroom(rt.residency))
                 cap_cuda(rt.device, rt.budget, rt.cfg.extra.get("expandable", True))
         else:
             native.set_budget(None if lifted else rt.budget)
@@ -150,7 +148,7 @@ class NativeDevice:
             native.uninstall()
 
 
-def native_device(rt: "Runtime", manages: bool) -> NativeDevice | None:
+def native_device(rt: DeviceRuntime, manages: bool) -> NativeDevice | None:
     """The native device for ``rt`` when it manages a budget and the library builds here, else None (and a
     note in the stats saying what the budget then counts)."""
     if not manages or rt.budget is None:

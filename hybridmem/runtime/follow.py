@@ -17,15 +17,13 @@ and output index (and size), the number of ops per stage, and the step's *op sig
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import PlanFormatError, StalePlanError
 from ..graph.plan import Plan
 from ..graph.signature import annotate, graph_signature, op_signature, step_stages  # noqa: F401  (old path)
-from .mode import _FACTS, facts
-
-if TYPE_CHECKING:
-    from .core import Runtime
+from .opfacts import op_name
+from .parts import FollowerRuntime
 
 _BEFORE = ("recompute", "decompress", "swap_in")
 
@@ -33,7 +31,7 @@ _BEFORE = ("recompute", "decompress", "swap_in")
 class PlanFollower:
     """Executes one plan's actions at runtime stages; see the module docstring."""
 
-    def __init__(self, plan: Plan, rt: "Runtime"):
+    def __init__(self, plan: Plan, rt: FollowerRuntime):
         ann = plan.info.runtime
         if plan.actions and not isinstance(ann, dict):
             raise PlanFormatError(
@@ -140,7 +138,7 @@ class PlanFollower:
 
     # ---- per op ----------------------------------------------------------------------------------
     def before(self, stage: int, func: Any) -> None:
-        name = _op_name(func)
+        name = op_name(func)
         self.seen.append(name)
         self.outputs.append([])
         if self.state != "following":
@@ -285,8 +283,3 @@ def _nbytes(t: Any) -> int:
     except (RuntimeError, NotImplementedError, AttributeError):
         return -1
 
-
-def _op_name(func: Any) -> str:
-    """The op's name as the mode's facts give it (cached there by ``id(func)``)."""
-    f = _FACTS.get(id(func))
-    return (f if f is not None else facts(func)).name

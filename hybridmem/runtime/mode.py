@@ -17,57 +17,25 @@ Work the runtime does itself is either *quiet* (not metered, not counted: polici
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import torch
 
-from ..graph.ops import op_info, uses_rng
-from .distributed import is_collective
-from ..graph.outputs import storage_of as _storage
+from ..graph.ops import uses_rng
+from ..graph.outputs import storage_of as _storage, walk_outputs
 from .meter import Meter, MeterMode, _register, _register_inputs, _reread_written
-from .lineage import replay_info
+from .opfacts import FACTS, OpFacts, facts
+from .parts import ModeRuntime
 from .rng import RngBefore, host_state, rng_state
 from .saved import REGISTER_BELOW
 
-if TYPE_CHECKING:
-    from .core import Runtime
-
 Tensor = torch.Tensor
-
-
-class OpFacts(NamedTuple):
-    """What the mode needs to know about one op, computed once."""
-
-    name: str
-    stage: bool
-    fresh: tuple[bool, ...]     # per return: a new storage
-    any_fresh: bool
-    writes: bool                # writes some argument in place
-    maybe_rng: bool             # may draw random numbers (checked per call only then)
-    collective: bool = False    # c10d / fsdp op (hybridmem.runtime.distributed.is_collective)
-    may_resize: bool = False    # may resize a storage it writes (the meter re-reads its size)
-
-
-_FACTS: dict[int, OpFacts] = {}
-
-
-def facts(func: Any) -> OpFacts:
-    f = _FACTS.get(id(func))
-    if f is None:
-        info = op_info(func)
-        ri = replay_info(func)
-        fresh = ri.fresh
-        f = _FACTS[id(func)] = OpFacts(info.name, info.stage, fresh, any(fresh),
-                                       bool(ri.written or info.written_kw or info.bn_training >= 0),
-                                       info.rng or info.dropout_arg >= 0, is_collective(func),
-                                       info.may_resize)
-    return f
 
 
 class RuntimeMode(MeterMode):
     """``MeterMode`` subclass driving the runtime (see the module docstring)."""
 
-    def __init__(self, meter: Meter, rt: "Runtime"):
+    def __init__(self, meter: Meter, rt: ModeRuntime):
         super().__init__(meter)
         self.rt = rt
         self.depth = 0          # > 0 while inside this mode's handler (the mode is off for nested ops)
@@ -145,7 +113,7 @@ class RuntimeMode(MeterMode):
         live = self._live
         _register_inputs(m, live, args, kwargs)
         self.clock.now += 1
-        f = self._facts = _FACTS.get(id(func)) or facts(func)
+        f = self._facts = FACTS.get(id(func)) or facts(func)
         steps = self.steps
         self._stage = steps.observe(f.stage, args)
         self.depth += 1
@@ -153,25 +121,11 @@ class RuntimeMode(MeterMode):
             out = func(*args, **kwargs)
         finally:
             self.depth -= 1
-        if type(out) is Tensor:  # the common case of _outputs, inline
-            try:
-                st = out.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                st = None
-            if st is not None:
-                k = id(st)
-                if k not in live:
-                    nb = st.nbytes()
-                    if f.any_fresh and k not in self.slots:
-                        self.produced.new(st, k, nb).stage = steps.stage
-                    else:
-                        m._add(st)
-        else:
-            fresh, _ = self._outputs(f, out)
-            if fresh:  # as in capture: what a non-stage op allocates belongs to the last stage
-                stage = steps.stage
-                for _, slot, _ in fresh:
-                    slot.stage = stage
+        fresh, _ = self._outputs(f, out)
+        if fresh:  # as in capture: what a non-stage op allocates belongs to the last stage
+            stage = steps.stage
+            for _, slot, _ in fresh:
+                slot.stage = stage
         if f.may_resize:
             _reread_written(m, func, args, kwargs)
         if m._current > m._peak:
@@ -189,7 +143,7 @@ class RuntimeMode(MeterMode):
         if self._sim:
             _register_inputs(self.meter, self._live, args, kwargs)
         self.clock.now += 1
-        f = self._facts = _FACTS.get(id(func)) or facts(func)
+        f = self._facts = FACTS.get(id(func)) or facts(func)
         if self.internal:
             self._stage = -1
             if self.budget is not None:
@@ -267,66 +221,47 @@ class RuntimeMode(MeterMode):
         """Simulated device: register the op's outputs with the meter; those at fresh return positions
         (not aliases of inputs) that neither the meter nor the produced table knows are activations.
         Returns (output position, slot, tensor) of those and their bytes."""
-        live = self._live
-        if isinstance(out, Tensor):
-            if type(out) is not Tensor:
-                return self._outputs_slow(f, (out,))
+        if type(out) is Tensor:  # the common case (hybridmem.graph.outputs, "Fast path")
             try:
                 st = out.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 return _NONE, 0
             k = id(st)
-            if k in live:  # a view, an in-place result, or an input returned
+            if k in self._live:  # a view, an in-place result, or an input returned
                 return _NONE, 0
             nb = st.nbytes()
             if f.any_fresh and k not in self.slots:
                 return [(0, self.produced.new(st, k, nb), out)], nb
             self.meter._add(st)
             return _NONE, 0
-        if type(out) is not tuple and type(out) is not list:
-            return _NONE, 0
-        res: list[tuple[int, Any, Tensor]] = []
-        nbytes = pos = 0
-        flags = f.fresh
-        nflags = len(flags)
-        for i, o in enumerate(out):
-            group = o if type(o) is list or type(o) is tuple else (o,)
-            new = i < nflags and flags[i]
-            for t in group:
-                if isinstance(t, Tensor):
-                    if type(t) is not Tensor:
-                        more, nb = self._outputs_slow(f, (t,), new, pos)
-                        res += more
-                        nbytes += nb
-                    else:
-                        try:
-                            st = t.untyped_storage()
-                        except (RuntimeError, NotImplementedError):
-                            st = None
-                        if st is not None and id(st) not in live:
-                            k = id(st)
-                            nb = st.nbytes()
-                            if new and k not in self.slots:
-                                res.append((pos, self.produced.new(st, k, nb), t))
-                                nbytes += nb
-                            else:
-                                self.meter._add(st)
-                pos += 1
-        return res, nbytes
-
-    def _outputs_slow(self, f: OpFacts, group: tuple, new: bool | None = None,
-                      pos: int = 0) -> tuple[list[tuple[int, Any, Tensor]], int]:
-        """Tensor subclasses (DTensor): produced by their own storage, metered by their inner ones."""
         res: list[tuple[int, Any, Tensor]] = []
         nbytes = 0
-        live, slots = self._live, self.slots
-        for t in group:
-            st = _storage(t)
-            if (f.any_fresh if new is None else new) and st is not None and id(st) not in slots \
-                    and id(st) not in live:
-                res.append((pos, self.produced.add(st), t))
-                nbytes += st.nbytes()
-            _register(self.meter, live, t)
+        live, slots, flags = self._live, self.slots, f.fresh
+        nflags = len(flags)
+        for i, pos, t in walk_outputs(out):
+            if not isinstance(t, Tensor):
+                continue
+            new = i < nflags and flags[i]
+            if type(t) is not Tensor:  # a subclass (DTensor): produced by its own storage, metered by its inner ones
+                st = _storage(t)
+                if new and st is not None and id(st) not in slots and id(st) not in live:
+                    res.append((pos, self.produced.add(st), t))
+                    nbytes += st.nbytes()
+                _register(self.meter, live, t)
+                continue
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            k = id(st)
+            if k in live:
+                continue
+            if new and k not in slots:
+                nb = st.nbytes()
+                res.append((pos, self.produced.new(st, k, nb), t))
+                nbytes += nb
+            else:
+                self.meter._add(st)
         return res, nbytes
 
     def _fresh(self, f: OpFacts, out: Any) -> tuple[list[tuple[int, Any, Tensor]], int]:
@@ -342,21 +277,14 @@ class RuntimeMode(MeterMode):
             return [(0, self.produced.add(st), out)], st.nbytes()
         res: list[tuple[int, Any, Tensor]] = []
         nbytes = 0
-        pos = 0
         flags = f.fresh
-        for i, o in enumerate(out if isinstance(out, (tuple, list)) else ()):
-            group = o if isinstance(o, (list, tuple)) else (o,)
-            new = i < len(flags) and flags[i]
-            for t in group:
-                if new and isinstance(t, Tensor):
-                    try:
-                        st = t.untyped_storage()
-                    except (RuntimeError, NotImplementedError):
-                        st = None
-                    if st is not None and id(st) not in slots:
-                        res.append((pos, self.produced.add(st), t))
-                        nbytes += st.nbytes()
-                pos += 1
+        nflags = len(flags)
+        for i, pos, t in walk_outputs(out):
+            if i < nflags and flags[i] and isinstance(t, Tensor):
+                st = _storage(t)
+                if st is not None and id(st) not in slots:
+                    res.append((pos, self.produced.add(st), t))
+                    nbytes += st.nbytes()
         return res, nbytes
 
     def _cap(self, func: Any, args: tuple, kwargs: dict, stage: int, f: OpFacts) -> None:
