@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import hybridmem
+from hybridmem.native import cpumeter
 from tests.helpers.runtime import Case, run, train
 
 torch.set_num_threads(1)
@@ -161,8 +162,27 @@ def test_disable_from_another_thread_leaves_the_enabling_thread_unmanaged(budget
     ref, _ = run(case)
     hybridmem.enable(budget=budget, device="cpu")
     _in_thread(hybridmem.disable)
-    assert not hybridmem.enabled()
+    meter = cpumeter.load()
+    counted = meter.current_bytes if meter is not None else 0
     got = train(case, copy.deepcopy(case.model))  # this thread's leftover hooks pass everything through
     assert got == ref
+    assert meter is None or meter.current_bytes == counted  # and count nothing (the meter is process-wide)
+
+    # torch.compile on this thread compiles beside them: Dynamo skips every frame under a dispatch mode on the
+    # stack unless the mode lets it compile beside it
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(copy.deepcopy(case.model), backend=backend)(*case.args).sum().backward()
+    assert len(graphs) == 1
+
+    # this thread's next call into hybridmem takes them off its stacks (they cost a Python call per op)
+    assert not hybridmem.enabled()
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     got2, st = run(case, budget="1GiB", policies=("swap",))
     assert got2 == ref and st is not None and st.steps == 3

@@ -82,7 +82,8 @@ def enable(budget: int | str | None = None, policies: Sequence[str] | str = DEFA
 
 def disable() -> None:
     """Stop managing new saved tensors. Entries already evicted are still regenerated when read.
-    Called on another thread than the enabling one, that thread's hooks pass everything through."""
+    Called on another thread than the enabling one, that thread's hooks pass everything through until
+    it next calls ``enable()``, ``disable()``, ``enabled()`` or ``stats()``, which removes them."""
     rt, current.rt, current.orphan = current.live(), None, None
     if rt is not None:
         try:

@@ -51,7 +51,7 @@ from .steady_control import SteadyControl
 from .step_hooks import StepHooks
 from .stats import Stats, StatsRecorder
 from .steps import IDLE, Clock, StepTracker
-from .threads import OwnerThread, drop_hooks, leave_mode
+from .threads import OwnerThread, drop_hooks, leave_mode, left_on
 
 # keys of the 'plugins' section that are not policies
 RUNTIME_EXTRA = ("cost_model", "cuda_cap", "expandable", "light", "steady", "steady_cuda", "survey", "verify",
@@ -339,9 +339,11 @@ class Runtime(StepHooks, SteadyControl):
             return
         self.mode.quiet_depth += 1
         self.residency.end_survey()
-        drop_hooks(self._pack_hook)
+        here = drop_hooks(self._pack_hook)
         if self.mode_on:
             leave_mode(self.mode)
+        if not here and self.owner.alive():  # the installing thread runs on: it sweeps them at its next call
+            left_on(self.owner.ident, self.mode if self.mode_on else None, self._pack_hook)
         self._detach()
 
     def _detach(self) -> None:

@@ -7,13 +7,17 @@ import os
 import warnings
 from typing import Any
 
+from .threads import sweep
+
 rt: Any = None      # the enabled Runtime (or CompileSession), if any
 orphan: Any = None  # the runtime last released because its thread exited (its stats stay readable)
 
 
 def live() -> Any:
-    """The enabled runtime; one whose thread has exited is released first (its hooks died with it)."""
+    """The enabled runtime; one whose thread has exited is released first (its hooks died with it). What
+    a release on another thread left on this thread's stacks goes first (runtime.threads, ``sweep``)."""
     global rt, orphan
+    sweep()
     r = rt
     if r is not None and not r.owner.here() and not r.owner.alive():
         rt, orphan = None, r

@@ -66,6 +66,12 @@ class RuntimeMode(MeterMode):
                       and self.prefetcher is None and rt.buckets is None and not meter.raise_on_exceed
                       and meter.on_pressure is None)
 
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]  # torch declares a classmethod
+        """True once the runtime let go of this mode (``disable()`` on another thread leaves it on the
+        enabling thread's stack, passing every op through, see runtime.threads): Dynamo then compiles
+        beside it instead of skipping every frame while a mode is on the stack."""
+        return self.rt.mode is not self
+
     # ---- contexts for the runtime's own work -----------------------------------------------------
     @contextmanager
     def quiet(self) -> Iterator[None]:

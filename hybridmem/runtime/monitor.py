@@ -41,7 +41,7 @@ from .distributed import is_parameter_view, is_traceable_wrapper_subclass, plain
 from .saved import Kept, keep
 from .stats import StatsRecorder
 from .steps import BACKWARD, FORWARD, IDLE, StepTracker, _task_id
-from .threads import OwnerThread, drop_hooks
+from .threads import OwnerThread, drop_hooks, left_on
 
 Tensor = torch.Tensor
 NOTE = ("monitor: CPU allocator (native meter, no per-op hook): stages and min_budget_bytes are not "
@@ -144,7 +144,8 @@ class AllocatorMonitor:
         """``uninstall`` from another thread than the installing one (see ``Runtime.release``)."""
         if self._hooks is None:
             return
-        drop_hooks(self.pack)
+        if not drop_hooks(self.pack) and self.owner.alive():  # swept there at its next call (runtime.threads)
+            left_on(self.owner.ident, None, self.pack)
         self._detach()
 
     def _detach(self) -> None:
@@ -178,6 +179,8 @@ class AllocatorMonitor:
 
     # ---- hooks -------------------------------------------------------------------------------
     def pack(self, t: Tensor) -> Any:
+        if self._hooks is None:
+            return t  # left on a thread by a release elsewhere: counts nothing (the meter is someone else's now)
         if type(t) is not Tensor and is_traceable_wrapper_subclass(t):
             return keep(t)  # DTensor: not counted here
         try:
@@ -203,7 +206,7 @@ class AllocatorMonitor:
         return keep(t)
 
     def unpack(self, h: Any) -> Tensor:
-        if self.steps.phase != BACKWARD and _task_id() != -1:
+        if self._hooks is not None and self.steps.phase != BACKWARD and _task_id() != -1:
             self.steps.backward_seen()  # queues the engine callback that ends the step
         if type(h) is Kept:
             return h.read()

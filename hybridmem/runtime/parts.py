@@ -67,6 +67,7 @@ class ModeRuntime(Protocol):
     stats: StatsRecorder
     clock: Clock
     buckets: object | None       # a BucketSwitch: the follower may change per step
+    mode: Any                    # this mode while installed; None once let go of (passes ops through)
     mode_on: bool                # the mode is entered (off during a steady-state step)
     native: object | None        # the NativeDevice, where the allocator caps each allocation
     fsdp_sync: FsdpStorageSync

@@ -58,16 +58,47 @@ def leave_mode(mode: Any) -> None:
     """Exit ``mode`` from whichever thread: taken out of this thread's dispatch-mode stack wherever it
     is (the modes above it stay, in order), then exited on top, so that torch restores its process-wide
     "in a dispatch mode" flags as a normal exit does."""
+    take_mode(mode)
+    torch._C._push_on_torch_dispatch_stack(mode)
+    mode.__exit__(None, None, None)
+
+
+def take_mode(mode: Any) -> bool:
+    """Take ``mode`` out of this thread's dispatch-mode stack wherever it is, without exiting it (the modes
+    above it stay, in order). Returns whether it was there."""
     above = []
+    found = False
     while torch._C._len_torch_dispatch_stack() > 0:
         top = torch._C._pop_torch_dispatch_stack(None)
         if top is mode:
+            found = True
             break
         above.append(top)
     for m in reversed(above):
         torch._C._push_on_torch_dispatch_stack(m)
-    torch._C._push_on_torch_dispatch_stack(mode)
-    mode.__exit__(None, None, None)
+    return found
+
+
+# thread ident -> (dispatch mode or None, pack hook) that a runtime released on another thread left on that
+# thread's stacks, passing everything through: each op still costs a Python call there until they go
+_left: dict[int, list[tuple[Any, Any]]] = {}
+
+
+def left_on(ident: int, mode: Any, pack: Any) -> None:
+    """``release`` ran on another thread than ``ident``'s: ``mode`` (exited already, or None) and the hooks
+    of ``pack`` stay on that thread's stacks until it sweeps them."""
+    _left.setdefault(ident, []).append((mode, pack))
+
+
+def sweep() -> None:
+    """Remove from this thread's stacks what runtimes released on other threads left there (hybridmem's
+    public calls do this first: ``enable()``, ``disable()``, ``enabled()``, ``stats()``)."""
+    if not _left:
+        return
+    for mode, pack in _left.pop(_get_ident(), ()):
+        drop_hooks(pack)
+        if mode is not None:
+            take_mode(mode)
 
 
 def drop_hooks(pack: Any) -> bool:
