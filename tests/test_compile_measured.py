@@ -106,3 +106,28 @@ def test_what_a_compile_allocates_is_left_out() -> None:
     finally:
         p.stop()
     assert p.peak_bytes is not None and base + (2 << 20) <= p.peak_bytes < base + (4 << 20)
+
+
+@pytest.mark.parametrize("budget", [None, "1GiB"])  # the allocator monitor, and the runtime's native device
+def test_an_eager_runtime_in_between_leaves_the_measurement_its_meter(budget: str | None) -> None:
+    """The allocator meter is one per process and each user holds it until the last lets go: an eager runtime
+    enabled and disabled while a compiled step's measurement is on leaves the meter installed for it (before,
+    its disable() uninstalled it, and every later measurement in the process read nothing)."""
+    from hybridmem.compile.measured import StepPeak
+
+    native = cpumeter.load()
+    was = native.installed
+    p = StepPeak()
+    p.start(torch.device("cpu"))
+    try:
+        model, x, y = _net()
+        with hybridmem.session(budget=budget, device="cpu"):
+            nn.functional.cross_entropy(model(x), y).backward()
+        assert native.installed
+        base = native.current_bytes
+        held = torch.ones(1 << 18)                  # 1 MiB
+        del held
+        assert p.peak_bytes is not None and p.peak_bytes >= base + (1 << 20)
+    finally:
+        p.stop()
+    assert native.installed == was  # the last user leaves it as the first found it

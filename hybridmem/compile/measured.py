@@ -28,14 +28,11 @@ class _Shared:
 
     meter: Meter | None = None
     users = 0
-    installed_here = False   # the allocator meter was installed for the backends: uninstall after the last
 
 
 def _acquire(native: Any) -> Meter:
     if _Shared.users == 0:
-        if not native.installed:
-            native.install()
-            _Shared.installed_here = True
+        native.acquire()
         if _Shared.meter is None:
             _Shared.meter = Meter("cpu")
         _Shared.meter.attach_native(native)  # counts again the state it counted before a release
@@ -48,9 +45,8 @@ def _release() -> None:
     if _Shared.users == 0 and _Shared.meter is not None:
         native = _Shared.meter.native
         _Shared.meter.detach_native()
-        if _Shared.installed_here and native is not None:
-            native.uninstall()
-        _Shared.installed_here = False
+        if native is not None:
+            native.release()
 
 
 class StepPeak:

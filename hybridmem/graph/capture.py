@@ -361,9 +361,8 @@ def scratch_meter(stack: ExitStack) -> tuple[Any, str]:
     native = load_native_meter()
     if native is None:
         return None, f"not measured (the native allocator meter is not available: {unavailable_reason()})"
-    if not native.installed:
-        native.install()
-        stack.callback(native.uninstall)
+    native.acquire()
+    stack.callback(native.release)
     native.cap_exempt(True)
     stack.callback(native.cap_exempt, False)
     return native, "measured: the CPU allocator's peak inside each op beyond its live tensors and outputs"

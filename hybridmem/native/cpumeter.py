@@ -76,6 +76,25 @@ class CpuAllocatorMeter:
         self.path = path  # the loaded shared library
         self.cuda_hook = bool(lib.hm_cuda_hook())  # built against CUDA: the caching-allocator callback
         self._drain_buf = (ctypes.c_int64 * 256)()
+        self._users = 0                # acquire() calls not yet released
+        self._found_installed = False  # installed when the first of them came: left so by the last release
+
+    def acquire(self) -> None:
+        """Install for one user among several (a runtime, a compiled step's measurement, a capture): the
+        meter stays installed until every user released it, and is then left as the first found it. Plain
+        :meth:`install`/:meth:`uninstall` are for a caller that owns the allocator alone."""
+        if self._users == 0:
+            self._found_installed = self.installed
+            self.install()
+        self._users += 1
+
+    def release(self) -> None:
+        """One user of :meth:`acquire` is done (a no-op where none is left)."""
+        if self._users == 0:
+            return
+        self._users -= 1
+        if self._users == 0 and not self._found_installed:
+            self.uninstall()
 
     def install(self) -> None:
         """Makes the meter the CPU allocator (idempotent). Raises RuntimeError if that did not take effect."""

@@ -88,7 +88,7 @@ class NativeDevice:
                 rt.stats.note(NOTE_PEAK)
             self._installed = True
         else:
-            native.install()
+            native.acquire()
             rt.meter.attach_native(native)
             rt.store.count_external = rt.meter.count_late
             native.set_budget(rt.budget)
@@ -145,7 +145,7 @@ class NativeDevice:
             native.set_budget(None)
             rt.store.count_external = None
             rt.meter.detach_native()
-            native.uninstall()
+            native.release()
 
 
 def native_device(rt: DeviceRuntime, manages: bool) -> NativeDevice | None:

@@ -112,7 +112,7 @@ class AllocatorMonitor:
     # ---- install / uninstall -----------------------------------------------------------------
     def install(self, reset_peak: bool = True) -> None:
         self.owner.claim()
-        self.native.install()
+        self.native.acquire()
         if reset_peak:
             self.native.reset_peak()
             self._floor = 0
@@ -155,7 +155,7 @@ class AllocatorMonitor:
         self._handle = self._opt_handle = None
         self._frozen = (self.peak_bytes, self.current_bytes)
         self.native.add_external(-self.fixed_bytes)
-        self.native.uninstall()
+        self.native.release()
 
     # ---- measurements ------------------------------------------------------------------------
     @property
