@@ -131,3 +131,18 @@ def test_an_eager_runtime_in_between_leaves_the_measurement_its_meter(budget: st
     finally:
         p.stop()
     assert native.installed == was  # the last user leaves it as the first found it
+
+
+def test_a_measurement_dropped_unstopped_lets_go_of_the_meter() -> None:
+    """A backend that is dropped without ``stop()`` (``torch._dynamo.reset()``, a script that ends) no longer
+    holds the meter: left installed, it counted every later allocation of the process against later budgets."""
+    from hybridmem.compile.measured import StepPeak
+
+    native = cpumeter.load()
+    was = native.installed
+    p = StepPeak()
+    p.start(torch.device("cpu"))
+    assert native.installed
+    del p
+    gc.collect()
+    assert native.installed == was

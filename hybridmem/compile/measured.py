@@ -60,6 +60,7 @@ class StepPeak:
         self._optimizer: Any = None
         self._active = False
         self._seen: dict[int, weakref.ref] = {}  # id -> tensor the compiled regions read, checked already
+        self._hold: Any = None     # releases the shared meter once: at stop(), or when this is collected unstopped
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self, device: torch.device, optimizer: Any = None) -> None:
@@ -82,6 +83,9 @@ class StepPeak:
             self.how = f"not measured (the native CPU allocator meter is not available: {unavailable_reason()})"
             return
         self._meter = _acquire(native)
+        # a backend dropped without stop() (torch._dynamo.reset(), a finished script) lets go of the meter too:
+        # left installed, it would count every later allocation of the process against later budgets
+        self._hold = weakref.finalize(self, _release)
         native.reset_peak()
         if self._optimizer is not None:
             self._count_state(t for st in self._optimizer.state.values() for t in st.values() if torch.is_tensor(t))
@@ -95,7 +99,7 @@ class StepPeak:
         self._active = False
         if self._meter is not None:
             self._meter = None
-            _release()
+            self._hold()
 
     # ---- compiles and steps ------------------------------------------------------------------------
     def compiling(self) -> None:
