@@ -21,14 +21,19 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _no_compiled_measurement_left() -> Iterator[None]:
-    """A test that compiled with hybridmem's backend and left it in Dynamo's cache leaves the process-wide CPU
-    meter held by the backend's measurement, counting every later allocation against later tests' budgets:
-    dropped after the test, the measurement lets go of it (compile.measured)."""
+    """A test that compiled with hybridmem's backend leaves the process-wide CPU meter held by the backend's
+    measurement (compile.measured) for as long as something keeps the backend (Dynamo's cache, torch.compile's
+    wrapper), counting every later allocation against later tests' budgets: its measurements stop with it."""
     yield
     measured = sys.modules.get("hybridmem.compile.measured")
-    if measured is not None and measured._Shared.users:
-        torch._dynamo.reset()
-        gc.collect()
+    if measured is None or not measured._Shared.users:
+        return
+    torch._dynamo.reset()
+    gc.collect()
+    if measured._Shared.users:
+        for obj in gc.get_objects():
+            if isinstance(obj, measured.StepPeak):
+                obj.stop()
 
 
 # The longest tests (each 30 s to 2 min on 2 cores, pytest --durations), started first: with workers
