@@ -51,7 +51,7 @@ from .steady_control import SteadyControl
 from .step_hooks import StepHooks
 from .stats import Stats, StatsRecorder
 from .steps import IDLE, Clock, StepTracker
-from .threads import OwnerThread, drop_hooks, leave_mode, left_on
+from .threads import OwnerThread, let_go
 
 # keys of the 'plugins' section that are not policies
 RUNTIME_EXTRA = ("cost_model", "cuda_cap", "expandable", "light", "steady", "steady_cuda", "survey", "verify",
@@ -339,11 +339,7 @@ class Runtime(StepHooks, SteadyControl):
             return
         self.mode.quiet_depth += 1
         self.residency.end_survey()
-        here = drop_hooks(self._pack_hook)
-        if self.mode_on:
-            leave_mode(self.mode)
-        if not here and self.owner.alive():  # the installing thread runs on: it sweeps them at its next call
-            left_on(self.owner.ident, self.mode if self.mode_on else None, self._pack_hook)
+        let_go(self.owner, self._pack_hook, self.mode if self.mode_on else None)
         self._detach()
 
     def _detach(self) -> None:

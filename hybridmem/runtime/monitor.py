@@ -41,7 +41,7 @@ from .distributed import is_parameter_view, is_traceable_wrapper_subclass, plain
 from .saved import Kept, keep
 from .stats import StatsRecorder
 from .steps import BACKWARD, FORWARD, IDLE, StepTracker, _task_id
-from .threads import OwnerThread, drop_hooks, left_on
+from .threads import OwnerThread, let_go
 
 Tensor = torch.Tensor
 NOTE = ("monitor: CPU allocator (native meter, no per-op hook): stages and min_budget_bytes are not "
@@ -144,8 +144,7 @@ class AllocatorMonitor:
         """``uninstall`` from another thread than the installing one (see ``Runtime.release``)."""
         if self._hooks is None:
             return
-        if not drop_hooks(self.pack) and self.owner.alive():  # swept there at its next call (runtime.threads)
-            left_on(self.owner.ident, None, self.pack)
+        let_go(self.owner, self.pack)
         self._detach()
 
     def _detach(self) -> None:

@@ -79,26 +79,34 @@ def take_mode(mode: Any) -> bool:
     return found
 
 
-# thread ident -> (dispatch mode or None, pack hook) that a runtime released on another thread left on that
-# thread's stacks, passing everything through: each op still costs a Python call there until they go
-_left: dict[int, list[tuple[Any, Any]]] = {}
+# thread ident -> (thread, dispatch mode or None, pack hook) that a runtime released on another thread left on
+# that thread's stacks, passing everything through: each op still costs a Python call there until they go
+_left: dict[int, list[tuple[threading.Thread | None, Any, Any]]] = {}
 
 
-def left_on(ident: int, mode: Any, pack: Any) -> None:
-    """``release`` ran on another thread than ``ident``'s: ``mode`` (exited already, or None) and the hooks
-    of ``pack`` stay on that thread's stacks until it sweeps them."""
-    _left.setdefault(ident, []).append((mode, pack))
+def let_go(owner: OwnerThread, pack: Any, mode: Any = None) -> None:
+    """Release a runtime's hooks (the pair of ``pack``) and its entered dispatch ``mode`` (or None) from
+    whichever thread: taken off this thread's stacks where they are; where they sit on the installing thread
+    that still runs, left there, passing everything through, until that thread sweeps them."""
+    here = drop_hooks(pack)
+    if mode is not None:
+        leave_mode(mode)
+    if not here and owner.alive():
+        _left.setdefault(owner.ident, []).append((owner.thread, mode, pack))
 
 
 def sweep() -> None:
     """Remove from this thread's stacks what runtimes released on other threads left there (hybridmem's
-    public calls do this first: ``enable()``, ``disable()``, ``enabled()``, ``stats()``)."""
+    public calls do this first: ``enable()``, ``disable()``, ``enabled()``, ``stats()``); forget what
+    threads that exited were left (their stacks went with them)."""
     if not _left:
         return
-    for mode, pack in _left.pop(_get_ident(), ()):
+    for _, mode, pack in _left.pop(_get_ident(), ()):
         drop_hooks(pack)
         if mode is not None:
             take_mode(mode)
+    for ident in [i for i, items in _left.items() if not any(t is not None and t.is_alive() for t, _, _ in items)]:
+        del _left[ident]
 
 
 def drop_hooks(pack: Any) -> bool:
