@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from hybridmem.runtime.program import StepProgram
-from hybridmem.runtime.programs import MAX_BACKOFF, STREAK_BACKOFF, ProgramSet, signature_of
+from hybridmem.runtime.programs import (FOLLOWS_MOST, FOLLOWS_UNMEASURED, MAX_BACKOFF, STREAK_BACKOFF, PassCosts,
+                                        ProgramSet, signature_of)
 
 
 def _prog(*shapes: tuple[int, ...], dtype: torch.dtype = torch.int64) -> StepProgram:
@@ -66,3 +67,37 @@ def test_steps_that_keep_leaving_back_recording_off_never_for_good() -> None:
     assert ps.resume_at - 39 <= MAX_BACKOFF
     ps.followed()  # a step followed its program to the end: recording as usual again
     assert ps.may_record(40)
+
+
+def test_a_smaller_signature_is_recorded_once_following_has_cost_what_a_recording_costs() -> None:
+    """Rent or buy, per input element: a recording costs 5.0 where a scaled step costs 1.5, and a scaled step
+    costs 0.25 more than one with its own program: recorded after 3.5 / 0.25 = 14 scaled steps."""
+    costs = PassCosts()
+    assert costs.follows_before_recording() == FOLLOWS_UNMEASURED        # nothing measured yet
+    costs.add("record", 5.0 * 512, 512)
+    costs.add("scaled", 1.5 * 256, 256)
+    assert costs.follows_before_recording() == FOLLOWS_UNMEASURED        # no step with its own program yet
+    costs.add("own", 1.25 * 512, 512)
+    assert costs.follows_before_recording() == 14
+    cheap = PassCosts(record=1.0, own=0.5, scaled=1.0)
+    assert cheap.follows_before_recording() == 0                         # recording is no dearer: at once
+    free = PassCosts(record=3.0, own=1.0, scaled=0.9)
+    assert free.follows_before_recording() == FOLLOWS_MOST               # following costs nothing more
+    costs.add("own", 3.25 * 512, 512)                                    # a running cost, newest weighted
+    assert costs.own == 1.75
+    costs.add("own", 5.0, 0)                                             # a pass without inputs: not counted
+    assert costs.own == 1.75
+
+
+def test_scaled_steps_are_counted_per_signature_until_it_is_recorded() -> None:
+    ps = ProgramSet()
+    ps.costs = PassCosts(record=3.0, own=1.0, scaled=1.5)  # record after ceil(1.5 / 0.5) = 3 scaled steps
+    long = _prog((4, 128), (4, 128))
+    ps.add(long)
+    short = _sig((4, 64), (4, 64))
+    assert [ps.scaled(short, swap=True) for _ in range(4)] == [long, long, long, None]
+    assert ps.scaled(_sig((4, 256), (4, 256)), swap=True) is None           # longer than any: recorded
+    assert ps.scaled_steps == {short: 3}
+    long.recomputed = {0}
+    assert ps.scaled(_sig((4, 72), (4, 72)), swap=False) is None            # recomputes, and no swap to stand in
+    assert ps.scaled(_sig((4, 72), (4, 72)), swap=True) is long

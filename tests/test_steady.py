@@ -7,6 +7,7 @@ the budget in real allocator bytes, and leave the steady state, saying why, when
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Any, Callable
 
@@ -16,6 +17,8 @@ from torch import nn
 
 import hybridmem
 from hybridmem.native import cpumeter
+from hybridmem.runtime import current
+from hybridmem.runtime.programs import PassCosts
 from tests.helpers.runtime import in_fresh_process
 from tests.helpers.steady import (budget_run as _budget_run,
                                   recompute_stats as _rc, steady_real_bytes as _steady_real_bytes,
@@ -133,10 +136,14 @@ def test_a_step_with_other_inputs_records_its_own_program_and_the_first_is_follo
     assert any("one program per input shape" in n for n in st.notes), st.notes
 
 
-def test_smaller_inputs_follow_the_program_of_larger_ones_scaled() -> None:
+@pytest.mark.parametrize("follows", [2, 1 << 20])
+def test_smaller_inputs_follow_the_program_of_larger_ones_scaled(monkeypatch: pytest.MonkeyPatch,
+                                                                 follows: int) -> None:
     """A smaller batch follows the program recorded for a larger one (what it recomputed is swapped, nothing is
-    rebuilt from ops recorded at the other size) its first two times, and is recorded the third; a larger
-    batch than any recorded runs under the dispatch mode and is recorded. Bit for bit, within the budget."""
+    rebuilt from ops recorded at the other size) as many times as the pass costs say following is cheaper
+    than recording (fixed here: two, or always); a larger batch than any recorded runs under the dispatch
+    mode and is recorded. Bit for bit, within the budget."""
+    monkeypatch.setattr(PassCosts, "follows_before_recording", lambda self: follows)
     model, batch, loss_fn = _cnn()
     batches = [batch(), batch(), batch(n=4), batch(), batch(n=4), batch(n=4), batch(), batch(n=12), batch(n=4)]
     ref, _ = _train(model, batches, loss_fn)
@@ -144,11 +151,57 @@ def test_smaller_inputs_follow_the_program_of_larger_ones_scaled() -> None:
                                        policies=("swap", "recompute", "compress"))
     assert got == ref
     assert st.peak_bytes <= budget
-    # 1 dispatch, 2 records 8; 3 (4) scaled, 4 (8) exact, 5 (4) scaled, 6 (4) records 4, 7 (8) exact,
-    # 8 (12: larger than any) records, 9 (4) exact
-    assert [p.steady_steps for p in per] == [0, 0, 1, 2, 3, 3, 4, 4, 5], st.notes
-    assert st.programs == 3, st.notes
+    if follows == 2:
+        # 1 dispatch, 2 records 8; 3 (4) scaled, 4 (8) exact, 5 (4) scaled, 6 (4) records 4, 7 (8) exact,
+        # 8 (12: larger than any) records, 9 (4) exact
+        assert [p.steady_steps for p in per] == [0, 0, 1, 2, 3, 3, 4, 4, 5], st.notes
+        assert st.programs == 3, st.notes
+    else:  # 6 and 9 (4) follow the program of 8, then of 12, scaled
+        assert [p.steady_steps for p in per] == [0, 0, 1, 2, 3, 4, 5, 5, 6], st.notes
+        assert st.programs == 2, st.notes
     assert not any("steady state left" in n for n in st.notes), st.notes
+
+
+def test_slightly_larger_inputs_follow_a_smaller_program_evicting_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch a little larger than any recorded (here 9 after 8: at most GROWTH_FOLLOWED) follows the largest
+    smaller program scaled, keeping free what rose between its saves and reads grown with the sizes, and
+    evicting by swap what the budget needs beyond the recorded step; one much larger (12) is recorded.
+    Bit for bit, within the budget, no allocation let past it."""
+    monkeypatch.setattr(PassCosts, "follows_before_recording", lambda self: 1 << 20)
+    model, batch, loss_fn = _cnn()
+    batches = [batch(), batch(), batch(n=9), batch(n=9), batch(n=12), batch(n=9), batch()]
+    ref, _ = _train(model, batches, loss_fn)
+    got, st, budget, per = _budget_run(model, batches, loss_fn, cut=0.3, policies=("swap", "recompute"))
+    assert got == ref
+    assert st.peak_bytes <= budget and st.cap_overruns == 0, st
+    # 1 dispatch, 2 records 8; 3, 4 (9) scaled up; 5 (12) records; 6 (9) scaled down from 12; 7 (8) exact
+    assert [p.steady_steps for p in per] == [0, 0, 1, 2, 2, 3, 4], st.notes
+    assert st.programs == 2, st.notes
+    assert st.policies["swap"].evicted > 0
+
+
+def test_each_regime_s_passes_are_timed_for_the_choice_to_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host time of each pass, per input element, goes to the regime it ran in: the recording steps,
+    steps following their own program, steps following a larger one's scaled (runtime.programs). (What
+    the choice makes of the times is fixed here: step 5 follows scaled whatever they are.)"""
+    monkeypatch.setattr(PassCosts, "follows_before_recording", lambda self: 1 << 20)
+    model, batch, loss_fn = _cnn()
+    batches = [batch(), batch(), batch(n=4), batch(), batch(n=4)]
+    _, watched = _train(model, batches, loss_fn, session={"budget": None})
+    costs: list[Any] = []
+
+    def keep_costs(i: int, st: Any) -> None:
+        rt = current.rt
+        costs.append(dataclasses.replace(rt.programs.costs))
+
+    _train(model, batches, loss_fn, per_step=keep_costs,
+           session={"budget": int(watched.peak_bytes * 0.9), "policies": ("swap", "recompute")})
+    blank = PassCosts()
+    assert costs[0] == blank                                   # step 1: the dispatch mode, not recording
+    assert costs[1].record and costs[1].own is None and costs[1].scaled is None  # step 2 records
+    assert costs[2].scaled and costs[2].own is None            # step 3 (smaller) follows step 2's scaled
+    assert costs[3].own and costs[3].record == costs[1].record  # step 4 follows its own
+    assert costs[4].scaled != costs[2].scaled                  # step 5 scaled again
 
 
 class _Branchy(nn.Module):

@@ -280,6 +280,7 @@ class StepProgram:
         self.stages = 0                 # stage ops the recorded step counted (reported for steady-state steps)
         self.pressure = False           # the recorded step came near its budget
         self.headroom = 0               # bytes kept free after each save and read (the most an op needed)
+        self.gross_headroom = 0         # the same, with what the dispatch mode evicted in between added back
         # per tensor argument of the step's first module call: the references bound to it, and its signature
         self.inputs: list[list[tuple[FixedRef, int]]] = []
         self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []

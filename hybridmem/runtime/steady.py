@@ -77,9 +77,10 @@ class SteadyStep:
 
     def __init__(self, program: StepProgram, parts: SteadyParts, scaled: bool = False, swap: bool = False):
         self.program = program
-        self.scaled = scaled              # followed at smaller sizes than recorded (a shorter sequence, batch)
+        self.scaled = scaled              # followed at other sizes than recorded (another sequence length, batch)
         self.swap = swap                  # swap may stand in for what the recorded step recomputed
         self.headroom = program.headroom  # kept free after each save and read
+        self.sig: Any = None              # a scaled step's own input signature
         self.saves = program.saves
         self.parts = parts
         self.register = True  # new entries are registered with the allocator at once (freed only when needed)

@@ -10,6 +10,7 @@ mixed into); what it reads of the rest of the runtime is annotated on the class.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -21,15 +22,13 @@ from .entry import Entry
 from .fixed import FixedMarker
 from .meter import Meter
 from .program import ProgramRecorder, StepProgram
-from .programs import ProgramSet, signature_of
+from .programs import ProgramSet, growth, signature_of
 from .residency import Residency
 from .saved import REGISTER_BELOW, Saved, SavedStore
 from .steady import SteadyParts, SteadyStep
 from .stats import StatsRecorder
 from .steps import StepTracker
 
-# A step with new input sizes follows the program of the nearest ones this many times before it is recorded
-SCALED_FOLLOWS = 2
 # Added to the allocator priority of what a followed plan keeps (priorities are seconds per byte, far
 # below 1): the allocator frees every entry the plan recomputes before any of those.
 PLAN_KEEPS_LAST = 1.0
@@ -76,10 +75,10 @@ class SteadyControl:
         self.programs = ProgramSet()  # recorded programs by input signature (runtime.programs)
         self.mode_on = False  # the dispatch mode is entered (off during steady-state steps)
         self._below: Any = None  # the dispatch mode under this runtime's when it left it for the steady state
-        self._scaled_seen: dict[Any, int] = {}  # signature -> steps that followed a program of other sizes
         # the native CPU meter's peak window: how far the bytes rose between saves and reads of a recording
         self._window = self.native.native if self.native is not None and self.device.type == "cpu" else None
         self._gap_base, self._gap_most = -1, 0
+        self._gross_most, self._evicted_base = 0, 0
         self._program_rec: ProgramRecorder | None = None
         self._steady: SteadyStep | None = None
         self._packfn: Any = self._pack
@@ -92,6 +91,8 @@ class SteadyControl:
         self._soft_on = False  # the soft cap is on now (a steady step's own ops run)
         self._retired: StepProgram | None = None  # the program a refusal retired this step
         self._overran = False  # a steady step went past the budget once (said in the notes)
+        self._pass_started = 0.0  # host clock at the step's start, and the elements of its inputs (_pass_cost)
+        self._pass_size = 0
 
     def _choose_step(self) -> None:
         """Before a step starts: steady state if a program is ready and the dispatch mode can be left
@@ -125,13 +126,19 @@ class SteadyControl:
 
     def _restart_step(self, steady: SteadyStep, tensors: list[torch.Tensor]) -> None:
         """The step's inputs differ from those of the program it started with (another sequence length or
-        batch): follow the program recorded for their signature, or run this step under the dispatch mode and
-        record one. Called at the step's first module call, before any of its ops."""
+        batch): follow the program recorded for their signature, or that of nearby ones scaled
+        (runtime.programs), or run this step under the dispatch mode and record one. Called at the step's first
+        module call, before any of its ops."""
         steady.program.unbind()
         sig = signature_of((t.shape, t.dtype) for t in tensors)
         prog = self.programs.get(sig)
-        if prog is None and (prog := self._scaled_program(sig)) is not None:
-            self._follow(prog, scaled=True)
+        if prog is None and (prog := self.programs.scaled(sig, "swap" in self.policies)) is not None:
+            g = growth(sig, prog)
+            steady = self._follow(prog, scaled=True)
+            steady.sig = sig
+            if g > 1:  # what rose between two hooks, grown with the sizes (attention's grows with their square)
+                steady.headroom = int(prog.gross_headroom * g * g)
+            self._note_shapes()
             return
         if prog is not None:
             steady = self._follow(prog)
@@ -147,6 +154,11 @@ class SteadyControl:
             self._begin_recording()
         else:
             self._packfn = self._pack
+
+    def _note_shapes(self) -> None:
+        self.stats.note("steady state: one program per input shape (a new shape follows the program of a larger "
+                        "one, or of a smaller one it exceeds by at most 1.25x, swapping what it recomputed, until "
+                        "that has cost more than recording its own; a larger one is recorded at once)")
 
     def _follow(self, prog: StepProgram, scaled: bool = False) -> SteadyStep:
         """Run the step that starts in the steady state, following ``prog``."""
@@ -181,20 +193,22 @@ class SteadyControl:
         self.mode.__enter__()
         self.mode_on = True
 
-    def _scaled_program(self, sig: Any) -> StepProgram | None:
-        """A program recorded at larger sizes that a step of signature ``sig`` may follow (runtime.steady,
-        ``_pack_scaled``): the first ``SCALED_FOLLOWS`` times that signature comes; the next time it is
-        recorded (its own program rebuilds by recompute what a scaled step swaps)."""
-        seen = self._scaled_seen.get(sig, 0)
-        if seen >= SCALED_FOLLOWS:
-            return None
-        near = self.programs.covering(sig)
-        if near is None or (near.recomputed and "swap" not in self.policies):
-            return None  # what the recorded step recomputed could not be evicted at another size
-        if len(self._scaled_seen) >= 4096:
-            self._scaled_seen.clear()
-        self._scaled_seen[sig] = seen + 1
-        return near
+    def _pass_cost(self) -> None:
+        """The pass that ends: its host time per input element, for the regime it ran in (runtime.programs,
+        ``PassCosts``: how long new sizes follow another program before they are recorded)."""
+        size, self._pass_size = self._pass_size, 0
+        steady = self._steady
+        if not size or self.residency.survey is not None:
+            return
+        if steady is not None:
+            if steady.off or self._retired is not None:
+                return
+            regime = "scaled" if steady.scaled else "own"
+        elif self._program_rec is not None:
+            regime = "record"
+        else:
+            return
+        self.programs.costs.add(regime, time.perf_counter() - self._pass_started, size)
 
     def _pack_recording(self, t: torch.Tensor) -> Any:
         self._gap()
@@ -211,10 +225,13 @@ class SteadyControl:
         if window is None or self.residency.survey is not None:  # the survey reads the same window
             return
         peak = window.window_peak
-        if self._gap_base >= 0 and peak - self._gap_base > self._gap_most:
-            self._gap_most = peak - self._gap_base
+        evicted = sum(p.evicted_bytes for p in self.stats.policies.values())
+        if self._gap_base >= 0:
+            self._gap_most = max(self._gap_most, peak - self._gap_base)
+            # what a step without the dispatch mode would allocate there: the dispatch mode evicted in between
+            self._gross_most = max(self._gross_most, peak - self._gap_base + evicted - self._evicted_base)
         window.window_reset()
-        self._gap_base = self.meter.current_bytes
+        self._gap_base, self._evicted_base = self.meter.current_bytes, evicted
 
     def _bind(self, node: Any, st: torch.UntypedStorage) -> Any:
         slot = self.produced.add(st)
@@ -272,7 +289,10 @@ class SteadyControl:
         if over > 0:
             residency.relieve(over)
         if count and steady is not None and residency.survey is None and self._retired is None:
-            self._retired = steady.program
+            if steady.sig is not None:
+                self.programs.record_next(steady.sig)  # a scaled step: its sizes get a program of their own
+            else:
+                self._retired = steady.program
             if self._overran:
                 return
             self._overran = True  # said once: stats().cap_overruns counts them all
@@ -308,13 +328,12 @@ class SteadyControl:
         prog.stages, prog.pressure = stages, pressure
         if self.mode is not None:
             prog.headroom = max(self.mode.most_new, self._gap_most) + self.residency.reserve
+            prog.gross_headroom = max(self.mode.most_new, self._gross_most) + self.residency.reserve
         for old in self.programs.add(prog):
             old.unbind()
         self.stats.programs = self.programs.recorded
         if len(self.programs) > 1:
-            self.stats.note("steady state: one program per input shape (smaller inputs follow the program of "
-                            "larger ones, swapping what it recomputed, until they are recorded; larger ones than "
-                            "any before are recorded at once)")
+            self._note_shapes()
         if prog.offload:
             by = {n: sum(1 for p in prog.offload.values() if p == n) for n in sorted(set(prog.offload.values()))}
             self.stats.note(f"steady state from step {self.steps.steps + 1}: "
@@ -402,7 +421,7 @@ class SteadyControl:
         self.residency.on_evicted = rec.evicted_entry
         if self.mode is not None:
             self.mode.most_new = 0
-        self._gap_base, self._gap_most = -1, 0
+        self._gap_base, self._gap_most, self._gross_most = -1, 0, 0
 
 
 def planned_first(registrable: Any, recomputed: set[Any]) -> Any:

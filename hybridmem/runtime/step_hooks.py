@@ -7,6 +7,7 @@ the dispatch mode's pack, a recording's, or a steady step's.
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
@@ -99,6 +100,7 @@ class StepHooks:
         self._root_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
 
     def _step_inputs(self, tensors: list[torch.Tensor]) -> None:
+        self._pass_size = sum(t.numel() for t in tensors)
         if self.recorder is not None:
             self.recorder.as_inputs(tensors)
         count = self.store.count_external
@@ -174,6 +176,7 @@ class StepHooks:
 
     def _step_started(self) -> None:
         self._calls, self._last_random_call, self._module = 0, -1, None
+        self._pass_started, self._pass_size = time.perf_counter(), 0
         self.store.epoch += 1
         self.stats.step_started()
         self.estimator.new_step()
@@ -190,6 +193,7 @@ class StepHooks:
         if self._soft_on:
             self._soften(False)
             self._recover()  # a refusal in the step's last ops, after its last read
+        self._pass_cost()
         survey = self.residency.survey
         if survey is not None:
             survey.steps_ended += 1  # a step over the budget, measured: raised from backward() below
