@@ -1,5 +1,5 @@
 """A language model's loss after a graph break (Hugging Face's GPT-2 computes it from the labels in a
-region of its own): its count, and the room the earlier region leaves it (:mod:`hybridmem.compile.room`).
+region of its own): its count, and the room the earlier region leaves it (:mod:`hybridmem.compile.regions`).
 
 The loss region reads the logits (batch x sequence x 50,257 words) and gives back their gradient. Inductor
 computes its log-softmax's ``x - max(x)`` and the log-probabilities inside the kernels that read them; counted
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hybridmem.compile import compile_backend
-from hybridmem.compile.room import Replannable, reserve
+from hybridmem.compile.regions import Replannable, reserve
 from hybridmem.graph.ir import Graph, Stage, TensorInfo
 from hybridmem.native import cpumeter
 from tests.helpers import bit_equal

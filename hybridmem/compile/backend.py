@@ -33,7 +33,7 @@ import torch
 from torch import fx
 
 from ..devices import budget_needs_cuda, device_budget_bytes, parse_device_budget, resolve_device
-from ..errors import BudgetInfeasibleError, UnknownNameError
+from ..errors import UnknownNameError
 from ..graph.costs import get_cost_model
 from ..graph.units import fmt_bytes
 from . import codec_ops, fit
@@ -44,9 +44,7 @@ from .heap import frozen_heap
 from .measured import StepPeak
 from . import offload as offload_mod
 from .planner import PlanOptions, Planner
-from .regions import Key, RegionState, planned_keys
-from .room import Replannable
-from .runs import InFlight
+from .regions import InFlight, Key, RegionState, Regions, Replannable
 from .sizes import PlannedSizes, bound, planned_at, planning_at
 from .stats import CompileStats, RegionStats
 from .variants import Prepared
@@ -226,9 +224,9 @@ class CompileBackend:
         self._revision = 0                           # plans made again after a trial (partition cache keys)
         self.peak = StepPeak()
         # each region's state, in the order the regions were first planned (hybridmem.compile.regions)
-        self.regions: dict[Key, RegionState] = {}
+        self.regions = Regions(self._budget_bytes, self.optimizer_bytes, calls_per_step)
         self.planner = Planner(PlanOptions(self.policies, solver, time_limit, compiler, self.scratch, cost_model,
-                                           hold_outputs, calls_per_step), self.regions, self._budget_for, self._outside)
+                                           hold_outputs, calls_per_step), self.regions)
         self._current: Key = ()
         self._dev: torch.device | None = self.device
         self._examples: list[Any] | None = None
@@ -285,7 +283,7 @@ class CompileBackend:
         return compiled, sizes
 
     def _replan(self, key: Key, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
-        """Region ``key`` planned and compiled again on a call's inputs (:mod:`hybridmem.compile.room`): the
+        """Region ``key`` planned and compiled again on a call's inputs (:mod:`hybridmem.compile.regions`): the
         regions compiled after it asked for room, or it was planned above the budget while they made it."""
         _, tensors = _region_key(gm, example_inputs)
         before = self.regions[key].stats
@@ -311,7 +309,7 @@ class CompileBackend:
     def _compile_checked(self, key: Key, gm: fx.GraphModule, example_inputs: list[Any],
                          sizes: PlannedSizes) -> Any:
         """:func:`~hybridmem.compile.fit.compile_fitted`; where the region was planned above the budget, beside
-        earlier regions that keep too much (:mod:`hybridmem.compile.room`), those are asked to make room, and it
+        earlier regions that keep too much (:mod:`hybridmem.compile.regions`), those are asked to make room, and it
         to plan again after them, at their next calls."""
         r = self.regions[key]
         r.lift = None
@@ -321,49 +319,8 @@ class CompileBackend:
             lifted, r.lift = r.lift, None
         st = r.stats
         if lifted is not None and st is not None:
-            self._ask_room(key, st)
+            self.regions.ask_room(key, st, self._dev or torch.device("cpu"))
         return compiled
-
-    def _earlier(self, key: Key) -> list[Key]:
-        """The regions compiled before ``key`` (all of them while it compiles for the first time)."""
-        order = planned_keys(self.regions)
-        return order[:order.index(key)] if key in order else order
-
-    def _may_lift(self, key: Key, e: BudgetInfeasibleError, budget: int) -> bool:
-        """Whether region ``key``, which has no plan within ``budget`` beside the earlier regions (``e`` names the
-        least budget it has one for), is planned at that budget while they make room: once, and only where
-        what they keep and a plan may evict covers the difference."""
-        if self.regions[key].asked or e.minimum_bytes is None or self.calls_per_step > 1:
-            return False
-        short = int(e.minimum_bytes) - budget
-        return 0 < short <= sum(self.regions[k].kept for k in self._earlier(key))
-
-    def _ask_room(self, key: Key, st: RegionStats) -> None:
-        """Region ``key`` was planned at a share ``st`` above what the earlier regions leave: each of them leaves
-        that share, and what the regions between hold, where its backward begins, planned again at its next
-        call; ``key`` is planned again after them."""
-        self.regions[key].asked = True
-        earlier = self._earlier(key)
-        # what its plan counts or, where more, what it held as run at compile time (its share holds a margin for
-        # what Inductor holds beyond the count: the run says how much that was): planned again after them, it
-        # has a plan within the count, its margin lowered as far as its run allows
-        need = (min(st.budget_bytes, max(st.predicted_peak_bytes, st.trial_peak_bytes))
-                if st.trial_peak_bytes else st.budget_bytes)
-        for i, k in enumerate(earlier):
-            room = need + sum(self.regions[j].held for j in earlier[i + 1:])
-            r = self.regions[k]
-            r.room = max(r.room, room)
-            if r.replannable is not None:
-                r.replannable.renew()
-        self.regions[key].renew = True
-        over = st.budget_bytes - (self._budget_bytes(self._dev or torch.device("cpu")) - self._outside(key))
-        st.add_note(f"planned {fmt_bytes(over)} above its share of the budget this once: the regions compiled before "
-                    f"it keep more beside it; they are planned again at their next call, leaving it "
-                    f"{fmt_bytes(need)} where their backward begins, and it after them")
-
-    def _outside(self, key: Key) -> int:
-        """Bytes held outside region ``key`` while it runs: the optimizer's state, what the earlier regions keep."""
-        return self.optimizer_bytes + sum(self.regions[k].held for k in self._earlier(key))
 
     def _budget_bytes(self, dev: torch.device) -> int:
         if self._budget_b is None:   # a percentage, of the region's device's memory
@@ -381,10 +338,6 @@ class CompileBackend:
         r.held = prep.held_beside + saved
         r.kept = saved + (prep.stats.compressed_to_bytes if prep.stats is not None else 0)
 
-    def _budget_for(self, key: Key, dev: torch.device) -> int:
-        """The budget region ``key`` is planned at: the budget, or above it while earlier regions make room."""
-        return self.regions[key].lift or self._budget_bytes(dev)
-
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         from torch._functorch import config as fconfig
         # the backward compiled with the forward (AOTAutograd compiles it at its first call otherwise): a trial
@@ -400,9 +353,8 @@ class CompileBackend:
 
     def pending(self) -> int:
         """Regions to be planned and compiled again at their next call (graph breaks: the regions compiled
-        after them asked for room, :mod:`hybridmem.compile.room`); 0 once the steps run the plans that fit."""
-        return sum(1 for r in self.regions.values() if r.replannable is not None and r.replannable.pending) \
-            + sum(1 for r in self.regions.values() if r.renew)
+        after them asked for room, :mod:`hybridmem.compile.regions`); 0 once the steps run the plans that fit."""
+        return self.regions.pending()
 
     def reset_stats(self) -> None:
         """Restart the measured peak at the current level (the regions' plan figures stay)."""

@@ -5,7 +5,7 @@ each compiled region once (:mod:`hybridmem.compile.trial`) and, where it held mo
 again with the excess more left free. Where a plan needs a little more than the budget leaves once the
 margin for Inductor's buffers is taken, it is planned with less margin and the run checks it; where the
 earlier regions keep too much beside it, it is planned above the budget while they make room
-(:mod:`hybridmem.compile.room`). :class:`FitState` is where the loop stands.
+(:mod:`hybridmem.compile.regions`). :class:`FitState` is where the loop stands.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from . import codec_ops
 from . import trial as trial_mod
 from . import tuning
 from .planner import Planner
-from .regions import Key, RegionState, planned_keys
+from .regions import Key, RegionState, Regions
 from .sizes import PlannedSizes
 from .stats import RegionStats, sizes_line
 from .variants import Planned
@@ -43,15 +43,11 @@ class Fitting(Protocol):
     _dev: torch.device | None
     _revision: int                       # bumped at each plan made again: the partition's cache key
     planner: Planner                     # what its last plan left: margin_now, slack_now, planned_now
-    regions: dict[Key, RegionState]
+    regions: Regions
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any: ...
 
-    def _budget_for(self, key: Key, dev: torch.device) -> int: ...
-
     def _budget_bytes(self, dev: torch.device) -> int: ...
-
-    def _may_lift(self, key: Key, e: BudgetInfeasibleError, budget: int) -> bool: ...
 
 
 @dataclass
@@ -107,7 +103,7 @@ def _plan_again_or_raise(b: Fitting, f: FitState, e: BudgetInfeasibleError, exam
     """The compile had no plan (``e``): set up the next plan (less margin, a lifted budget, the count's least
     plan), or raise."""
     key = f.key
-    short = (e.minimum_bytes or 0) - b._budget_for(key, f.dev)
+    short = (e.minimum_bytes or 0) - b.regions.budget_for(key, f.dev)
     if not f.runs and b.verify and f.shrinks < tuning.SHRINKS and e.minimum_bytes is not None \
             and 0 < short <= b.planner.margin_now + b.planner.slack_now:
         # a plan may fit with less left free for Inductor's buffers than the margin (a guess): plan with what
@@ -120,9 +116,9 @@ def _plan_again_or_raise(b: Fitting, f: FitState, e: BudgetInfeasibleError, exam
         return
     if not f.runs or f.st is None:
         err = f.unshrunk or e
-        if b._may_lift(key, err, b._budget_bytes(f.dev)):
+        if b.regions.may_lift(key, err, b._budget_bytes(f.dev)):
             # the earlier regions keep too much beside it: planned at the least budget it has a plan for, with
-            # the whole margin, while they make room (the backend's _ask_room)
+            # the whole margin, while they make room (Regions.ask_room)
             f.region.lift = int(err.minimum_bytes)          # type: ignore[arg-type]
             f.region.extra, f.shrunk, f.shrinks, f.unshrunk = 0, 0, tuning.SHRINKS, None
             b._revision += 1
@@ -130,7 +126,7 @@ def _plan_again_or_raise(b: Fitting, f: FitState, e: BudgetInfeasibleError, exam
         if f.unshrunk is not None:
             raise f.unshrunk from None
         raise e
-    room = b._budget_for(key, f.dev) - f.st.min_budget_bytes   # above the least, with the last margin
+    room = b.regions.budget_for(key, f.dev) - f.st.min_budget_bytes   # above the least, with the last margin
     if not f.least_tried and room > 0:
         # more left free than the count allows: its least plan, the one that recomputes most
         f.least_tried = True
@@ -193,7 +189,7 @@ def _trial(b: Fitting, f: FitState, st: RegionStats, planned: Planned, n_inputs:
     if st.codec_region:
         codec_ops.reset_stats(st.codec_region)     # a run at compile time is not a step
     f.others = planned.others_bytes
-    if got.device_other_bytes and not any(k != f.key for k in planned_keys(b.regions)):
+    if got.device_other_bytes and not any(k != f.key for k in b.regions.planned()):
         # CUDA, the first region: the budget caps the allocator's bytes, and what it held besides this
         # region's inputs (library workspaces, other tensors) is in every step's peak. (A later region
         # runs beside the earlier ones' saved tensors, which its share already leaves out.)
@@ -225,7 +221,7 @@ def _no_fit(b: Fitting, f: FitState, example_inputs: list[Any]) -> BudgetInfeasi
     (at compile time, more than the budget: no step follows) says it."""
     st, runs = f.st, f.runs
     assert st is not None
-    budget = b._budget_for(f.key, f.dev)
+    budget = b.regions.budget_for(f.key, f.dev)
     outside = budget - st.budget_bytes
     measured = [r.peak_bytes for r in runs if not r.refused]
     if not measured and f.compiled is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx
@@ -25,8 +25,7 @@ from .defaults import saved_by_partition
 from .joint import concatenates_feature_maps, has_convolution, joint_graph
 from .partition import Decisions, apply_plan, decisions
 from .realized import realized_peak
-from .regions import Key, RegionState, mark_planned, planned_keys
-from .room import reserve
+from .regions import Key, Regions, reserve
 from .scratch import inductor_channels_last, measure_scratch
 from .stats import RegionStats
 from .variants import Codecs, Planned, Prepared, Variant, codecs_could_pay, recompute_left_s
@@ -156,19 +155,17 @@ class PlanOptions:
 
 class Planner:
     """Plans a backend's compiled regions, one joint graph at a time (:meth:`prepare`). ``regions``: the
-    backend's per-region state, which it reads (what the earlier regions hold, the room asked of a region)
-    and records each plan in; ``budget_for(key, device)``: the budget a region is planned at;
-    ``outside(key)``: the bytes held outside it while it runs.
+    backend's regions, which it reads (the budget a region is planned at, what is held outside it, the room
+    asked of it) and records each plan in.
 
     The plan-compile-run loop (:mod:`hybridmem.compile.fit`) reads what the last :meth:`prepare` of a compile
     left: ``margin_now`` and ``slack_now`` (set before any error it raises), ``planned_now`` (the plan taken;
     the loop sets it to None before each compile)."""
 
-    def __init__(self, options: PlanOptions, regions: dict[Key, RegionState],
-                 budget_for: Callable[[Key, torch.device], int], outside: Callable[[Key], int]) -> None:
+    def __init__(self, options: PlanOptions, regions: Regions) -> None:
         self.options = options
         self.policies, self.compiler, self.calls_per_step = options.policies, options.compiler, options.calls_per_step
-        self.regions, self.budget_for, self.outside = regions, budget_for, outside
+        self.regions = regions
         self.margin_now = 0                          # what the last plan left free for Inductor's buffers
         self.slack_now = 0                           # ... and how far below nothing it may go (tuning.REPLAN_SLACK)
         self.planned_now: Planned | None = None      # the plan of the compile in progress
@@ -232,7 +229,7 @@ class Planner:
         joint = functools.partial(
             joint_graph, gm, forward, [p for i, p in enumerate(placeholders) if i in static_idx],
             [a for a in out.args[0][:nfwd] if isinstance(a, fx.Node)], model,
-            name=f"region {len(planned_keys(self.regions)) + 1}", fuse=fuse, fuse_backward=fuse and not conv,
+            name=f"region {len(self.regions.planned()) + 1}", fuse=fuse, fuse_backward=fuse and not conv,
             outputs_held=self.options.hold_outputs)
         jg = joint(saved=None)
         jg_part = joint(saved=saved) if saved is not None else None
@@ -254,8 +251,8 @@ class Planner:
         """Region ``c.key``'s share of the budget, the margin it leaves for Inductor's buffers, and
         what the other runs in flight hold beside it."""
         key = c.key
-        budget = self.budget_for(key, c.dev)
-        outside = self.outside(key)
+        budget = self.regions.budget_for(key, c.dev)
+        outside = self.regions.outside(key)
         share = budget - outside
         # the margin scales with the step as it runs: the keep-all peak of the partition PyTorch makes where
         # that count is the lower (MobileNetV2: 40.6 MiB, where the first count's 56 MiB holds every forward
@@ -271,7 +268,7 @@ class Planner:
         # a count a little above the step as it runs (the partition recomputes some of what it keeps) may be
         # planned a little beyond the share: the run at compile time checks it
         slack = int(tuning.REPLAN_SLACK * peak) if inductor else 0
-        order = planned_keys(self.regions)
+        order = self.regions.planned()
         name = f"region {order.index(key) + 1 if key in order else len(order) + 1}"
         # each other run in flight (calls_per_step - 1) holds its inputs and parameters, and either what the
         # plan keeps for its backward (before it) or the gradients that backward made (after it)
@@ -404,7 +401,7 @@ class Planner:
         st.solve_s = best.solve_s
         region = codec_ops.new_region() if best.variant.compressed else 0
         st.codec_region = region
-        mark_planned(self.regions, s.key, st)
+        self.regions.mark_planned(s.key, st)
         self.planned_now = best
         return Prepared(offload=bool(best.decisions.swap), region=region, stats=st, model=c.model, key=s.key,
                         held_beside=beside,

@@ -97,7 +97,7 @@ class PlannedSizes:
         self.compiled_at = {str(example_inputs[i]): size_hint(example_inputs[i], planned=False)
                             for i, _, _ in self.at}
         self.fakes = list(fakes)
-        # Dynamo passes a symbolic size as a SymInt; a plan made again outside Dynamo (hybridmem.compile.room)
+        # Dynamo passes a symbolic size as a SymInt; a plan made again outside Dynamo (hybridmem.compile.regions)
         # gets a call's ints, and compiles for that call's sizes
         self.symbolic = any(isinstance(x, torch.SymInt) for x in example_inputs)
 

@@ -47,7 +47,7 @@ class RegionStats:
     trial_peak_bytes: int | None = None
     trial_s: float = 0.0
     replans: int = 0
-    # graph breaks (hybridmem.compile.room): bytes left where its backward begins for the regions compiled after
+    # graph breaks (hybridmem.compile.regions): bytes left where its backward begins for the regions compiled after
     # it, and the times it was planned again at a later call for them
     room_bytes: int = 0
     room_replans: int = 0
