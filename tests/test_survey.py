@@ -125,3 +125,33 @@ def test_without_the_survey_the_cap_holds_even_in_the_failing_step() -> None:
     del e  # its traceback holds the model copy: the next test's budget would count it
     with pytest.raises(ValueError, match="survey: expected true or false"):
         hybridmem.enable(budget="1GiB", config={"plugins": {"survey": "sometimes"}})
+
+
+def test_a_step_with_larger_inputs_names_its_inputs_beside_the_budget() -> None:
+    """Inputs that change size (a batch padded to its own length): the error says which inputs the budget it
+    names was measured on, and that a step with larger ones may need more; that budget trains those inputs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())])
+    sizes = [4, 4, 512]
+    batches = [torch.randn(n, 128) for n in sizes]
+
+    def run(budget: int | None, upto: int) -> int:
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        with hybridmem.session(budget=budget) as s:
+            for x in batches[:upto]:
+                m(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return s.stats().peak_bytes
+
+    small = run(None, 2)                      # the steps on 4 rows
+    assert run(None, 3) > 2 * small           # the step on 512 rows holds far more
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        run(int(small * 1.1), 3)
+    text = str(e.value)
+    assert "It was measured on a step whose inputs were [512, 128]: a step with larger ones" in text, text
+    named = e.value.min_budget_bytes
+    del e
+    gc.collect()
+    assert run(int(named * 1.01), 3) <= int(named * 1.01)

@@ -57,6 +57,7 @@ class StepHooks:
         self._last_random_call = -1          # the module call after which the last random op ran
         self._module: torch.nn.Module | None = None
         self._root_hook: Any = None  # the pre-hook that reads the step's inputs (_watch_inputs)
+        self._shapes: list[torch.Size] = []  # the shapes of the step's inputs (from the second step on)
 
     def _module_called(self, module: torch.nn.Module) -> None:
         """Global module pre-hook (every thread): steps start on the installing thread only."""
@@ -101,6 +102,7 @@ class StepHooks:
 
     def _step_inputs(self, tensors: list[torch.Tensor]) -> None:
         self._pass_size = sum(t.numel() for t in tensors)
+        self._shapes = [t.shape for t in tensors]
         if self.recorder is not None:
             self.recorder.as_inputs(tensors)
         count = self.store.count_external
@@ -197,6 +199,8 @@ class StepHooks:
         survey = self.residency.survey
         if survey is not None:
             survey.steps_ended += 1  # a step over the budget, measured: raised from backward() below
+            if self._shapes:
+                survey.inputs.append(", ".join(str(list(s)) for s in self._shapes))
         steady = self._steady
         if steady is not None:
             self._steady = None

@@ -24,7 +24,7 @@ that fails), naming only a lower bound.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,7 @@ class Survey:
     step_where: str = ""
     steps_ended: int = 0            # steps that ended since it started
     ops: int = 0                    # ops measured
+    inputs: list[str] = field(default_factory=list)  # the shapes of each measured step's inputs, where known
 
     def note(self, need: int, where: str, in_step: bool) -> None:
         if need > self.need:
@@ -75,6 +76,17 @@ class Survey:
             f"{fmt_bytes(need)} ({need} bytes) holds every op of it (the tightest: {self.where}, with everything "
             f"evictable evicted, and {SPARE:.0%} to spare; {self.ops} ops measured). Retry at that budget "
             f"(`min_budget_bytes`); plugins: {{survey: false}} fails at the first op instead, without exceeding "
-            f"the cap. At the first refusal: {resident}")
+            f"the cap.{self._inputs_said()} At the first refusal: {resident}")
         err.min_budget_bytes = need
         return err
+
+    def _inputs_said(self) -> str:
+        """The measured steps' inputs: a step with larger ones (a batch padded to its own length) may need more
+        than the budget named."""
+        if not self.inputs:
+            return ""
+        said = "; then ".join(dict.fromkeys(self.inputs))
+        steps = "a step" if len(self.inputs) == 1 else "steps"
+        return (f" It was measured on {steps} whose inputs were {said}: a step with larger ones (a longer padded "
+                "batch) may need more, and then fails naming its own budget; a first step on the largest batch, "
+                "or padding to one length (pad_to_multiple_of, max_length), gives one budget for every step.")
