@@ -21,7 +21,7 @@ import torch
 import hybridmem.runtime as runtime
 from hybridmem.native import allocconf
 from hybridmem.native.allocconf import EXPANDABLE_SLACK, SavedAllocator, prefer_expandable_segments
-from hybridmem.runtime.device import NativeDevice
+from hybridmem.runtime.native_device import NativeDevice
 from hybridmem.runtime.meter import Meter
 
 MIB = 1 << 20

@@ -10,7 +10,7 @@ tensors) in a folder::
       <digest>.plan.yaml          # one plan per bucket
       <digest>.graph.json         # the graph it was made for (lets the runtime check each stage)
 
-At each step the runtime (:class:`~hybridmem.runtime.buckets.BucketSwitch`, enabled by ``enable(plan=DIR)`` or
+At each step the runtime (:class:`~hybridmem.runtime.planbook_switch.BucketSwitch`, enabled by ``enable(plan=DIR)`` or
 ``HYBRIDMEM_PLAN=DIR``) computes the key of the model's inputs (its ``RootCallWatcher``) before the
 step's first op and asks ``book.lookup(key)``: the bucket's plan, or ``None`` (no plan for that
 shape, or one that cannot be trusted): then the step runs on the online scorer, the shape is named in

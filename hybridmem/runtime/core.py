@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from hybridmem.plugins.base import Policy, get_policy, known_policy_names
 
 from ..graph.planbook import PlanBook, is_book
-from .buckets import BucketSwitch
+from .planbook_switch import BucketSwitch
 from ..config import Config
 from ..devices import cost_model_for, device_budget_bytes, resolve_device
 from .distributed import FsdpStorageSync
@@ -35,7 +35,7 @@ from . import ckpt, current
 from ..native.allocconf import SavedAllocator
 from ..native.cpumeter import load, unavailable_reason
 from .estimate import OutputEstimator
-from .device import cuda_usable, native_device
+from .native_device import cuda_usable, native_device
 from .fixed import FixedMarker
 from .follow import PlanFollower
 from .lineage import OpCost, Recorder
@@ -170,7 +170,7 @@ class Runtime(StepHooks, SteadyControl):
         self.mode: RuntimeMode | None = None
         self._hooks: Any = None
         self._build_monitor(cfg, manages)
-        # The budget caps what the allocator holds, enforced at allocation time (runtime.device).
+        # The budget caps what the allocator holds, enforced at allocation time (runtime.native_device).
         self.native = native_device(self, manages)
         # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey)
         if self.budget is not None and cfg.extra.get("survey", True):

@@ -29,7 +29,7 @@ def live() -> Any:
 def _after_fork_in_child() -> None:
     """A forked child starts unmanaged: its copy of the runtime would count the parent's bytes against
     the parent's budget. The child may enable its own. The release calls no CUDA where the parent had
-    initialised it (``runtime.device``: any CUDA call raises in such a child); whatever else fails in it
+    initialised it (``runtime.native_device``: any CUDA call raises in such a child); whatever else fails in it
     is said once as a warning, and the child goes on unmanaged (an exception here would only reach
     ``sys.unraisablehook`` and stop the release halfway)."""
     global rt, orphan

@@ -157,7 +157,7 @@ class FsdpStorageSync:
         self.active = bool(getattr(meter, "simulated", False))  # re-read sizes (simulated device only)
         self._storages: dict[int, _Resizable] = {}
         # told the bytes of each all-gather's outputs: FSDP allocates them by resize_, which is no op, so
-        # the runtime cannot make room just before; it keeps that much free instead (runtime.device)
+        # the runtime cannot make room just before; it keeps that much free instead (runtime.native_device)
         self.on_gather: Any = None
 
     def after_op(self, func: Any, args: tuple, kwargs: dict) -> None:

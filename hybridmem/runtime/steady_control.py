@@ -48,7 +48,7 @@ class SteadyControl:
     steps: StepTracker
     fixed: FixedMarker
     follower: Any       # PlanFollower | None (runtime.follow)
-    native: Any         # NativeDevice | None (runtime.device)
+    native: Any         # NativeDevice | None (runtime.native_device)
     mode: Any           # RuntimeMode | None (runtime.mode)
     buckets: Any
     _pack: Any
@@ -70,7 +70,7 @@ class SteadyControl:
             # prefetch pays where copies overlap compute (CUDA side streams); on the simulated CPU device it
             # is a synchronous regeneration done early, memory spent for nothing
             self._prefetch_one if self.device.type == "cuda" else None, self.store.claim, self._pack_plain)
-        self._registrable = self.store.registrable  # the allocator's order without a plan (runtime.device)
+        self._registrable = self.store.registrable  # the allocator's order without a plan (runtime.native_device)
         self.plan_recomputes: set[Any] = set()      # program nodes a followed plan recomputes (steady state)
         self.programs = ProgramSet()  # recorded programs by input signature (runtime.programs)
         self.mode_on = False  # the dispatch mode is entered (off during steady-state steps)

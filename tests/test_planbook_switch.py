@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from hybridmem.planbooks import parse_dims, plan_buckets, zoo_factory
 from hybridmem.graph.planbook import BookFormatError, PlanBook, ShapeKey, TensorSpec, is_book
-from hybridmem.runtime.buckets import RootCallWatcher
+from hybridmem.runtime.planbook_switch import RootCallWatcher
 from hybridmem.errors import StalePlanError
 from hybridmem.graph.plan import Action, Plan
 
