@@ -257,7 +257,7 @@ def mlp_with_momentum(batch: int, seq: int) -> tuple:
 def test_factory_optimizer_state_is_in_each_bucket(tmp_path: Path) -> None:
     """A 4-tuple factory's optimizer state (momentum buffers: one parameter's worth) is budgeted."""
 
-    book = plan_buckets("tests.test_buckets:mlp_with_momentum", ["4x16"], "100%", out_dir=tmp_path / "book")
+    book = plan_buckets("tests.test_planbook_switch:mlp_with_momentum", ["4x16"], "100%", out_dir=tmp_path / "book")
     (key,) = book.entries
     graph = book.graph(key)
     assert graph is not None
