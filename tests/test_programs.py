@@ -95,9 +95,12 @@ def test_scaled_steps_are_counted_per_signature_until_it_is_recorded() -> None:
     long = _prog((4, 128), (4, 128))
     ps.add(long)
     short = _sig((4, 64), (4, 64))
-    assert [ps.scaled(short, swap=True) for _ in range(4)] == [long, long, long, None]
-    assert ps.scaled(_sig((4, 256), (4, 256)), swap=True) is None           # longer than any: recorded
-    assert ps.scaled_steps == {short: 3}
+    assert [ps.scaled(short, swap=True, grow=True) for _ in range(4)] == [long, long, long, None]
+    assert ps.scaled(_sig((4, 256), (4, 256)), swap=True, grow=True) is None  # far longer than any: recorded
+    assert ps.scaled(_sig((4, 144), (4, 144)), swap=True, grow=True) is long   # 1.125x longer: followed
+    assert ps.scaled(_sig((4, 152), (4, 152)), swap=True, grow=False) is None  # ... where larger steps may not
+    assert ps.scaled(_sig((4, 152), (4, 152)), swap=False, grow=True) is None  # ... nor without swap
+    assert ps.scaled_steps == {short: 3, _sig((4, 144), (4, 144)): 1}
     long.recomputed = {0}
-    assert ps.scaled(_sig((4, 72), (4, 72)), swap=False) is None            # recomputes, and no swap to stand in
-    assert ps.scaled(_sig((4, 72), (4, 72)), swap=True) is long
+    assert ps.scaled(_sig((4, 72), (4, 72)), swap=False, grow=True) is None  # recomputes, and no swap to stand in
+    assert ps.scaled(_sig((4, 72), (4, 72)), swap=True, grow=True) is long

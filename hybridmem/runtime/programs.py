@@ -112,15 +112,17 @@ class ProgramSet:
                 best = (size, prog)
         return None if best is None else best[1]
 
-    def scaled(self, sig: Signature, swap: bool) -> StepProgram | None:
+    def scaled(self, sig: Signature, swap: bool, grow: bool) -> StepProgram | None:
         """The program a step of ``sig`` (which has none of its own) follows scaled, or None: it is recorded.
         Without ``swap`` a program that recomputed is not followed (what it recomputed could not be evicted
-        at other sizes: its recorded ops carry the recorded ones)."""
+        at other sizes: its recorded ops carry the recorded ones), and no smaller one (swap evicts what a
+        larger step needs beyond it); without ``grow`` no smaller one either."""
         seen = self.scaled_steps.get(sig, 0)
         if seen >= self.costs.follows_before_recording():
             return None
         near = self.covering(sig)
-        if near is None and swap and (below := self.below(sig)) is not None and growth(sig, below) <= GROWTH_FOLLOWED:
+        if near is None and swap and grow and (below := self.below(sig)) is not None \
+                and growth(sig, below) <= GROWTH_FOLLOWED:
             near = below
         if near is not None and near.recomputed and not swap:
             return None

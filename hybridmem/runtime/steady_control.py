@@ -132,7 +132,11 @@ class SteadyControl:
         steady.program.unbind()
         sig = signature_of((t.shape, t.dtype) for t in tensors)
         prog = self.programs.get(sig)
-        if prog is None and (prog := self.programs.scaled(sig, "swap" in self.policies)) is not None:
+        # a larger step than any program only where the recording measured what rose between its hooks (the
+        # CPU allocator's window) and a refusal is let through to recover from (the soft cap): on CUDA a
+        # steady step's refusal is the caching allocator's OOM
+        grow = self._window is not None and self._soft
+        if prog is None and (prog := self.programs.scaled(sig, "swap" in self.policies, grow)) is not None:
             g = growth(sig, prog)
             steady = self._follow(prog, scaled=True)
             steady.sig = sig
