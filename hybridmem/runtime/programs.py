@@ -100,15 +100,22 @@ class ProgramSet:
     def covering(self, sig: Signature) -> StepProgram | None:
         """The program recorded for inputs of the same kinds (count, dtypes, dimensions) that are each at least
         as large as ``sig``'s, the smallest such; None if there is none. A step of ``sig`` holds no more than
-        that program's step did where it evicts the same saves (runtime.steady, ``_pack_scaled``); a step
-        larger than any recorded one is recorded itself, under the dispatch mode, which evicts what it needs."""
+        that program's step did where it evicts the same saves (runtime.steady, ``_pack_scaled``)."""
+        return self._nearest(sig, above=True)
+
+    def below(self, sig: Signature) -> StepProgram | None:
+        """The largest program recorded for inputs of the same kinds each at most as large as ``sig``'s."""
+        return self._nearest(sig, above=False)
+
+    def _nearest(self, sig: Signature, above: bool) -> StepProgram | None:
         best: tuple[int, StepProgram] | None = None
         for other, prog in self.by_signature.items():
-            if len(other) != len(sig) or any(d != od or len(s) != len(os) or any(a > b for a, b in zip(s, os))
+            if len(other) != len(sig) or any(d != od or len(s) != len(os)
+                                             or any((a > b) if above else (a < b) for a, b in zip(s, os))
                                              for (s, d), (os, od) in zip(sig, other)):
                 continue
             size = sum(_numel(os) for os, _ in other)
-            if best is None or size < best[0]:
+            if best is None or (size < best[0] if above else size > best[0]):
                 best = (size, prog)
         return None if best is None else best[1]
 
@@ -135,18 +142,6 @@ class ProgramSet:
     def record_next(self, sig: Signature) -> None:
         """The next step of ``sig`` is recorded (a step of it that followed another program went past the budget)."""
         self.scaled_steps[sig] = FOLLOWS_MOST
-
-    def below(self, sig: Signature) -> StepProgram | None:
-        """The largest program recorded for inputs of the same kinds each at most as large as ``sig``'s."""
-        best: tuple[int, StepProgram] | None = None
-        for other, prog in self.by_signature.items():
-            if len(other) != len(sig) or any(d != od or len(s) != len(os) or any(a < b for a, b in zip(s, os))
-                                             for (s, d), (os, od) in zip(sig, other)):
-                continue
-            size = sum(_numel(os) for os, _ in other)
-            if best is None or size > best[0]:
-                best = (size, prog)
-        return None if best is None else best[1]
 
     def add(self, prog: StepProgram) -> list[StepProgram]:
         """Keep ``prog`` for its signature; returns the programs it displaced (to unbind)."""
