@@ -1,7 +1,7 @@
 """What each piece built around the runtime reads of it, as narrow protocols.
 
 :class:`~.core.Runtime` builds :class:`~.mode.RuntimeMode`, :class:`~.follow.PlanFollower`,
-:class:`~.buckets.BucketSwitch` and :class:`~.device.NativeDevice` and hands each itself; each reads a
+:class:`~.planbook_switch.BucketSwitch` and :class:`~.native_device.NativeDevice` and hands each itself; each reads a
 few of its attributes. The protocols below list exactly those, so that the pieces import nothing from
 core (no import circle) and a test can hand them a small stand-in. A protocol is only a type: the pieces
 read the runtime's attributes directly, as before, at no cost per op. This module imports only the
@@ -42,7 +42,7 @@ class FollowerRuntime(Protocol):
 
 
 class BucketRuntime(FollowerRuntime, Protocol):
-    """What :class:`~.buckets.BucketSwitch` reads and sets: the budget a bucket's plan is looked up by, and
+    """What :class:`~.planbook_switch.BucketSwitch` reads and sets: the budget a bucket's plan is looked up by, and
     the follower of the step about to start (the runtime's and its mode's). It hands the runtime on to the
     followers it makes."""
 
@@ -75,7 +75,7 @@ class ModeRuntime(Protocol):
 
 
 class DeviceRuntime(Protocol):
-    """What :class:`~.device.NativeDevice` and :func:`~.device.native_device` read and wire."""
+    """What :class:`~.native_device.NativeDevice` and :func:`~.native_device.native_device` read and wire."""
 
     cfg: Config
     device: torch.device
