@@ -38,17 +38,13 @@ except ImportError:  # installed layout
 
 
 # ---- the demo --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("quick")
+def test_quick_writes_json_markdown_and_prints_tables_which_report_rerenders(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """One demo run (about 40 s on 2 cores) checked whole, then rendered again by ``hybridmem report``."""
+    out = tmp_path / "quick"
     env = {**os.environ, "HYBRIDMEM_PROGRESS": "0"}
     proc = subprocess.run([sys.executable, "-m", "hybridmem.cli", "bench", "--quick", "-o", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    return proc, out
-
-
-def test_quick_writes_json_markdown_and_prints_tables(quick_run: tuple[subprocess.CompletedProcess, Path]) -> None:
-    proc, out = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = report.load_results(out / "results.json")
     assert data["quick"] is True and data["schema"] == report.SCHEMA
@@ -70,14 +66,10 @@ def test_quick_writes_json_markdown_and_prints_tables(quick_run: tuple[subproces
     else:
         assert "matplotlib is not installed" in proc.stderr
 
-
-def test_report_rerenders_the_quick_run(quick_run: tuple[subprocess.CompletedProcess, Path], tmp_path: Path,
-                                        capsys: pytest.CaptureFixture) -> None:
-    proc, out = quick_run
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert cli_main(["report", str(out / "results.json"), "-o", str(tmp_path)]) == 0
+    again = tmp_path / "again"
+    assert cli_main(["report", str(out / "results.json"), "-o", str(again)]) == 0
     assert "| method" in capsys.readouterr().out
-    assert (tmp_path / "results.md").exists()
+    assert (again / "results.md").exists()
 
 
 # ---- report on a small hand-made file --------------------------------------------------------------
