@@ -196,19 +196,17 @@ class Residency:
         store = self.store
         return [e for e in store.resident.values() if not e.pinned and store.sole_owner(e)]
 
-    def relieve(self, need: int, extra: int = 0, slack: int = 0, min_bytes: int = 0,
-                unregistered: bool = False) -> int:
+    def relieve(self, need: int, extra: int = 0, slack: int = 0, min_bytes: int = 0) -> int:
         """Evict until ``need`` bytes are freed or nothing more can go; returns the bytes freed.
         ``extra``: bytes about to be allocated (for the minimum-budget bound). ``slack``: evict up to
         this much more if it comes with the same victims' order (spares the next ops a scoring pass).
-        ``min_bytes``: only entries at least this large (a block the refused allocation fits in).
-        ``unregistered``: only entries the allocator may not free itself (room counted with those)."""
+        ``min_bytes``: only entries at least this large (a block the refused allocation fits in)."""
         need_min, need = need, need + slack
         freed = 0
         self.store.drain()  # entries the allocator freed are no candidates
         while freed < need:
-            pairs, costs, saves, last, best = self._score_inputs(min_bytes, unregistered)
-            if not min_bytes and not unregistered:  # (best over some candidates only says nothing of the floor)
+            pairs, costs, saves, last, best = self._score_inputs(min_bytes)
+            if not min_bytes:
                 self._raise_floor(self.meter.current_bytes - best + extra)
             if not pairs:
                 break
@@ -261,8 +259,8 @@ class Residency:
             return False
         return c.reserved() > c.allocated()
 
-    def _score_inputs(self, min_bytes: int = 0, unregistered: bool = False
-                      ) -> tuple[list[tuple[Entry, Policy]], np.ndarray, np.ndarray, np.ndarray, int]:
+    def _score_inputs(self, min_bytes: int = 0) -> tuple[list[tuple[Entry, Policy]], np.ndarray, np.ndarray,
+                                                         np.ndarray, int]:
         """Candidates' (entry, policy) pairs, costs, savings and last accesses, plus the sum over
         candidate entries of their best savings (for the floor), in one pass."""
         pairs: list[tuple[Entry, Policy]] = []
@@ -271,7 +269,7 @@ class Residency:
         last: list[float] = []
         best_total = 0
         for e in self.candidates():
-            if e.nbytes < min_bytes or (unregistered and e.registered):
+            if e.nbytes < min_bytes:
                 continue
             best = 0
             for p, cost, save in self._offers(e):

@@ -136,7 +136,6 @@ class SavedStore:
         self.registrable: Callable[[Entry], float | None] = _never
         self.dropped: Callable[[Entry], None] = _nothing
         self.registered: dict[int, Entry] = {}
-        self.registered_bytes = 0  # of those entries: what the allocator may free at allocation time
         self.registrations = 0  # entries ever registered (the steady state asks whether a step came near)
         self.pending: dict[int, Entry] = {}  # entries made since the last register_pending()
         # the native device counts a saved storage from before it was installed (the first batch), and
@@ -329,7 +328,6 @@ class SavedStore:
             e.registered = True
             e.priority = priority
             self.registered[e.uid] = e
-            self.registered_bytes += e.nbytes
             self.registrations += 1
 
     def register_pending(self) -> None:
@@ -357,8 +355,7 @@ class SavedStore:
         if not e.registered:
             return e.tensor is not None
         e.registered = False
-        if self.registered.pop(e.uid, None) is not None:
-            self.registered_bytes -= e.nbytes
+        self.registered.pop(e.uid, None)
         if self.native.claim(e.uid) == 0:
             self.dropped(e)
             return False

@@ -267,17 +267,10 @@ class SteadyControl:
             store.register_pending()
         room = steady.headroom if steady is not None else 0
         if free < room and not self.plan_recomputes:  # a followed plan's order is the allocator's (planned_first)
-            store.drain()  # what the allocator freed since is free already
-            # what the allocator frees itself when an op needs it (registered entries) is room too: evicting
-            # it here, ahead of need, costs a rebuild each, and leaves the room as short as before (near the
-            # floor such steps rebuilt at every save and read)
-            short = room - free - store.registered_bytes
-            if short <= 0:
-                return
             soft = self._soft_on  # evicting may allocate (an encoding): the runtime's own work is never let through
             if soft:
                 self._soften(False)
-            self.residency.relieve(short, unregistered=True)
+            self.residency.relieve(room - free)
             if soft:
                 self._soften(True)
 
