@@ -20,7 +20,6 @@ from hybridmem.native import cpumeter
 from hybridmem.runtime import current
 from hybridmem.runtime.programs import PassCosts
 from tests.helpers.runtime import in_fresh_process
-from hybridmem.zoo import build
 from tests.helpers.steady import (budget_run as _budget_run, monitor_peak as _monitor_peak,
                                   recompute_stats as _rc, steady_real_bytes as _steady_real_bytes,
                                   train_steps as _train, zoo_batches as _zoo)
@@ -53,18 +52,12 @@ def test_near_the_floor_a_steady_step_rebuilds_about_what_its_recording_did(cut:
     """Near the least budget (ResNet-50 at batch 2, 32 px: 5 % and 10 % under the watched peak) a steady step
     should rebuild about what its recorded step did. Today it rebuilds 1,430 and 2,433 tensors a step where
     the recording rebuilt 8 and 20 (26x the unmanaged step's time at 5 % under)."""
-    e = build("resnet50", "tiny", seed=0)
-    args, kwargs = e.args_kwargs()
-    batches = [tuple(args)] * 6
-
-    def loss_fn(model: nn.Module, *a: Any) -> torch.Tensor:
-        return e.loss_fn(model(*a, **kwargs))
-
-    ref, _ = _train(e.model, batches, loss_fn)
-    peak, saved = _monitor_peak(e.model, batches, loss_fn)
+    model, batches, loss_fn = _zoo("resnet50", steps=6, size="tiny")
+    ref, _ = _train(model, batches, loss_fn)
+    peak, saved = _monitor_peak(model, batches, loss_fn)
     budget = int(peak - cut * saved)
     per: list[Any] = []
-    got, st = _train(e.model, batches, loss_fn, per_step=lambda i, s: per.append(s),
+    got, st = _train(model, batches, loss_fn, per_step=lambda i, s: per.append(s),
                      session={"budget": budget, "policies": ("recompute",)})
     assert got == ref
     assert st.peak_bytes <= budget and st.cap_overruns == 0, st

@@ -169,8 +169,6 @@ def native_device(rt: DeviceRuntime, manages: bool) -> NativeDevice | None:
     return NativeDevice(native, rt)
 
 
-
-
 def _registrable(policy: Any, hints: PolicyHints) -> Any:
     """Which new entries the allocator may free (recompute can rebuild them), cheapest per byte first."""
     fused = hints.registration_cost

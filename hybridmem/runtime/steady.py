@@ -75,12 +75,13 @@ class SteadyParts:
 class SteadyStep:
     """The pack hook of one steady-state step, and what its unpacks do (see the module docstring)."""
 
-    def __init__(self, program: StepProgram, parts: SteadyParts, scaled: bool = False, swap: bool = False):
+    def __init__(self, program: StepProgram, parts: SteadyParts, sig: Any = None, swap: bool = False,
+                 headroom: int | None = None):
         self.program = program
-        self.scaled = scaled              # followed at other sizes than recorded (another sequence length, batch)
+        self.sig = sig                    # a scaled step's own input signature (None: the program's)
+        self.scaled = sig is not None     # followed at other sizes than recorded (another sequence length, batch)
         self.swap = swap                  # swap may stand in for what the recorded step recomputed
-        self.headroom = program.headroom  # kept free after each save and read
-        self.sig: Any = None              # a scaled step's own input signature
+        self.headroom = program.headroom if headroom is None else headroom  # kept free after each save and read
         self.saves = program.saves
         self.parts = parts
         self.register = True  # new entries are registered with the allocator at once (freed only when needed)

@@ -138,10 +138,9 @@ class SteadyControl:
         grow = self._window is not None and self._soft
         if prog is None and (prog := self.programs.scaled(sig, "swap" in self.policies, grow)) is not None:
             g = growth(sig, prog)
-            steady = self._follow(prog, scaled=True)
-            steady.sig = sig
-            if g > 1:  # what rose between two hooks, grown with the sizes (attention's grows with their square)
-                steady.headroom = int(prog.gross_headroom * g * g)
+            # grown past its program: what rose between two hooks, grown with the sizes (attention's with their
+            # square)
+            self._follow(prog, sig, int(prog.gross_headroom * g * g) if g > 1 else None)
             self._note_shapes()
             return
         if prog is not None:
@@ -164,11 +163,12 @@ class SteadyControl:
                         "one, or of a smaller one it exceeds by at most 1.25x, swapping what it recomputed, until "
                         "that has cost more than recording its own; a larger one is recorded at once)")
 
-    def _follow(self, prog: StepProgram, scaled: bool = False) -> SteadyStep:
-        """Run the step that starts in the steady state, following ``prog``."""
+    def _follow(self, prog: StepProgram, sig: Any = None, headroom: int | None = None) -> SteadyStep:
+        """Run the step that starts in the steady state, following ``prog`` (scaled, for inputs of signature
+        ``sig``, where that is not the program's; keeping ``headroom`` free, where not the program's)."""
         prog.start_step()
-        self._steady = steady = SteadyStep(prog, self._steady_parts, scaled=scaled,
-                                           swap=scaled and "swap" in self.policies)
+        self._steady = steady = SteadyStep(prog, self._steady_parts, sig=sig,
+                                           swap=sig is not None and "swap" in self.policies, headroom=headroom)
         self._packfn = steady
         if self._soft:
             self._soften(True)

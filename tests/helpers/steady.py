@@ -55,8 +55,9 @@ def monitor_peak(model: nn.Module, batches: list[tuple], loss_fn: Callable[..., 
     return st.peak_bytes, st.saved_bytes
 
 
-def zoo_batches(name: str, steps: int = 4) -> tuple[nn.Module, list[tuple], Callable[..., torch.Tensor]]:
-    e = build(name, "small", seed=0)
+def zoo_batches(name: str, steps: int = 4, size: str = "small") -> tuple[nn.Module, list[tuple],
+                                                                         Callable[..., torch.Tensor]]:
+    e = build(name, size, seed=0)
     args, kwargs = e.args_kwargs()
 
     def loss_fn(model: nn.Module, *a: Any) -> torch.Tensor:
