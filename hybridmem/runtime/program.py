@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .lineage import FixedRef, GenState, Node, NodeRef
+from .rises import Room
 
 Tensor = torch.Tensor
 RNG_REASON = "it draws random numbers (replayed with recorded RNG states only in steps run under the dispatch mode)"
@@ -188,10 +189,7 @@ class ProgramRecorder:
                 at.setdefault(where[0], (where[1], []))[1].append(rec)
         prog = StepProgram(self.saves, nodes, refresh, fixed, temporaries, at)
         prog.inputs, prog.input_shapes = inputs, self.input_shapes
-        first: dict[int, int] = {}  # entry uid -> the first ordinal that saved it
-        for k, uid in enumerate(self.uids):
-            if uid >= 0 and uid not in first:
-                first[uid] = k
+        first = self.first_ordinals()
         prog.offload = {first[u]: p for u, p in self.first_policy.items() if p != "recompute" and u in first}
         prog.recomputed = {first[u] for u, p in self.first_policy.items() if p == "recompute" and u in first}
         prog.codecs = {first[u]: c for u, c in self.codecs.items() if u in first}
@@ -199,6 +197,14 @@ class ProgramRecorder:
         prog.reads = [first[u] for u in self.read_uids if u in first]
         prog.read_at = {k: i for i, k in enumerate(prog.reads)}
         return prog
+
+    def first_ordinals(self) -> dict[int, int]:
+        """Entry uid -> the first ordinal that saved it."""
+        first: dict[int, int] = {}
+        for k, uid in enumerate(self.uids):
+            if uid >= 0 and uid not in first:
+                first[uid] = k
+        return first
 
     def _classify(self, r: FixedRef, persistent: set[int], refresh: list[tuple[FixedRef, int]],
                   temporaries: list[FixedRef], inputs: list[list[tuple[FixedRef, int]]]) -> None:
@@ -281,6 +287,7 @@ class StepProgram:
         self.pressure = False           # the recorded step came near its budget
         self.headroom = 0               # bytes kept free after each save and read (the most an op needed)
         self.gross_headroom = 0         # the same, with what the dispatch mode evicted in between added back
+        self.room: Room | None = None   # the same per save and read, where it was measured (runtime.rises)
         # per tensor argument of the step's first module call: the references bound to it, and its signature
         self.inputs: list[list[tuple[FixedRef, int]]] = []
         self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []

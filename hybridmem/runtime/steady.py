@@ -76,12 +76,18 @@ class SteadyStep:
     """The pack hook of one steady-state step, and what its unpacks do (see the module docstring)."""
 
     def __init__(self, program: StepProgram, parts: SteadyParts, sig: Any = None, swap: bool = False,
-                 headroom: int | None = None):
+                 grow: float = 1.0):
         self.program = program
         self.sig = sig                    # a scaled step's own input signature (None: the program's)
         self.scaled = sig is not None     # followed at other sizes than recorded (another sequence length, batch)
         self.swap = swap                  # swap may stand in for what the recorded step recomputed
-        self.headroom = program.headroom if headroom is None else headroom  # kept free after each save and read
+        # kept free after each save and read: what the recorded step rose until its next one (runtime.rises),
+        # with what its dispatch mode evicted added back and grown with the sizes where they are larger
+        self.grow = grow
+        self.gross = grow > 1
+        self.headroom = int(program.gross_headroom * grow) if self.gross else program.headroom
+        self.room = program.room
+        self.room_now = self.headroom
         self.saves = program.saves
         self.parts = parts
         self.register = True  # new entries are registered with the allocator at once (freed only when needed)
@@ -158,6 +164,10 @@ class SteadyStep:
             self.held.append(e)
 
     def _after_pack(self, h: Any) -> Any:
+        room = self.room
+        if room is not None:
+            k = self.k - 1
+            self._room(room.after_save[k] if k < len(room.after_save) else None)
         if self.deferred:
             self._compress_deferred()
         if self.held:
@@ -185,6 +195,13 @@ class SteadyStep:
                 self.ordinal_of[e.uid] = k
                 self._evict_at_pack(k, e, policy)
         return self._after_pack(h)
+
+    def _room(self, rise: tuple[int, int] | None) -> None:
+        """What to keep free until the next save or read: ``rise`` (None: not measured there, the most)."""
+        if rise is None:
+            self.room_now = self.headroom
+        else:
+            self.room_now = int(rise[1] * self.grow) if self.gross else rise[0]
 
     def _check_writes(self) -> None:
         """Note the entries evicted at pack whose tensor was written in place since (unpack refuses them);
@@ -275,6 +292,8 @@ class SteadyStep:
             if last.tensor is not None and last.refs > 0:
                 self.parts.offload(last, self.offload[self.ordinal_of[last.uid]])
         k = self.ordinal_of.get(e.uid)
+        if self.room is not None and k is not None:
+            self._room(self.room.after_read.get(k))
         if k is not None and k in self.program.again:
             self.again = e
         prefetch = self.parts.prefetch

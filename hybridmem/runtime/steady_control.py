@@ -24,6 +24,7 @@ from .meter import Meter
 from .program import ProgramRecorder, StepProgram
 from .programs import ProgramSet, growth, signature_of
 from .residency import Residency
+from .rises import RiseRecorder
 from .saved import REGISTER_BELOW, Saved, SavedStore
 from .steady import SteadyParts, SteadyStep
 from .stats import StatsRecorder
@@ -77,8 +78,7 @@ class SteadyControl:
         self._below: Any = None  # the dispatch mode under this runtime's when it left it for the steady state
         # the native CPU meter's peak window: how far the bytes rose between saves and reads of a recording
         self._window = self.native.native if self.native is not None and self.device.type == "cpu" else None
-        self._gap_base, self._gap_most = -1, 0
-        self._gross_most, self._evicted_base = 0, 0
+        self._rises: RiseRecorder | None = None  # what rose between the recording's saves and reads
         self._program_rec: ProgramRecorder | None = None
         self._steady: SteadyStep | None = None
         self._packfn: Any = self._pack
@@ -140,7 +140,7 @@ class SteadyControl:
             g = growth(sig, prog)
             # grown past its program: what rose between two hooks, grown with the sizes (attention's with their
             # square)
-            self._follow(prog, sig, int(prog.gross_headroom * g * g) if g > 1 else None)
+            self._follow(prog, sig, g * g)
             self._note_shapes()
             return
         if prog is not None:
@@ -163,12 +163,12 @@ class SteadyControl:
                         "one, or of a smaller one it exceeds by at most 1.25x, swapping what it recomputed, until "
                         "that has cost more than recording its own; a larger one is recorded at once)")
 
-    def _follow(self, prog: StepProgram, sig: Any = None, headroom: int | None = None) -> SteadyStep:
+    def _follow(self, prog: StepProgram, sig: Any = None, grow: float = 1.0) -> SteadyStep:
         """Run the step that starts in the steady state, following ``prog`` (scaled, for inputs of signature
-        ``sig``, where that is not the program's; keeping ``headroom`` free, where not the program's)."""
+        ``sig``, where that is not the program's, and ``grow`` times the room it rose by where larger)."""
         prog.start_step()
         self._steady = steady = SteadyStep(prog, self._steady_parts, sig=sig,
-                                           swap=sig is not None and "swap" in self.policies, headroom=headroom)
+                                           swap=sig is not None and "swap" in self.policies, grow=grow)
         self._packfn = steady
         if self._soft:
             self._soften(True)
@@ -215,27 +215,24 @@ class SteadyControl:
         self.programs.costs.add(regime, time.perf_counter() - self._pass_started, size)
 
     def _pack_recording(self, t: torch.Tensor) -> Any:
-        self._gap()
+        rises = self._measuring()
+        if rises is not None:
+            rises.close()
         h = self._pack(t)
         rec = self._program_rec
         if rec is not None:
             rec.saved(t, h.entry if type(h) is Saved else None)
+            if rises is not None:
+                rises.open(False, len(rec.saves) - 1)
         return h
 
-    def _gap(self) -> None:
-        """In a recording step, at each save and read: the most the allocator's bytes rose between two of them
-        (what a steady step, which sees only saves and reads, keeps free after each: ``headroom``)."""
-        window = self._window
-        if window is None or self.residency.survey is not None:  # the survey reads the same window
-            return
-        peak = window.window_peak
-        evicted = sum(p.evicted_bytes for p in self.stats.policies.values())
-        if self._gap_base >= 0:
-            self._gap_most = max(self._gap_most, peak - self._gap_base)
-            # what a step without the dispatch mode would allocate there: the dispatch mode evicted in between
-            self._gross_most = max(self._gross_most, peak - self._gap_base + evicted - self._evicted_base)
-        window.window_reset()
-        self._gap_base, self._evicted_base = self.meter.current_bytes, evicted
+    def _measuring(self) -> RiseRecorder | None:
+        """What measures the recording's rises between saves and reads (runtime.rises), unless a survey reads
+        the same window now."""
+        return self._rises if self.residency.survey is None else None
+
+    def _evicted_bytes(self) -> int:
+        return sum(p.evicted_bytes for p in self.stats.policies.values())
 
     def _bind(self, node: Any, st: torch.UntypedStorage) -> Any:
         slot = self.produced.add(st)
@@ -265,7 +262,7 @@ class SteadyControl:
             free = budget - self.meter.current_bytes
         if store.pending and ((steady is not None and steady.program.pressure) or free < budget // REGISTER_BELOW):
             store.register_pending()
-        room = steady.headroom if steady is not None else 0
+        room = steady.room_now if steady is not None else 0
         if free < room and not self.plan_recomputes:  # a followed plan's order is the allocator's (planned_first)
             soft = self._soft_on  # evicting may allocate (an encoding): the runtime's own work is never let through
             if soft:
@@ -331,8 +328,14 @@ class SteadyControl:
             return
         prog.stages, prog.pressure = stages, pressure
         if self.mode is not None:
-            prog.headroom = max(self.mode.most_new, self._gap_most) + self.residency.reserve
-            prog.gross_headroom = max(self.mode.most_new, self._gross_most) + self.residency.reserve
+            reserve = self.residency.reserve
+            rises = self._rises
+            most = (0, 0) if rises is None else rises.most
+            prog.headroom = max(self.mode.most_new, most[0]) + reserve
+            prog.gross_headroom = max(self.mode.most_new, most[1]) + reserve
+            if rises is not None:
+                prog.room = rises.room(len(prog.saves), rec.first_ordinals(), reserve)
+        self._rises = None
         for old in self.programs.add(prog):
             old.unbind()
         self.stats.programs = self.programs.recorded
@@ -425,7 +428,7 @@ class SteadyControl:
         self.residency.on_evicted = rec.evicted_entry
         if self.mode is not None:
             self.mode.most_new = 0
-        self._gap_base, self._gap_most, self._gross_most = -1, 0, 0
+        self._rises = RiseRecorder(self._window, self._evicted_bytes) if self._window is not None else None
 
 
 def planned_first(registrable: Any, recomputed: set[Any]) -> Any:
