@@ -3,10 +3,10 @@
 A steady step runs no hook around its ops, only at saves and reads (:mod:`.steady`). After each it keeps
 free what the ops up to the next one need, evicting where the allocator alone could not free it. The
 recording measures that per position, from the native CPU meter's peak window: from the end of each save
-(by its ordinal) or read (by the ordinal of the save it reads) to the start of the next save or read, the
-most the allocator's bytes rose. A read's own rebuild is left out: a steady step's rebuild makes its own
-room. Where one number serves every position, the largest is kept free everywhere, and near the budget
-each save then evicts for the step's largest op: backward rebuilds what a recording kept.
+(by its ordinal) or read (by the ordinal of the save it reads) to the end of the next one, the most the
+allocator's bytes rose (the next read's rebuild included: near the least budget nothing may be left to
+evict for it there). Where one number serves every position, the largest is kept free everywhere, and near
+the budget each save then evicts for the step's largest op: backward rebuilds what a recording kept.
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ class Room:
 
 
 class RiseRecorder:
-    """Measures :class:`Room` during a recording step: ``close()`` before each save and read, ``open()``
-    after it. ``window``: the native CPU meter (``window_peak``, ``window_reset``, ``current_bytes``);
+    """Measures :class:`Room` during a recording step: :meth:`mark` after each save and read. ``window``: the native CPU meter (``window_peak``, ``window_reset``, ``current_bytes``);
     ``evicted()``: the bytes every policy has evicted so far."""
 
     def __init__(self, window: Any, evicted: Callable[[], int]):
@@ -42,6 +41,14 @@ class RiseRecorder:
         self.saves: dict[int, Rise] = {}  # save ordinal -> its rise
         self.reads: dict[int, Rise] = {}  # uid of the entry read -> its rise (ordinals at the step's end)
         self.most: Rise = (0, 0)
+
+    def mark(self, read: bool, key: int) -> None:
+        """Save ``key`` (its ordinal) or the read of entry ``key`` (its uid) is done: the interval the last one
+        opened ends, and one starts."""
+        self.close()
+        self.window.window_reset()
+        self.base, self.evicted_base = self.window.current_bytes, self.evicted()
+        self.key = (read, key)
 
     def close(self) -> None:
         """The interval opened by the last save or read ends here."""
@@ -56,12 +63,6 @@ class RiseRecorder:
         # a storage read twice: the larger room serves both reads
         into[key] = rise if got is None else (max(got[0], rise[0]), max(got[1], rise[1]))
         self.base = -1
-
-    def open(self, read: bool, key: int) -> None:
-        """After save ``key`` (its ordinal) or the read of entry ``key`` (its uid): an interval starts."""
-        self.window.window_reset()
-        self.base, self.evicted_base = self.window.current_bytes, self.evicted()
-        self.key = (read, key)
 
     def room(self, saves: int, first: dict[int, int], extra: int) -> Room:
         """The room of a recorded step of ``saves`` packs. ``first``: entry uid -> the first ordinal that

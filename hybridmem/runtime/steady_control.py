@@ -215,15 +215,13 @@ class SteadyControl:
         self.programs.costs.add(regime, time.perf_counter() - self._pass_started, size)
 
     def _pack_recording(self, t: torch.Tensor) -> Any:
-        rises = self._measuring()
-        if rises is not None:
-            rises.close()
         h = self._pack(t)
         rec = self._program_rec
         if rec is not None:
             rec.saved(t, h.entry if type(h) is Saved else None)
+            rises = self._measuring()
             if rises is not None:
-                rises.open(False, len(rec.saves) - 1)
+                rises.mark(False, len(rec.saves) - 1)
         return h
 
     def _measuring(self) -> RiseRecorder | None:

@@ -164,14 +164,11 @@ class StepHooks:
             self._steady_after()  # what this read rebuilt may be freed for the op reading it; room for that op
             return t
         if self._program_rec is not None and type(h) is Saved:
-            rises = self._measuring()
-            if rises is None:
-                self._program_rec.read(h.entry)
-                return self.store.unpack(h)
-            rises.close()
             self._program_rec.read(h.entry)
             t = self.store.unpack(h)
-            rises.open(True, h.entry.uid)  # the read's own rebuild is left out: a steady step's makes room
+            rises = self._measuring()
+            if rises is not None:
+                rises.mark(True, h.entry.uid)
             return t
         return self.store.unpack(h)
 
