@@ -28,7 +28,7 @@ class RecomputePolicy:
     name = "recompute"
     lossless = True
     # metered: its regeneration runs ordinary ops, which the dispatch mode meters and caps one by one (in a
-    # steady-state step the native allocator device caps them: runtime.mode.metered). dynamic_cost: the
+    # steady-state step the native allocator device caps them: runtime.dispatch_mode.metered). dynamic_cost: the
     # chain a recomputation triggers changes as other entries are evicted.
     hints = PolicyHints(metered=True, dynamic_cost=True)
 

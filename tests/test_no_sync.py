@@ -22,7 +22,7 @@ from hybridmem.plugins.compress import CompressPolicy
 from hybridmem.native import cpumeter
 from hybridmem.runtime.entry import Entry
 from hybridmem.runtime.meter import Meter
-from hybridmem.runtime.mode import RuntimeMode
+from hybridmem.runtime.dispatch_mode import RuntimeMode
 from hybridmem.zoo import build
 from tests.helpers.syncs import SyncCounter
 

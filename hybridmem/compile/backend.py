@@ -40,7 +40,7 @@ from . import codec_ops, fit
 from .compressed import rewrite_partition
 from .copies import reload_timing, stream_ops_work
 from .defaults import saved_bytes
-from .heap import frozen_heap
+from .gc_freeze import frozen_heap
 from .measured import StepPeak
 from . import offload as offload_mod
 from .planner import PlanOptions, Planner
@@ -97,7 +97,7 @@ class _Partitioner:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         with contextlib.ExitStack() as stack:
-            stack.enter_context(frozen_heap())     # planning and the partition: hybridmem.compile.heap
+            stack.enter_context(frozen_heap())     # planning and the partition: hybridmem.compile.gc_freeze
             b = self.backend
             prep = b.planner.prepare(gm, joint_inputs, kwargs, b._current, b._dev or torch.device("cpu"), b._examples)
             if prep.offload and stream_ops_work():
@@ -330,7 +330,7 @@ class CompileBackend:
     def _held_as_partitioned(self, prep: Prepared, fw: fx.GraphModule, bw: fx.GraphModule) -> None:
         """What region ``prep.key`` holds through its backward, by the tensors its partition's backward reads
         from its forward (:func:`~hybridmem.compile.defaults.saved_bytes`) rather than by the plan's count: the
-        partition recomputes some of what a plan keeps (:mod:`hybridmem.compile.realized`), and the regions
+        partition recomputes some of what a plan keeps (:mod:`hybridmem.compile.partition_peak`), and the regions
         compiled after it plan beside what it really keeps."""
         dev = self._dev or torch.device("cpu")
         saved = saved_bytes(fw, bw, dev)

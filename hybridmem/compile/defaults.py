@@ -23,7 +23,7 @@ __all__ = ["saved_by_partition", "saved_bytes"]
 def saved_by_partition(gm: fx.GraphModule, joint_inputs: Any, kwargs: dict[str, Any]) -> set[fx.Node] | None:
     """The nodes of ``gm``'s forward whose values PyTorch's partition of a copy of ``gm``, under the
     checkpoint tags ``gm`` carries (none of a plan: PyTorch's own choice; a plan's:
-    :func:`hybridmem.compile.realized.realized_peak`), saves for the backward; None if that partition
+    :func:`hybridmem.compile.partition_peak.realized_peak`), saves for the backward; None if that partition
     fails (the count then keeps every value the backward reads). ``joint_inputs``, ``kwargs``: what
     AOTAutograd passes to the partition function. ``gm`` has been through the partitioner's common
     subexpression elimination already (the backend runs it first, so that its tags land on the nodes the

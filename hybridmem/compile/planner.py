@@ -24,7 +24,7 @@ from .copies import cheaper, no_swap, overlap
 from .defaults import saved_by_partition
 from .joint import concatenates_feature_maps, has_convolution, joint_graph
 from .partition import Decisions, apply_plan, decisions
-from .realized import realized_peak
+from .partition_peak import realized_peak
 from .regions import Key, Regions, reserve
 from .scratch import inductor_channels_last, measure_scratch
 from .stats import RegionStats

@@ -33,7 +33,7 @@ def least_planned(solve: Solve, variants: list[Variant], model: Any) -> int | No
 
 def plan_realized(solve: Solve, g: Any, share: int, model: Any, judge: Any) -> tuple[Any, int]:
     """A plan that fits ``share`` by its count or by its peak as PyTorch's partition runs it (``judge``:
-    :func:`~hybridmem.compile.realized.realized_peak`). The partition recomputes some of what a plan
+    :func:`~hybridmem.compile.partition_peak.realized_peak`). The partition recomputes some of what a plan
     keeps, so a plan for a budget above ``share`` may fit it as partitioned, and recomputes less. The
     plan at ``share`` (or, where the count has none, at the least budget it has one for) is taken
     where it fits; where that leaves :data:`tuning.REALIZED_HEADROOM` of ``share`` free, a bisection above it

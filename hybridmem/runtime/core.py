@@ -30,20 +30,20 @@ from ..errors import UnknownNameError
 from .meter import Meter
 from ..graph.units import fmt_bytes, parse_bytes
 from ..graph.plan import Plan
-from .ledger import TensorLog
+from .decision_log import TensorLog
 from . import ckpt, current
 from ..native.allocconf import SavedAllocator
 from ..native.cpumeter import load, unavailable_reason
 from .estimate import OutputEstimator
 from .native_device import cuda_usable, native_device
-from .fixed import FixedMarker
+from .module_state import FixedMarker
 from .follow import PlanFollower
 from .lineage import OpCost, Recorder
 from .replay import Replayer
-from .mode import RuntimeMode
+from .dispatch_mode import RuntimeMode
 from .monitor import NOTE as MONITOR_NOTE, NOTE_CUDA as MONITOR_NOTE_CUDA, AllocatorMonitor, CudaAllocatorView
 from .prefetch import Prefetcher
-from .produced import ProducedTable
+from .activations import ProducedTable
 from .program import StepProgram
 from .residency import NoMode, Residency
 from .saved import SavedStore

@@ -1,5 +1,5 @@
 """What the runtime needs to know about one op, computed once and cached by ``id(func)`` (hashing an
-``OpOverload`` runs Python): read per op by the dispatch mode (:mod:`.mode`) and the plan follower
+``OpOverload`` runs Python): read per op by the dispatch mode (:mod:`.dispatch_mode`) and the plan follower
 (:mod:`.follow`)."""
 from __future__ import annotations
 

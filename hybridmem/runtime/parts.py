@@ -21,7 +21,7 @@ from .estimate import OutputEstimator
 from .lineage import Recorder
 from .meter import Meter
 from .prefetch import Prefetcher
-from .produced import ProducedTable
+from .activations import ProducedTable
 from .residency import Residency
 from .saved import SavedStore
 from .stats import StatsRecorder

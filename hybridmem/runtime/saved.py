@@ -35,7 +35,7 @@ from .entry import Entry, new_entry
 from .distributed import is_parameter_view, is_traceable_wrapper_subclass
 from .lineage import View
 from .replay import flat
-from .produced import ProducedTable
+from .activations import ProducedTable
 from .stats import StatsRecorder
 from .steps import Clock
 

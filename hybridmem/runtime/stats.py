@@ -53,7 +53,7 @@ class Stats:
     optimizer_steps: int = 0            # training steps as the user counts them: optimizer steps after a backward
     programs: int = 0                   # step programs recorded (one per input shape: runtime.programs)
     step_seconds: float | None = None   # mean wall time of the completed steps (forward + backward)
-    tensors: tuple[dict[str, Any], ...] = ()  # evictions, one record each (hybridmem.runtime.ledger.TensorLog)
+    tensors: tuple[dict[str, Any], ...] = ()  # evictions, one record each (hybridmem.runtime.decision_log.TensorLog)
 
     @property
     def evicted_bytes(self) -> int:
@@ -127,7 +127,7 @@ class StatsRecorder:
     plan: str = "none"
     plan_note: str = ""
     notes: list[str] = field(default_factory=list)
-    tensor_log: Any = None              # hybridmem.runtime.ledger.TensorLog, or None
+    tensor_log: Any = None              # hybridmem.runtime.decision_log.TensorLog, or None
     step_time: float = 0.0              # wall seconds of the completed steps
     step_t0: float | None = None
 

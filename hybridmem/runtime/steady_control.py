@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..config import Config
 from ..graph.units import fmt_bytes
 from .entry import Entry
-from .fixed import FixedMarker
+from .module_state import FixedMarker
 from .meter import Meter
 from .program import ProgramRecorder, StepProgram
 from .programs import ProgramSet, growth, signature_of
@@ -50,7 +50,7 @@ class SteadyControl:
     fixed: FixedMarker
     follower: Any       # PlanFollower | None (runtime.follow)
     native: Any         # NativeDevice | None (runtime.native_device)
-    mode: Any           # RuntimeMode | None (runtime.mode)
+    mode: Any           # RuntimeMode | None (runtime.dispatch_mode)
     buckets: Any
     _pack: Any
     _module: torch.nn.Module | None

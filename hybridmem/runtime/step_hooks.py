@@ -19,9 +19,9 @@ from ..graph.optstate import optimizer_state
 from ..graph.outputs import storage_of
 from ..native.capture import capturing
 from .estimate import OutputEstimator
-from .fixed import FixedMarker
+from .module_state import FixedMarker
 from .meter import Meter
-from .produced import ProducedTable
+from .activations import ProducedTable
 from .residency import Residency
 from .rng import rng_state
 from .saved import Saved, SavedStore
@@ -45,7 +45,7 @@ class StepHooks:
     follower: Any       # PlanFollower | None (runtime.follow)
     estimator: OutputEstimator
     owner: OwnerThread
-    mode: Any           # RuntimeMode | None (runtime.mode)
+    mode: Any           # RuntimeMode | None (runtime.dispatch_mode)
     recorder: Any
     prefetcher: Any
     buckets: Any

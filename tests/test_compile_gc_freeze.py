@@ -1,10 +1,10 @@
-"""Planning a compiled region runs with the heap from before it frozen (hybridmem.compile.heap)."""
+"""Planning a compiled region runs with the heap from before it frozen (hybridmem.compile.gc_freeze)."""
 import gc
 import weakref
 
 import pytest
 
-from hybridmem.compile.heap import frozen_heap
+from hybridmem.compile.gc_freeze import frozen_heap
 
 
 class _Cycle:

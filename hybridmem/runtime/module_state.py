@@ -25,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..graph.stepparts import optimizers_of
 from .meter import Meter
-from .produced import ProducedTable
+from .activations import ProducedTable
 
 
 class FixedMarker:
