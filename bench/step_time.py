@@ -22,7 +22,7 @@ import hybridmem
 from hybridmem import solvers
 from hybridmem.errors import BudgetInfeasibleError
 from hybridmem.graph.costs import apply_costs, planning_model
-from hybridmem.runtime.core import Runtime
+from hybridmem.runtime.compose import Runtime
 from hybridmem.runtime.replay import Replayer
 from hybridmem.zoo import MODELS, build
 

@@ -135,8 +135,8 @@ def test_a_type_only_back_edge_is_a_cycle(tmp_path: Path) -> None:
     """The check above can fail: an ``if TYPE_CHECKING:`` import back to core closes a cycle it finds."""
     known = modules()
     mode = tmp_path / "dispatch_mode.py"
-    mode.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .core import Runtime\n")
+    mode.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .compose import Runtime\n")
     graph = import_graph()
     graph["hybridmem.runtime.dispatch_mode"] = imported("hybridmem.runtime.dispatch_mode", mode, known)
-    assert graph["hybridmem.runtime.dispatch_mode"] == {"hybridmem.runtime.core"}
-    assert ("hybridmem.runtime.dispatch_mode", "hybridmem.runtime.core") in cycle_edges(graph)
+    assert graph["hybridmem.runtime.dispatch_mode"] == {"hybridmem.runtime.compose"}
+    assert ("hybridmem.runtime.dispatch_mode", "hybridmem.runtime.compose") in cycle_edges(graph)

@@ -209,7 +209,7 @@ def test_startup_hook_imports_only_the_standard_library_before_torch() -> None:
 @pytest.mark.parametrize("command", [
     ["-m", "hybridmem.cli", "run", "train.py"],             # hybridmem run: the CLI's imports bring torch in
     ["-c", "import hybridmem.solvers, torch, hybridmem; print('enabled', hybridmem.enabled())"],
-    ["-c", "import hybridmem.runtime.core, torch, hybridmem; print('enabled', hybridmem.enabled())"],
+    ["-c", "import hybridmem.runtime.compose, torch, hybridmem; print('enabled', hybridmem.enabled())"],
 ])
 def test_torch_imported_by_hybridmem_enables_after_that_import(tmp_path: Path, command: list[str]) -> None:
     # torch imported first by a hybridmem module: enabling waits until that import has finished, instead of

@@ -36,7 +36,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from ..config import DEFAULT_POLICIES, Config
 from ..graph.plan import Plan
 from . import current
-from .core import Runtime, resolve_plan
+from .compose import Runtime, resolve_plan
 from .stats import PolicyStats, Stats
 
 __all__ = ["enable", "disable", "session", "stats", "reset_stats", "enabled", "Session", "Stats", "PolicyStats"]

@@ -1,6 +1,6 @@
 """The process's enabled runtime: the state behind ``hybridmem.enable()``, ``disable()``, ``stats()``
 and ``enabled()`` (:mod:`hybridmem.runtime`), read by the runtime's own pieces too (``torch.utils.checkpoint``
-regions, :func:`~.core.regions_runtime`). A module of its own so that both import it and neither the other."""
+regions, :func:`~.compose.regions_runtime`). A module of its own so that both import it and neither the other."""
 from __future__ import annotations
 
 import os

@@ -9,7 +9,7 @@ a plan's evictions for this stage run; the estimator learns the op's bytes.
 Far below the budget (or without one) this is a few dictionary lookups and attribute reads per op on
 top of the meter; per-op facts are cached by ``id(func)`` (hashing an ``OpOverload`` runs Python).
 On the simulated device an op's new output storage gets one weak reference shared by the meter and
-the produced table (:meth:`~.produced.ProducedTable.new`), and with nothing to manage (no budget,
+the produced table (:meth:`~.activations.ProducedTable.new`), and with nothing to manage (no budget,
 plan or lineage) every op takes ``_monitor_op``: the meter's and the runtime's work in one function.
 Work the runtime does itself is either *quiet* (not metered, not counted: policies) or *internal*
 (metered and capped, but no stage, no lineage: recompute's replayed ops).

@@ -65,7 +65,7 @@ class PlanFollower:
         self.pending: list[tuple[Any, Any]] = []   # (entry, policy) evictions waiting for sole ownership
         self.unsaved: list[tuple[Any, str, int]] = []  # (slot, policy name, tensor): evictions waiting for the pack
         # lineage nodes of what this step's plan actions evicted by recompute: a steady-state step has the
-        # allocator free those first (runtime.core, Runtime._finish_program)
+        # allocator free those first (runtime.steady_control, SteadyControl._finish_program)
         self.recomputed: set[Any] = set()
 
     def _bounds(self) -> tuple[list[int], list[int]]:

@@ -1,11 +1,11 @@
 """What each piece built around the runtime reads of it, as narrow protocols.
 
-:class:`~.core.Runtime` builds :class:`~.mode.RuntimeMode`, :class:`~.follow.PlanFollower`,
+:class:`~.compose.Runtime` builds :class:`~.dispatch_mode.RuntimeMode`, :class:`~.follow.PlanFollower`,
 :class:`~.planbook_switch.BucketSwitch` and :class:`~.native_device.NativeDevice` and hands each itself; each reads a
 few of its attributes. The protocols below list exactly those, so that the pieces import nothing from
-core (no import circle) and a test can hand them a small stand-in. A protocol is only a type: the pieces
+the runtime (no import circle) and a test can hand them a small stand-in. A protocol is only a type: the pieces
 read the runtime's attributes directly, as before, at no cost per op. This module imports only the
-runtime's lower pieces, never core or the modules that take these protocols.
+runtime's lower pieces, never the runtime object or the modules that take these protocols.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class BucketRuntime(FollowerRuntime, Protocol):
 
 
 class ModeRuntime(Protocol):
-    """What :class:`~.mode.RuntimeMode` reads: the pieces it calls around each op (bound to its own
+    """What :class:`~.dispatch_mode.RuntimeMode` reads: the pieces it calls around each op (bound to its own
     attributes once, at construction), and per call the few that change while it lives."""
 
     budget: int | None

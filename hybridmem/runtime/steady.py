@@ -32,9 +32,9 @@ Budget: the CUDA caching allocator is capped at the budget and its free-memory c
 library) frees registered entries on a cache miss; the CPU allocator wrapper does the same. What the
 recorded step made room for by eviction is evicted here at pack time, so a steady step holds no more than
 its recorded step did. An op's allocation that still finds no room is let through on the CPU (the step
-has no hook around its ops to retry in) and handled at the next save or read (``core._recover``). A save
+has no hook around its ops to retry in) and handled at the next save or read (``steady_control._recover``). A save
 whose policy cannot evict it here (compress could not decide without
-reading the bytes) stays resident: :meth:`StepProgram` refuses such a program on CUDA (``core``).
+reading the bytes) stays resident: :meth:`StepProgram` refuses such a program on CUDA (``steady_control``).
 """
 from __future__ import annotations
 

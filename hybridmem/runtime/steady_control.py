@@ -5,7 +5,7 @@ in the steady state, following a program with the saved-tensor hooks alone (runt
 the runtime chooses at each step's first module call (``_choose_step``; ``_restart_step`` once the step's
 inputs are seen: runtime.programs), keeps room after each save and read of a steady step
 (``_steady_after``), recovers where an op's allocation went past the budget (``_recover``), and ends a
-recording (``_finish_program``). :class:`SteadyControl` is one job of :class:`~.core.Runtime` (which it is
+recording (``_finish_program``). :class:`SteadyControl` is one job of :class:`~.compose.Runtime` (which it is
 mixed into); what it reads of the rest of the runtime is annotated on the class.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The runtime's hooks: the global module pre-hook that starts steps, the saved-tensor pack and unpack hooks,
 and what runs when a step starts and ends.
 
-:class:`StepHooks` is one job of :class:`~.core.Runtime` (which it is mixed into); what it reads of the rest
+:class:`StepHooks` is one job of :class:`~.compose.Runtime` (which it is mixed into); what it reads of the rest
 of the runtime is annotated on the class. Each hook hands the step to its regime (runtime.steady_control):
 the dispatch mode's pack, a recording's, or a steady step's.
 """

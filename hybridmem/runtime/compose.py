@@ -4,11 +4,11 @@ Its other jobs live beside it: the hooks that start steps and save and read tens
 (:mod:`.step_hooks`), and the choice between the dispatch mode and the steady state
 (:mod:`.steady_control`); :class:`Runtime` is made of them.
 
-Pieces (one job each): :class:`~.produced.ProducedTable` (which storages are activations),
+Pieces (one job each): :class:`~.activations.ProducedTable` (which storages are activations),
 :class:`~.saved.SavedStore` (saved-tensor hooks and entries), :class:`~.residency.Residency` (the cap:
 evict, regenerate, out-of-memory), :class:`~.lineage.Recorder`/:class:`~.replay.Replayer` (recompute),
 :class:`~.steps.StepTracker`, :class:`~.estimate.OutputEstimator`, :class:`~.follow.PlanFollower`,
-and :class:`~.mode.RuntimeMode`, which calls them around every op.
+and :class:`~.dispatch_mode.RuntimeMode`, which calls them around every op.
 """
 from __future__ import annotations
 
