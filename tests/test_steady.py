@@ -225,6 +225,27 @@ def test_each_regime_s_passes_are_timed_for_the_choice_to_record(monkeypatch: py
     assert costs[4].scaled != costs[2].scaled                  # step 5 scaled again
 
 
+def test_far_from_the_budget_module_state_is_kept_as_it_is_and_a_new_target_still_counted() -> None:
+    """Far from the budget a steady step keeps a parameter's save with no check (the recorded step saw the
+    same storage, counted); a tensor the recorded step kept that is new each step (the loss's target, made
+    before the runtime was installed) still goes through the store, which counts its bytes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    batches = [(torch.randn(16, 32), torch.randn(16, 8)) for _ in range(5)]
+
+    def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(m(x), y)
+    ref, watched = _train(model, batches, loss_fn, session={"budget": None})
+    progs: list[Any] = []
+    got, st = _train(model, batches, loss_fn, session={"budget": 10 * watched.peak_bytes, "policies": ("recompute",)},
+                     per_step=lambda i, s: progs.append(current.rt.programs.last))
+    assert got == ref and st.steady_steps == 3, st.notes
+    saves = progs[-1].saves
+    assert {tuple(s.shape) for s in saves if s.kept} == {(64, 8)}  # the second weight, transposed (x needs no grad)
+    assert [s.kept for s in saves if s.node is None and tuple(s.shape) == (16, 8)] == [False]  # the target
+    assert st.peak_bytes >= watched.peak_bytes, (st.peak_bytes, watched.peak_bytes)
+
+
 class _Branchy(nn.Module):
     """A branch taken on the data: the deeper path saves more, from the same inputs."""
 

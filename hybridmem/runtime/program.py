@@ -57,6 +57,8 @@ class Save:
     node: "Node | Anchor | None"  # lineage of the saved storage; None: not an activation (kept)
     root_version: int             # version counter of the saved tensor's root at the pack
     rebind: list[tuple[FixedRef, int]]  # fixed references to this save's root: (ref, version - root_version)
+    storage: int = 0              # id of the saved storage, while recording
+    kept: bool = False            # a parameter or buffer (the same storage, counted, in every step)
 
 
 class Anchor:
@@ -117,7 +119,7 @@ class ProgramRecorder:
             got = self.roots.get(id(st))
             if got is None or got[1]() is not st:
                 self.roots[id(st)] = (len(self.saves), weakref.ref(st))
-        self.saves.append(Save(t.shape, t.dtype, node, root._version, []))
+        self.saves.append(Save(t.shape, t.dtype, node, root._version, [], id(st) if st is not None else 0))
 
     def evicted_entry(self, e: Any, policy: str, handle: Any) -> None:
         """The step evicted ``e`` by ``policy`` (``handle``: what the policy keeps)."""
@@ -152,6 +154,8 @@ class ProgramRecorder:
         (read as they are in each later step). Nothing recorded changes until the program first runs
         (:meth:`StepProgram.start_step`): a program refused stays without effect."""
         nodes = _closure(s.node for s in self.saves if s.node is not None)
+        for s in self.saves:
+            s.kept, s.storage = s.node is None and s.storage in persistent, 0
         refresh: list[tuple[FixedRef, int]] = []
         random: list[Any] = []
         temporaries: list[FixedRef] = []

@@ -125,7 +125,9 @@ class SteadyStep:
             _bind(s.rebind, t)
         node = s.node
         if node is None:
-            return parts.store_pack(t)
+            # kept by the recorded step (module state, an input): far from the budget a light pack keeps it
+            # as it is (a storage from before the runtime was installed was counted when first saved)
+            return parts.keep(t) if self.light and s.kept and parts.far() else parts.store_pack(t)
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):

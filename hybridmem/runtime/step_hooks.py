@@ -24,7 +24,7 @@ from .meter import Meter
 from .activations import ProducedTable
 from .residency import Residency
 from .rng import rng_state
-from .saved import Saved, SavedStore
+from .saved import Kept, Saved, SavedStore
 from .stats import StatsRecorder
 from .steps import FORWARD, StepTracker
 from .threads import OwnerThread
@@ -141,9 +141,11 @@ class StepHooks:
         return self._packfn(t)
 
     def _unpack_hook(self, h: Any) -> torch.Tensor:
+        steady = self._steady
+        if type(h) is Kept and steady is not None and steady.light and self.steps.in_backward:
+            return h.read()  # a light steady step: nothing was rebuilt, and nothing needs room far from the budget
         if capturing():  # kept during capture: no steady-state bookkeeping, no eviction for room
             return self.store.unpack(h)
-        steady = self._steady
         if steady is not None:
             if not self.steps.in_backward:
                 self.steps.backward_seen()  # no op is observed in the steady state: the first read says it
