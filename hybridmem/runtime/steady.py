@@ -81,11 +81,12 @@ class SteadyStep:
         self.sig = sig                    # a scaled step's own input signature (None: the program's)
         self.scaled = sig is not None     # followed at other sizes than recorded (another sequence length, batch)
         self.swap = swap                  # swap may stand in for what the recorded step recomputed
-        # kept free after each save and read: what the recorded step rose until its next one (runtime.rises),
-        # with what its dispatch mode evicted added back and grown with the sizes where they are larger
-        self.grow = grow
-        self.gross = grow > 1
-        self.headroom = int(program.gross_headroom * grow) if self.gross else program.headroom
+        # kept free after each save and read: what the recorded step rose until its next one (runtime.rises).
+        # A scaled step adds back what the recording's dispatch mode evicted in between (its entries are bound
+        # to no program node, so the allocator cannot free them for its ops), grown with the sizes if larger.
+        self.grow = max(grow, 1.0)
+        self.gross = self.scaled
+        self.headroom = int(program.gross_headroom * grow) if grow > 1 else program.headroom
         self.room = program.room
         self.room_now = self.headroom
         self.saves = program.saves
