@@ -29,8 +29,9 @@ class Room:
 
 
 class RiseRecorder:
-    """Measures :class:`Room` during a recording step: :meth:`mark` after each save and read. ``window``: the native CPU meter (``window_peak``, ``window_reset``, ``current_bytes``);
-    ``evicted()``: the bytes every policy has evicted so far."""
+    """Measures :class:`Room` during a recording step: :meth:`mark` after each save and read. ``window``: the
+    native CPU meter (``window_peak``, ``window_reset``, ``current_bytes``); ``evicted()``: the bytes every
+    policy has evicted so far."""
 
     def __init__(self, window: Any, evicted: Callable[[], int]):
         self.window = window
