@@ -121,11 +121,11 @@ def test_gpt2_with_a_new_length_each_batch_and_accumulation() -> None:
 
 
 def test_gpt2_random_lengths_train_at_70_percent_without_a_retry() -> None:
-    """The issue's loop (GPT-2 4 x 128, vocabulary 2,000, batch 4, 24 micro-batches at random lengths, two per
-    optimizer step) at 70 % of its watched peak trains at that budget: a shorter pass following a longer
-    pass's program keeps free, between its saves, what the recording's dispatch mode evicted there too (its
-    entries are bound to no program node: the allocator cannot free them for its ops). Keeping only the
-    recording's net rise there sent pass 11's logits past the budget, and three named budgets in turn."""
+    """GPT-2 4 x 128, vocabulary 2,000, batch 4, 24 micro-batches at random lengths, two per optimizer step,
+    at 70 % of its watched peak, trains at that budget: a shorter pass following a longer pass's program keeps
+    free, between its saves, what the recording's dispatch mode evicted there too (its entries are bound to no
+    program node: the allocator cannot free them for its ops). With only the recording's net rise kept free,
+    pass 11's logits go past the budget, and so do three named budgets in turn."""
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=2000, n_positions=256,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
