@@ -33,6 +33,7 @@ import hybridmem.runtime as hm_runtime  # noqa: E402
 from hybridmem.runtime.distributed import (FsdpStorageSync, RankError, backend_threads, collective_writes,  # noqa: E402
                                    free_port, is_collective, is_parameter_view, launch, plain_storages,
                                    release_process_groups)
+from tests.helpers.runtime import min_budget_of  # noqa: E402
 
 # Two zoo models whose tiny size has room under the budget rule: at "tiny" the transformer, GPT,
 # VGG-16 and U-Net peak where activations are already freed (embedding/classifier gradients
@@ -130,7 +131,7 @@ def _train_feasible(name: str, rank: int, wrap: str, budget: int) -> tuple[Any, 
         try:
             losses, grads, st, t_cap = _train(name, rank, wrap, managed=True, budget=budget)
         except torch.OutOfMemoryError as e:
-            named = getattr(e, "min_budget_bytes", 0)
+            named = min_budget_of(e)
             assert named > budget, f"a budget too small must name one that works: {e}"
         again = torch.tensor([int(named > 0)])
         torch.distributed.all_reduce(again)

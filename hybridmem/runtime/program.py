@@ -57,7 +57,6 @@ class Save:
     node: "Node | Anchor | None"  # lineage of the saved storage; None: not an activation (kept)
     root_version: int             # version counter of the saved tensor's root at the pack
     rebind: list[tuple[FixedRef, int]]  # fixed references to this save's root: (ref, version - root_version)
-    storage: int = 0              # id of the saved storage, while recording
     kept: bool = False            # a parameter or buffer (the same storage, counted, in every step)
 
 
@@ -94,6 +93,7 @@ class ProgramRecorder:
         self.random_calls: dict[int, tuple[int, weakref.ref]] = {}
         self.evicted: list[Node] = []    # lineage of the entries the step evicted
         self.uids: list[int] = []        # per save: the uid of its entry (-1: kept, no entry)
+        self.storages: list[int] = []    # per save: id of its storage (0: none)
         self.first_policy: dict[int, str] = {}  # entry uid -> the policy that first evicted it
         self.evictions: dict[int, int] = {}     # entry uid -> how often the step evicted it
         self.codecs: dict[int, str] = {}        # entry uid -> the codec compress first evicted it with
@@ -119,7 +119,8 @@ class ProgramRecorder:
             got = self.roots.get(id(st))
             if got is None or got[1]() is not st:
                 self.roots[id(st)] = (len(self.saves), weakref.ref(st))
-        self.saves.append(Save(t.shape, t.dtype, node, root._version, [], id(st) if st is not None else 0))
+        self.storages.append(id(st) if st is not None else 0)
+        self.saves.append(Save(t.shape, t.dtype, node, root._version, []))
 
     def evicted_entry(self, e: Any, policy: str, handle: Any) -> None:
         """The step evicted ``e`` by ``policy`` (``handle``: what the policy keeps)."""
@@ -154,8 +155,8 @@ class ProgramRecorder:
         (read as they are in each later step). Nothing recorded changes until the program first runs
         (:meth:`StepProgram.start_step`): a program refused stays without effect."""
         nodes = _closure(s.node for s in self.saves if s.node is not None)
-        for s in self.saves:
-            s.kept, s.storage = s.node is None and s.storage in persistent, 0
+        for s, st in zip(self.saves, self.storages):
+            s.kept = s.node is None and st in persistent
         refresh: list[tuple[FixedRef, int]] = []
         random: list[Any] = []
         temporaries: list[FixedRef] = []

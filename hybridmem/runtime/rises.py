@@ -25,7 +25,6 @@ class Room:
 
     after_save: list[Rise | None] = field(default_factory=list)  # by save ordinal
     after_read: dict[int, Rise] = field(default_factory=dict)     # by the ordinal of the save read
-    most: Rise = (0, 0)                                            # the largest of each
 
 
 class RiseRecorder:
@@ -41,7 +40,7 @@ class RiseRecorder:
         self.key = (False, 0)          # (a read, its key) of the open interval
         self.saves: dict[int, Rise] = {}  # save ordinal -> its rise
         self.reads: dict[int, Rise] = {}  # uid of the entry read -> its rise (ordinals at the step's end)
-        self.most: Rise = (0, 0)
+        self.most: Rise = (0, 0)       # the largest of each (the room where no position was measured)
 
     def mark(self, read: bool, key: int) -> None:
         """Save ``key`` (its ordinal) or the read of entry ``key`` (its uid) is done: the interval the last one
@@ -73,4 +72,4 @@ class RiseRecorder:
         def plus(r: Rise) -> Rise:
             return (r[0] + extra, r[1] + extra)
         return Room([plus(self.saves[k]) if k in self.saves else None for k in range(saves)],
-                    {first[u]: plus(r) for u, r in self.reads.items() if u in first}, plus(self.most))
+                    {first[u]: plus(r) for u, r in self.reads.items() if u in first})

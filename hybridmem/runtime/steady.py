@@ -85,7 +85,6 @@ class SteadyStep:
         # A scaled step adds back what the recording's dispatch mode evicted in between (its entries are bound
         # to no program node, so the allocator cannot free them for its ops), grown with the sizes if larger.
         self.grow = max(grow, 1.0)
-        self.gross = self.scaled
         self.headroom = int(program.gross_headroom * grow) if grow > 1 else program.headroom
         self.room = program.room
         self.room_now = self.headroom
@@ -204,7 +203,7 @@ class SteadyStep:
         if rise is None:
             self.room_now = self.headroom
         else:
-            self.room_now = int(rise[1] * self.grow) if self.gross else rise[0]
+            self.room_now = int(rise[1] * self.grow) if self.scaled else rise[0]
 
     def _check_writes(self) -> None:
         """Note the entries evicted at pack whose tensor was written in place since (unpack refuses them);
