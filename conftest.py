@@ -36,6 +36,15 @@ def _no_compiled_measurement_left() -> Iterator[None]:
                 obj.stop()
 
 
+@pytest.fixture(autouse=True)
+def _least_budgets_searched_afresh() -> None:
+    """Each test searches its least budgets itself: a search another test left in the process's memory
+    (solvers.LEAST_KEPT) would skip the probes a test counts or patches."""
+    solvers = sys.modules.get("hybridmem.solvers")
+    if solvers is not None:
+        solvers._least.clear()
+
+
 # The longest tests (each 30 s to 2 min on 2 cores, pytest --durations), started first: with workers
 # (``-n auto``, and ``--dist worksteal`` from pyproject), an idle worker takes queued tests from a busy one,
 # so the run ends on short tests instead of one worker finishing a long one alone.

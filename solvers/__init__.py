@@ -50,7 +50,9 @@ plan keeps: :func:`with_chains`; transformers have recompute-only plans far belo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
+from collections import OrderedDict
 from typing import Any
 
 from hybridmem.graph.costs import copies_overlap, get_cost_model, without_swaps
@@ -85,6 +87,9 @@ __all__ = ["plan", "min_budget", "sweep", "memory_floor", "SOLVERS", "HYBRID", "
 MIN = "min"                # the budget that asks for the least budget with a plan
 MIN_PRECISION = 0.005      # budget="min": relative width of the bracket the bisection stops at
 MIN_CHECK_BELOW = 0.01     # budget="min" with MILP probes: the last probe, this share below the least found
+LEAST_KEPT = 32            # budget="min": searches remembered per process (see min_budget)
+
+_least: "OrderedDict[tuple, Plan]" = OrderedDict()
 
 
 def resolve_budget(graph: Graph, budget: int | float | str) -> int:
@@ -191,9 +196,38 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
     budget named is one the MILP finds nothing below within that time (to ``precision``); and once the
     bracket is closed, the MILP gets one more probe ``MIN_CHECK_BELOW`` (1 %) under the least budget
     found: where it finds a plan there the search goes on below it, else ``info["min_checked_bytes"]``
-    is that budget."""
+    is that budget.
+
+    A process remembers its last ``LEAST_KEPT`` searches, by the graph's content (costs included), the
+    cost model, the solver and these settings: asked again (a compiled region planned once more after a
+    budget error), the plan found is returned at once, ``info["min_remembered"]`` True."""
     if not 0 <= precision < 1:
         raise ValueError(f"precision {precision!r}: expected a fraction in [0, 1)")
+    key = _least_key(graph, model, solver, time_limit, precision, options)
+    if key is not None and key in _least:
+        _least.move_to_end(key)
+        found = copy.deepcopy(_least[key])
+        found.info["min_remembered"] = True
+        return found
+    found = _search_least(graph, model, solver, time_limit, verbose, precision, options)
+    if key is not None:
+        _least[key] = copy.deepcopy(found)
+        while len(_least) > LEAST_KEPT:
+            _least.popitem(last=False)
+    return found
+
+
+def _least_key(graph: Graph, model: Any, solver: str, time_limit: float | None, precision: float,
+               options: dict[str, Any]) -> tuple | None:
+    """What a least-budget search depends on, or None where that cannot be told: a cost model that is
+    not a dataclass may not show in its ``repr`` what it prices."""
+    if not dataclasses.is_dataclass(model):
+        return None
+    return (graph.content_hash(), repr(model), solver, time_limit, precision, repr(sorted(options.items())))
+
+
+def _search_least(graph: Graph, model: Any, solver: str, time_limit: float | None, verbose: bool,
+                  precision: float, options: dict[str, Any]) -> Plan:
     t0 = time.perf_counter()
     peak = graph.peak_bytes()
     floor = memory_floor(graph, model, options.get("min_bytes"))

@@ -32,7 +32,10 @@ pytestmark = pytest.mark.skipif(cpumeter.load() is None,
                                 reason=f"native allocator meter unavailable: {cpumeter.unavailable_reason()}")
 
 STEPS = 3
-SLOW = ("resnet101", "resnet152")   # ResNet-50's structure, deeper: 80-90 s each on 2 cores
+# -m slow: ResNet-50's structure, deeper (80-90 s each on 2 cores); ResNet-50 and MobileNetV2 (30-45 s):
+# their ops (convolutions, grouped ones the same aten op, batch norms, residual adds) are planned in the
+# default run on vgg16, unet and the ResNet-18-like _BasicNet below
+SLOW = ("resnet101", "resnet152", "resnet50", "mobilenet")
 
 
 def _train(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor], backend: Any,

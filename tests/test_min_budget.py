@@ -62,6 +62,7 @@ def test_a_plan_found_below_a_failed_budget_sends_the_search_below_it(monkeypatc
         return least_plan
 
     monkeypatch.setattr(solvers, "_probe", flaky)
+    solvers._least.clear()                  # search again, through the flaky probes
     p = plan(g, "min", device=device, precision=0)
     missed = next(b for b in asked if b >= least)
     assert missed > least                   # a budget the least plan fits, where the probe found none
@@ -122,3 +123,24 @@ def test_infeasible_budget_names_the_floor_and_the_least_plan_found() -> None:
     text = str(e.value)
     assert f"lies between {fmt_bytes(floor)} ({floor} B, the memory floor" in text and "--budget min" in text
     assert e.value.minimum_bytes == floor
+
+
+def test_a_search_asked_again_is_remembered_until_the_graph_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same graph (costs included), cost model, solver and settings give the plan found before with no
+    probe; a graph that holds a byte more anywhere is searched again."""
+    import hybridmem.solvers as solvers
+
+    device, n_forward, seed = CASES[0]
+    g = random_graph(8, seed=seed, n_forward=n_forward, device=device, mb=(2, 32))
+    first = plan(g, "min", device=device, precision=0)
+    probes: list[int] = []
+    real = solvers._probe
+    monkeypatch.setattr(solvers, "_probe", lambda graph, budget, *a, **k: probes.append(budget) or real(graph, budget, *a, **k))
+    again = plan(g, "min", device=device, precision=0)
+    assert probes == [] and again.info["min_remembered"] and "min_remembered" not in first.info
+    assert again.budget_bytes == first.budget_bytes and again.actions == first.actions and again is not first
+    assert plan(g, "min", device=device, precision=0.01).info.get("min_remembered") is None and probes
+    probes.clear()
+    g.stages[-1].workspace += 1
+    changed = plan(g, "min", device=device, precision=0)
+    assert probes and not changed.info.get("min_remembered")

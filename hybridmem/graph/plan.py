@@ -118,6 +118,7 @@ class PlanInfo(MutableMapping):
     min_failed_above: int | None = None         # probes without a plan at budgets the least plan fits
     min_checked_bytes: int | None = None        # 1 % below the least budget: the MILP's last probe found none
     memory_floor_bytes: int | None = None
+    min_remembered: bool | None = None          # the search was this process's earlier one (solvers.LEAST_KEPT)
     # -- a plan book's bucket (hybridmem.buckets)
     shape_key: str | None = None
     dims: dict[str, Any] | None = None
