@@ -45,7 +45,7 @@ from .monitor import NOTE as MONITOR_NOTE, NOTE_CUDA as MONITOR_NOTE_CUDA, Alloc
 from .prefetch import Prefetcher
 from .activations import ProducedTable
 from .program import StepProgram
-from .residency import NoMode, Residency
+from .residency import Around, NoMode, Residency
 from .saved import SavedStore
 from .steady_control import SteadyControl
 from .step_hooks import StepHooks
@@ -121,32 +121,31 @@ class Runtime(StepHooks, SteadyControl):
         if self.budget is None and plan is not None and plan.budget_bytes:
             self.budget = plan.budget_bytes  # the online scorer keeps the plan's budget where it is left
         self.plan = plan
-        self.stats = StatsRecorder()
-        self.stats.tensor_log = TensorLog()  # bounded: the report's per-tensor measured rows
+        self.stats = StatsRecorder(tensor_log=TensorLog())  # bounded: the report's per-tensor measured rows
         self.clock = Clock()
         self.meter = Meter(self.device)  # the runtime enforces the budget itself, before each op
         self.fsdp_sync = FsdpStorageSync(self.meter)  # FSDP's resize_ is not an op: re-read at collectives
         self.produced = ProducedTable(self.meter)
         self.store = SavedStore(self.device, self.produced, self.stats, self.clock)
         self.policies = self._make_policies(cfg)
-        self.residency = Residency(self.store, self.policies, self.meter, self.stats, self.budget)
-        if cfg.extra.get("verify", False):
-            self.residency.verify = {}
-        self._keep_workspace(cfg)
+        # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey)
+        survey = self.budget is not None and cfg.extra.get("survey", True)
+        around = Around(in_step=lambda: self.steps.phase != IDLE, state_to_come=self._state_to_come,
+                        on_budget=self._working_budget, lift_cap=self._lift_cap if survey else None)
+        self.residency = Residency(self.store, self.policies, self.meter, self.stats, self.budget, around,
+                                   workspace=self._workspace(cfg), verify=bool(cfg.extra.get("verify", False)))
         book = PlanBook.load(cfg.plan) if plan is None and is_book(cfg.plan) else None
         manages = self.budget is not None or plan is not None or book is not None
         self.recorder: Recorder | None = None
         self.replayer: Replayer | None = None
         if manages and "recompute" in self.policies:
             self.recorder = Recorder(self.produced.get, torch.are_deterministic_algorithms_enabled,
-                                     OpCost(cost_model_for(self.device, cfg.extra.get("cost_model"))), self.fsdp_sync.resizable)
+                                     OpCost(cost_model_for(self.device, cfg.extra.get("cost_model"))),
+                                     self.fsdp_sync.resizable, self._random_recorded)
             self.replayer = Replayer(self.residency.fetch, self.residency.adopt_replayed, lambda: self.steps.steps,
                                      self.store.claim, self.store.drain, self.store.register_again,
                                      self.meter.retry_oom)
         self.steps = StepTracker(self._step_started, self._step_ended)
-        self.residency.in_step = lambda: self.steps.phase != IDLE
-        self.residency.on_budget = self._working_budget
-        self.residency.state_to_come = self._state_to_come
         self.owner = OwnerThread()
         self.fixed = FixedMarker(self.produced, self.meter, self._module_called, self.stats.optimizer_stepped)
         self.prefetcher: Prefetcher | None = None
@@ -172,9 +171,6 @@ class Runtime(StepHooks, SteadyControl):
         self._build_monitor(cfg, manages)
         # The budget caps what the allocator holds, enforced at allocation time (runtime.native_device).
         self.native = native_device(self, manages)
-        # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey)
-        if self.budget is not None and cfg.extra.get("survey", True):
-            self.residency.lift_cap = self.native.lift if self.native is not None else _no_cap
         self.op_peak = self._op_peak()
         # Nothing is ever evicted without a budget or a plan: saved tensors need no entries, only counting.
         self._pack = self.store.pack if manages else self.store.pack_counting
@@ -182,23 +178,26 @@ class Runtime(StepHooks, SteadyControl):
         self.takes_regions = self.budget is not None and plan is None and book is None and not self.light
         self._init_steady(cfg)
         self._init_hooks()
-        if self.recorder is not None:
-            self.recorder.on_random = self._random_recorded
         self.survey_error: torch.OutOfMemoryError | None = None  # set by uninstall (runtime.survey)
 
-    def _keep_workspace(self, cfg: Config) -> None:
-        """``plugins: {workspace: ...}``: room kept free beside the count at each op."""
+    def _workspace(self, cfg: Config) -> int:
+        """``plugins: {workspace: ...}``: room kept free beside the count at each op (0 without a budget)."""
         room = parse_bytes(cfg.extra.get("workspace") or 0, what="plugins: workspace")
         if not room or self.budget is None:
-            return
+            return 0
         if room >= self.budget:
             raise ValueError(f"plugins: workspace {fmt_bytes(room)}: expected less than the budget "
                              f"({fmt_bytes(self.budget)}); it is the room kept free beside the count")
         # kernels allocate workspaces inside an op, where the count does not see them: cuDNN runs a
         # convolution with another plan (rounding differently) where the cap refuses its plan's workspace
-        self.residency.reserve += room
-        self.residency.workspace = room
         self.stats.note(f"{fmt_bytes(room)} kept free beside the count at each op for kernels' workspaces")
+        return room
+
+    def _lift_cap(self, lifted: bool) -> None:
+        """Lift the native device's cap for a step the budget cannot hold (runtime.survey), or put it back;
+        where only the dispatch mode enforces the budget, nothing to do."""
+        if self.native is not None:
+            self.native.lift(lifted)
 
     def _build_monitor(self, cfg: Config, manages: bool) -> None:
         """Monitor-only through the allocator's counters with counting hooks, nothing per op (runtime.monitor):
@@ -372,7 +371,4 @@ class Runtime(StepHooks, SteadyControl):
         (self.allocator if self.allocator is not None else self.meter).reset_peak()
         self.stats.reset()
 
-
-def _no_cap(lifted: bool) -> None:
-    """Lifting the cap where only the dispatch mode enforces it (no native device): nothing to do."""
 

@@ -310,7 +310,8 @@ class Recorder:
 
     def __init__(self, lookup: Callable[[torch.UntypedStorage], Any], cuda_deterministic: Callable[[], bool],
                  cost: "OpCost | None" = None,
-                 unreplayable: Callable[[torch.UntypedStorage], bool] | None = None):
+                 unreplayable: Callable[[torch.UntypedStorage], bool] | None = None,
+                 on_random: "Callable[[OpRecord, bool], None] | None" = None):
         self.lookup = lookup
         self.unreplayable = unreplayable  # fixed storages a replay must not read (FSDP's unsharded params)
         self.cuda_deterministic = cuda_deterministic
@@ -319,7 +320,7 @@ class Recorder:
         self.keep: set[int] = set()  # ids of nodes a step program replays (runtime.program): never pruned
         self._gens: dict[int, bytes] = {}  # generator states before the op being recorded
         # called with each recorded op that draws random numbers, and whether it has explicit generators
-        self.on_random: Callable[[OpRecord, bool], None] | None = None
+        self.on_random = on_random
 
     # -- references ----------------------------------------------------------------------------
     def ref(self, t: Tensor, value_unused: bool = False) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import time
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
 import numpy as np
@@ -53,11 +54,33 @@ class NoMode:
     metered = quiet
 
 
+def _in_a_step() -> bool:
+    return True
+
+
+def _no_state() -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class Around:
+    """What residency asks of the runtime it serves, given when it is built (defaults: no runtime around)."""
+
+    in_step: Callable[[], bool] = _in_a_step           # whether a training step is running
+    state_to_come: Callable[[], int] = _no_state       # optimizer state its optimizers hold from their first step
+    on_budget: Callable[[int], None] | None = None     # told the budget the dispatch mode makes room under
+    # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey): lift_cap(True)
+    # then lift_cap(False) after it; None: the first refusal raises.
+    lift_cap: Callable[[bool], None] | None = None
+
+
 class Residency:
-    """Evicts and regenerates entries of one :class:`SavedStore` under one budget."""
+    """Evicts and regenerates entries of one :class:`SavedStore` under one budget. ``workspace``: room kept
+    free beside the count for kernels' workspaces (``plugins: {workspace: N}``); ``verify``: hash each evicted
+    entry's bytes and check them when it is regenerated (``plugins: {verify: true}``)."""
 
     def __init__(self, store: SavedStore, policies: dict[str, Policy], meter: Meter, stats: StatsRecorder,
-                 budget: int | None):
+                 budget: int | None, around: Around = Around(), workspace: int = 0, verify: bool = False):
         self.store, self.policies, self.meter, self.stats = store, policies, meter, stats
         self.budget = budget
         # What the runtime reads of each policy beyond its protocol methods, read here once (by the policies'
@@ -70,8 +93,8 @@ class Residency:
         # A policy whose eviction allocates first (compress encodes into a new buffer) cannot run at the
         # cap: keep this much free when making room, so that it can (not enforced when nothing can go).
         allocating = any(h.allocates_to_evict for h in self.hints.values())
-        self.reserve = budget // 32 if budget is not None and allocating else 0
-        self.workspace = 0   # of ``reserve``: room for kernels' workspaces (``plugins: {workspace: N}``)
+        self.reserve = (budget // 32 if budget is not None and allocating else 0) + workspace
+        self.workspace = workspace   # of ``reserve``
         self.mode: Contexts = NoMode()
         self._order = list(policies.values())
         # (policy, whether its cost is asked each time) for the offers, and the release hooks, in order
@@ -88,16 +111,10 @@ class Residency:
         self.on_evicted: Callable[[Entry, str, Any], None] | None = None
         self.rescues: dict[str, int] = {}  # evictions by policy that made room for an allocation refused in an op
         self._rescuing = False
-        # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey): the runtime
-        # sets ``lift_cap(True/False)``; None raises at the first refusal.
-        self.survey: Survey | None = None
-        self.lift_cap: Callable[[bool], None] | None = None
-        self.in_step: Callable[[], bool] = lambda: True  # whether a training step is running (the runtime's)
-        # the bytes of optimizer state the model's optimizers will hold from their first step on (the runtime's)
-        self.state_to_come: Callable[[], int] = lambda: 0
-        self.on_budget: Callable[[int], None] | None = None  # the budget the dispatch mode makes room under
-        # plugins: {verify: true}: each evicted entry's bytes are hashed and checked when it is regenerated
-        self.verify: dict[int, tuple[bytes, str]] | None = None
+        self.survey: Survey | None = None   # the step going on uncapped, if one is (see Around.lift_cap)
+        self.lift_cap, self.in_step = around.lift_cap, around.in_step
+        self.state_to_come, self.on_budget = around.state_to_come, around.on_budget
+        self.verify: dict[int, tuple[bytes, str]] | None = {} if verify else None   # entry uid -> hash, op
 
     # ---- eviction ------------------------------------------------------------------------------
     def evict(self, e: Entry, policy: Policy) -> int:
