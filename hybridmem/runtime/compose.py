@@ -50,7 +50,7 @@ from .saved import SavedStore
 from .steady_control import SteadyControl
 from .step_hooks import StepHooks
 from .stats import Stats, StatsRecorder
-from .steps import IDLE, Clock, StepTracker
+from .steps import Clock, StepTracker
 from .threads import OwnerThread, let_go
 
 # keys of the 'plugins' section that are not policies
@@ -128,9 +128,10 @@ class Runtime(StepHooks, SteadyControl):
         self.produced = ProducedTable(self.meter)
         self.store = SavedStore(self.device, self.produced, self.stats, self.clock)
         self.policies = self._make_policies(cfg)
+        self.steps = StepTracker(self._step_started, self._step_ended)
         # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey)
         survey = self.budget is not None and cfg.extra.get("survey", True)
-        around = Around(in_step=lambda: self.steps.phase != IDLE, state_to_come=self._state_to_come,
+        around = Around(in_step=self.steps.in_step, state_to_come=self._state_to_come,
                         on_budget=self._working_budget, lift_cap=self._lift_cap if survey else None)
         self.residency = Residency(self.store, self.policies, self.meter, self.stats, self.budget, around,
                                    workspace=self._workspace(cfg), verify=bool(cfg.extra.get("verify", False)))
@@ -142,10 +143,9 @@ class Runtime(StepHooks, SteadyControl):
             self.recorder = Recorder(self.produced.get, torch.are_deterministic_algorithms_enabled,
                                      OpCost(cost_model_for(self.device, cfg.extra.get("cost_model"))),
                                      self.fsdp_sync.resizable, self._random_recorded)
-            self.replayer = Replayer(self.residency.fetch, self.residency.adopt_replayed, lambda: self.steps.steps,
+            self.replayer = Replayer(self.residency.fetch, self.residency.adopt_replayed, self.steps.epoch,
                                      self.store.claim, self.store.drain, self.store.register_again,
                                      self.meter.retry_oom)
-        self.steps = StepTracker(self._step_started, self._step_ended)
         self.owner = OwnerThread()
         self.fixed = FixedMarker(self.produced, self.meter, self._module_called, self.stats.optimizer_stepped)
         self.prefetcher: Prefetcher | None = None

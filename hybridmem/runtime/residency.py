@@ -325,8 +325,9 @@ class Residency:
             self.stats.min_budget_bytes = floor
 
     # ---- the cap -------------------------------------------------------------------------------
-    def make_room(self, extra: int, what: str) -> None:
-        """Ensure ``extra`` more bytes fit the budget, evicting as needed; raise OOM if they cannot."""
+    def make_room(self, extra: int, what: "str | Callable[[], str]") -> None:
+        """Ensure ``extra`` more bytes fit the budget, evicting as needed; raise OOM if they cannot. ``what``
+        names what needs them in that error (a function where naming it costs: called only then)."""
         budget = self.budget
         if budget is None:
             return
@@ -335,7 +336,7 @@ class Residency:
             return
         self.relieve(over, extra, self.slack)
         if self.meter.current_bytes + extra > budget:
-            self.refuse(extra, what)
+            self.refuse(extra, what if isinstance(what, str) else what())
 
     def refuse(self, extra: int, what: str, held: int | None = None) -> None:
         """``extra`` bytes do not fit, and nothing more can be evicted: raise the OOM, or (runtime.survey) note
@@ -468,8 +469,8 @@ class Residency:
         t0 = time.perf_counter()
         hints = self._hints[id(policy)]
         if hints.in_flight is None or not hints.in_flight(e):  # a prefetched swap-in holds its device buffer already
-            self.make_room(e.nbytes, f"regenerating a saved {str(e.dtype).removeprefix('torch.')} tensor "
-                                     f"({fmt_bytes(e.nbytes)}) by {name}")
+            self.make_room(e.nbytes, lambda: f"regenerating a saved {str(e.dtype).removeprefix('torch.')} "
+                                             f"tensor ({fmt_bytes(e.nbytes)}) by {name}")
         t1 = time.perf_counter()
         self._ensuring.add(e.uid)
         try:

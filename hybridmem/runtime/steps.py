@@ -41,6 +41,14 @@ class StepTracker:
         self.modules = False         # a module was ever called: steps start at module calls only
         self._ended_task = -1        # graph task of the backward pass that ended the last step
 
+    def epoch(self) -> int:
+        """The steps ended so far: it changes once a step (replay validity is checked once per step)."""
+        return self.steps
+
+    def in_step(self) -> bool:
+        """Whether a training step is running."""
+        return self.phase != IDLE
+
     def observe(self, is_stage: bool, args: tuple) -> int:
         """Note one op (``is_stage``: ``is_stage_op`` holds for it); returns its stage index, or -1
         (not a stage op, or outside a step)."""
