@@ -217,3 +217,21 @@ def test_a_refusal_the_budget_holds_by_count_is_named_fragmentation(monkeypatch)
     assert err.min_budget_bytes == (100 << 20) + 1          # above this budget: all that is known
     err = res.out_of_memory(20 << 20, "op convolution.default")   # over the budget by count
     assert "nothing more can be evicted" in str(err) and "by count" not in str(err)
+
+
+def test_make_room_names_what_needs_the_bytes_only_where_it_refuses(monkeypatch) -> None:
+    """A regeneration passes a function naming what it is for: it runs where the bytes do not fit, and
+    its name is the one the refusal gives; where they fit, it never runs."""
+    res = _residency(budget=100 << 20, current=90 << 20)
+    monkeypatch.setattr(res, "relieve", lambda need, extra=0, slack=0, min_bytes=0: 0)
+    refused: list[str] = []
+    monkeypatch.setattr(res, "refuse", lambda extra, what, held=None: refused.append(what))
+    named: list[int] = []
+
+    def what() -> str:
+        named.append(1)
+        return "regenerating a saved float32 tensor (20.00 MiB) by swap"
+    res.make_room(1 << 20, what)
+    assert named == [] and refused == []
+    res.make_room(20 << 20, what)
+    assert named == [1] and refused == ["regenerating a saved float32 tensor (20.00 MiB) by swap"]
