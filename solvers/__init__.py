@@ -200,10 +200,11 @@ def min_budget(graph: Graph, model: Any, solver: str = "approx", time_limit: flo
 
     A process remembers its last ``LEAST_KEPT`` searches, by the graph's content (costs included), the
     cost model, the solver and these settings: asked again (a compiled region planned once more after a
-    budget error), the plan found is returned at once, ``info["min_remembered"]`` True."""
+    budget error), the plan found is returned at once, ``info["min_remembered"]`` True (with ``verbose``,
+    searched again)."""
     if not 0 <= precision < 1:
         raise ValueError(f"precision {precision!r}: expected a fraction in [0, 1)")
-    key = _least_key(graph, model, solver, time_limit, precision, options)
+    key = None if verbose else _least_key(graph, model, solver, time_limit, precision, options)  # verbose: shown
     if key is not None and key in _least:
         _least.move_to_end(key)
         found = copy.deepcopy(_least[key])

@@ -127,7 +127,7 @@ def test_infeasible_budget_names_the_floor_and_the_least_plan_found() -> None:
 
 def test_a_search_asked_again_is_remembered_until_the_graph_changes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same graph (costs included), cost model, solver and settings give the plan found before with no
-    probe; a graph that holds a byte more anywhere is searched again."""
+    probe; a verbose search, or a graph that holds a byte more anywhere, is searched again."""
     import hybridmem.solvers as solvers
 
     device, n_forward, seed = CASES[0]
@@ -140,6 +140,8 @@ def test_a_search_asked_again_is_remembered_until_the_graph_changes(monkeypatch:
     assert probes == [] and again.info["min_remembered"] and "min_remembered" not in first.info
     assert again.budget_bytes == first.budget_bytes and again.actions == first.actions and again is not first
     assert plan(g, "min", device=device, precision=0.01).info.get("min_remembered") is None and probes
+    probes.clear()
+    assert plan(g, "min", device=device, precision=0, verbose=True).info.get("min_remembered") is None and probes
     probes.clear()
     g.stages[-1].workspace += 1
     changed = plan(g, "min", device=device, precision=0)
