@@ -498,12 +498,14 @@ class _TinyGPT2(nn.Module):
         return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def test_inductor_trains_a_gpt2_at_the_knapsacks_peak_recomputing_dropout_masks() -> None:
-    """A GPT-2-style model the zoo does not build, under Inductor, at the real peak PyTorch's own knapsack
-    reaches (``activation_memory_budget=0.5``). A dropout mask is Inductor's random numbers of a seed the
-    forward draws: the graph computes it from the seeds, which stay for the step, so a plan recomputes it,
-    and the recomputed mask is the forward's own. Each step stays within the budget; losses and gradients
-    equal the unmanaged compiled step's to rounding (:func:`_assert_rounding_close`)."""
+def test_inductor_trains_a_gpt2_near_the_knapsacks_peak_recomputing_dropout_masks() -> None:
+    """A GPT-2-style model the zoo does not build, under Inductor, at 0.69 of the unmanaged compiled step's
+    real peak, about where PyTorch's own knapsack (``activation_memory_budget=0.5``) reaches on it (0.687,
+    CPU, 2026-12-07; the knapsack's own compile is run against the zoo's GPT in the slow
+    ``test_inductor_trains_the_gpt_at_the_knapsacks_peak``). A dropout mask is Inductor's random numbers of a
+    seed the forward draws: the graph computes it from the seeds, which stay for the step, so a plan
+    recomputes it, and the recomputed mask is the forward's own. Each step stays within the budget; losses and
+    gradients equal the unmanaged compiled step's to rounding (:func:`_assert_rounding_close`)."""
     import torch._inductor.config as iconfig
     from torch._functorch import config as fconfig
 
@@ -514,10 +516,7 @@ def test_inductor_trains_a_gpt2_at_the_knapsacks_peak_recomputing_dropout_masks(
     loss_fn: Callable[[Any], torch.Tensor] = lambda loss: loss
     with iconfig.patch(fx_graph_cache=False), fconfig.patch(enable_autograd_cache=False):
         ref_peaks, ref_grads, ref_losses = _train(copy.deepcopy(model), args, {}, loss_fn, "inductor")
-        with fconfig.patch(activation_memory_budget=0.5):
-            knapsack, _, _ = _train(copy.deepcopy(model), args, {}, loss_fn, "inductor", steps=1)
-        budget = knapsack[0]
-        assert budget < 0.9 * ref_peaks[-1]
+        budget = int(0.69 * ref_peaks[-1])
         b = compile_backend(budget)
         peaks, grads, losses = _train(copy.deepcopy(model), args, {}, loss_fn, b)
     st = b.stats()

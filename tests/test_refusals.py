@@ -71,8 +71,7 @@ def test_retry_oom_exhausted_names_a_budget() -> None:
 def test_prefetch_refused_is_left_to_the_read() -> None:
     refusing = SimpleNamespace(name="swap", prefetch=lambda e: (_ for _ in ()).throw(torch.OutOfMemoryError(REFUSED)))
     meter = SimpleNamespace(current_bytes=0)
-    store = SimpleNamespace()
-    res = Residency(store, {"swap": refusing}, meter, SimpleNamespace(), budget=1 << 30)
+    res = Residency(lambda keeper: SimpleNamespace(), {"swap": refusing}, meter, SimpleNamespace(), budget=1 << 30)
     e = SimpleNamespace(tensor=None, policy="swap", nbytes=1 << 20)
     res.prefetch([e])  # no error: the entry is regenerated when it is read
     assert e.tensor is None
@@ -173,7 +172,7 @@ def test_verify_is_a_boolean() -> None:
 
 def _residency(budget: int, current: int) -> Residency:
     meter = SimpleNamespace(current_bytes=current)
-    return Residency(SimpleNamespace(), {}, meter, SimpleNamespace(), budget=budget)
+    return Residency(lambda keeper: SimpleNamespace(), {}, meter, SimpleNamespace(), budget=budget)
 
 
 def test_refused_under_the_budget_frees_a_block_the_request_fits_in_first(monkeypatch) -> None:

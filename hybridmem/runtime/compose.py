@@ -13,6 +13,7 @@ and :class:`~.dispatch_mode.RuntimeMode`, which calls them around every op.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -126,15 +127,22 @@ class Runtime(StepHooks, SteadyControl):
         self.meter = Meter(self.device)  # the runtime enforces the budget itself, before each op
         self.fsdp_sync = FsdpStorageSync(self.meter)  # FSDP's resize_ is not an op: re-read at collectives
         self.produced = ProducedTable(self.meter)
-        self.store = SavedStore(self.device, self.produced, self.stats, self.clock)
         self.policies = self._make_policies(cfg)
         self.steps = StepTracker(self._step_started, self._step_ended)
+        # Prefetching pays where copies overlap compute (CUDA side streams); on the simulated CPU
+        # device a prefetch is a synchronous regeneration done early, memory spent for nothing.
+        self.prefetcher: Prefetcher | None = None
+        if self.device.type == "cuda" and self.budget is not None and any(
+                n != "recompute" for n in self.policies):
+            self.prefetcher = Prefetcher(self.steps)
         # A step the budget cannot hold goes on uncapped to measure what it needs (runtime.survey)
         survey = self.budget is not None and cfg.extra.get("survey", True)
         around = Around(in_step=self.steps.in_step, state_to_come=self._state_to_come,
                         on_budget=self._working_budget, lift_cap=self._lift_cap if survey else None)
-        self.residency = Residency(self.store, self.policies, self.meter, self.stats, self.budget, around,
+        store_of = partial(SavedStore, self.device, self.produced, self.stats, self.clock, order=self.prefetcher)
+        self.residency = Residency(store_of, self.policies, self.meter, self.stats, self.budget, around,
                                    workspace=self._workspace(cfg), verify=bool(cfg.extra.get("verify", False)))
+        self.store = self.residency.store
         book = PlanBook.load(cfg.plan) if plan is None and is_book(cfg.plan) else None
         manages = self.budget is not None or plan is not None or book is not None
         self.recorder: Recorder | None = None
@@ -148,13 +156,6 @@ class Runtime(StepHooks, SteadyControl):
                                      self.meter.retry_oom)
         self.owner = OwnerThread()
         self.fixed = FixedMarker(self.produced, self.meter, self._module_called, self.stats.optimizer_stepped)
-        self.prefetcher: Prefetcher | None = None
-        # Prefetching pays where copies overlap compute (CUDA side streams); on the simulated CPU
-        # device a prefetch is a synchronous regeneration done early, memory spent for nothing.
-        if self.device.type == "cuda" and self.budget is not None and any(
-                n != "recompute" for n in self.policies):
-            self.prefetcher = Prefetcher(self.residency, self.steps)
-            self.store.on_saved, self.store.on_read = self.prefetcher.saved, self.prefetcher.read
         self.estimator = OutputEstimator()
         self.follower = PlanFollower(plan, self) if plan is not None else None
         if self.follower is not None:

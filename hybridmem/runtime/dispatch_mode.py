@@ -160,7 +160,9 @@ class RuntimeMode(MeterMode):
             if self.follower is not None:
                 self.follower.before(stage, func)
             if self.prefetcher is not None and self.steps.in_backward:
-                self.prefetcher.at(stage)
+                ahead = self.prefetcher.at(stage)
+                if ahead:
+                    self.residency.prefetch(ahead)
         if self.budget is not None:
             self._cap(func, args, kwargs, stage, f)
         if self.recorder is not None:

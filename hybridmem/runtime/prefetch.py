@@ -14,17 +14,16 @@ from typing import TYPE_CHECKING
 from .entry import Entry
 
 if TYPE_CHECKING:
-    from .residency import Residency
     from .steps import StepTracker
 
 LOOKAHEAD = 4  # stages: enough for a copy to hide behind a few kernels, little extra residency
 
 
 class Prefetcher:
-    """Learns the backward read order of one step; prefetches along it in the next."""
+    """Learns the backward read order of one step (the store tells it each save and read); says what to
+    prefetch along it in the next (:meth:`at`, whose entries the caller hands to ``Residency.prefetch``)."""
 
-    def __init__(self, residency: "Residency", steps: "StepTracker", lookahead: int = LOOKAHEAD):
-        self.residency = residency
+    def __init__(self, steps: "StepTracker", lookahead: int = LOOKAHEAD):
         self.steps = steps
         self.lookahead = lookahead
         self.plan: dict[int, list[int]] = {}     # stage -> save stages of entries to prefetch then
@@ -41,18 +40,17 @@ class Prefetcher:
         if e.stage >= 0 and stage >= 0:
             self._reads.setdefault(e.stage, stage)
 
-    def at(self, stage: int) -> None:
-        """Backward is at ``stage``: prefetch what the last step read ``lookahead`` stages later."""
+    def at(self, stage: int) -> list[Entry]:
+        """Backward is at ``stage``: the evicted entries the last step read ``lookahead`` stages later."""
         wanted = self.plan.get(stage)
         if not wanted:
-            return
+            return []
         entries = []
         for s in wanted:
             e = self.by_save.get(s)
             if e is not None and e.tensor is None and e.policy not in (None, "recompute") and e.refs > 0:
                 entries.append(e)
-        if entries:
-            self.residency.prefetch(entries)
+        return entries
 
     def step_ended(self) -> None:
         plan: dict[int, list[int]] = {}

@@ -75,13 +75,15 @@ class Around:
 
 
 class Residency:
-    """Evicts and regenerates entries of one :class:`SavedStore` under one budget. ``workspace``: room kept
+    """Evicts and regenerates the entries of the :class:`SavedStore` it builds (``store_of(self)``: the store
+    calls it back) under one budget. ``workspace``: room kept
     free beside the count for kernels' workspaces (``plugins: {workspace: N}``); ``verify``: hash each evicted
     entry's bytes and check them when it is regenerated (``plugins: {verify: true}``)."""
 
-    def __init__(self, store: SavedStore, policies: dict[str, Policy], meter: Meter, stats: StatsRecorder,
-                 budget: int | None, around: Around = Around(), workspace: int = 0, verify: bool = False):
-        self.store, self.policies, self.meter, self.stats = store, policies, meter, stats
+    def __init__(self, store_of: Callable[["Residency"], SavedStore], policies: dict[str, Policy], meter: Meter,
+                 stats: StatsRecorder, budget: int | None, around: Around = Around(), workspace: int = 0,
+                 verify: bool = False):
+        self.policies, self.meter, self.stats = policies, meter, stats
         self.budget = budget
         # What the runtime reads of each policy beyond its protocol methods, read here once (by the policies'
         # names; ``_hints`` by the policy object's id, for the paths that hold a policy, not its name)
@@ -103,10 +105,8 @@ class Residency:
         self._touched: dict[int, None] = {}   # uids of entries ever evicted (policies may keep state)
         self._offer_cache: dict[int, list[tuple[Policy, float | None, int]]] = {}
         self._ensuring: set[int] = set()
-        store.ensure = self.ensure
-        store.discard = self.discard
-        store.changed = self.forget_offers
-        store.dropped = self.dropped
+        # the store of the entries this residency keeps, built for it (it calls ensure, discard, ... back)
+        self.store = store_of(self)
         # the steady state's recording step listens: on_evicted(entry, policy name, handle)
         self.on_evicted: Callable[[Entry, str, Any], None] | None = None
         self.rescues: dict[str, int] = {}  # evictions by policy that made room for an allocation refused in an op

@@ -25,7 +25,7 @@ would otherwise give silently wrong gradients) and rebuilds the view.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -109,32 +109,48 @@ class Saved:
                 pass
 
 
-class SavedStore:
-    """Entries of saved activation storages and the pack/unpack hooks that use them.
+class Keeper(Protocol):
+    """What the store asks of the residency that evicts its entries (runtime.residency.Residency)."""
 
-    ``ensure(entry)`` (set by the runtime) makes an evicted entry resident again. ``resident`` maps
-    ``uid -> entry`` for the entries whose bytes are on the device: the eviction candidates.
+    def ensure(self, e: Entry) -> None: ...         # make an evicted entry resident again
+    def discard(self, e: Entry) -> None: ...        # the last handle went: release what eviction kept
+    def forget_offers(self, e: Entry) -> None: ...  # an entry's bytes were regenerated
+    def dropped(self, e: Entry) -> None: ...        # the allocator freed a registered entry's bytes
+
+
+class Order(Protocol):
+    """Told each new entry and each read (runtime.prefetch.Prefetcher learns the read order from them)."""
+
+    def saved(self, e: Entry) -> None: ...
+    def read(self, e: Entry) -> None: ...
+
+
+class SavedStore:
+    """Entries of saved activation storages and the pack/unpack hooks that use them, for the ``keeper`` that
+    evicts and regenerates them (which builds the store: ``Residency``); ``order``, if any, is told each save
+    and read. ``resident`` maps ``uid -> entry`` for the entries whose bytes are on the device: the eviction
+    candidates.
     """
 
-    def __init__(self, device: torch.device, produced: ProducedTable, stats: StatsRecorder, clock: Clock):
+    def __init__(self, device: torch.device, produced: ProducedTable, stats: StatsRecorder, clock: Clock,
+                 keeper: Keeper, order: Order | None = None):
         self.device = device
         self.clock = clock
         self.produced = produced
         self.stats = stats
         self.resident: dict[int, Entry] = {}
-        self.ensure: Callable[[Entry], None] = _no_regeneration
-        self.discard: Callable[[Entry], None] = _nothing
-        self.changed: Callable[[Entry], None] = _nothing  # an entry's bytes were regenerated
-        self.on_saved: Callable[[Entry], None] = _nothing  # a new entry (prefetch learns save order)
-        self.on_read: Callable[[Entry], None] = _nothing   # an unpack (prefetch learns read order)
+        # the keeper's and the order's methods, bound once: the hooks call them per save and read
+        self.ensure, self.discard, self.changed = keeper.ensure, keeper.discard, keeper.forget_offers
+        self.on_saved: Callable[[Entry], None] = _nothing if order is None else order.saved
+        self.on_read: Callable[[Entry], None] = _nothing if order is None else order.read
         self.last_op = ""  # set by the mode: named in error messages
         self.epoch = 0     # steps started (pack_counting counts a storage once per step)
         # The native allocator device's registry (None: no allocation-time eviction). ``registrable``
         # says whether a new entry may be freed by the allocator, and with which priority (None: no);
-        # ``dropped`` records an entry whose bytes the allocator freed (set by Residency).
+        # ``dropped`` records an entry whose bytes the allocator freed.
         self.native: Any = None
         self.registrable: Callable[[Entry], float | None] = _never
-        self.dropped: Callable[[Entry], None] = _nothing
+        self.dropped: Callable[[Entry], None] = keeper.dropped
         self.registered: dict[int, Entry] = {}
         self.registrations = 0  # entries ever registered (the steady state asks whether a step came near)
         self.pending: dict[int, Entry] = {}  # entries made since the last register_pending()
@@ -477,10 +493,6 @@ def _modified(size: tuple[int, ...], dtype: torch.dtype, origin: str, saved: int
         f"version {now}; expected version {saved} instead. PyTorch would raise this error too, but "
         "saved-tensor hooks disable its check, so hybridmem checks itself. Make the in-place operation "
         "out-of-place (e.g. inplace=False, x = x + y instead of x += y) or clone the tensor before modifying it.")
-
-
-def _no_regeneration(e: Entry) -> None:
-    raise RuntimeError("hybridmem: an evicted tensor was read but the runtime that evicted it is gone")
 
 
 def _nothing(e: Entry) -> None:
