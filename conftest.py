@@ -57,7 +57,6 @@ LONGEST_FIRST = (
     "tests/test_compile.py::test_a_loop_that_drops_the_outputs",
     "tests/test_examples.py::",
     "tests/test_bench_cli.py::test_quick_writes_json_markdown_and_prints_tables",
-    "tests/test_compile.py::test_inductor_trains_a_network_the_zoo_does_not_build",
     "tests/test_compile.py::test_a_compiled_step_that_holds_more_than_its_share",
 )
 

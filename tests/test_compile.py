@@ -143,6 +143,10 @@ def _basic_case(breaks: bool = False) -> tuple[nn.Module, tuple, dict, Callable[
     return model, (x,), {}, lambda out: nn.functional.cross_entropy(out, y)
 
 
+# -m slow (40 s on 2 cores): the default run trains Inductor with the convolutions' margin on VGG-16 (the margin
+# test) and ConvNets with BatchNorm (the dynamic-shape and replan tests), and enable(compile=True) on HF GPT-2
+# (test_compile_lengths)
+@pytest.mark.slow
 def test_inductor_trains_a_network_the_zoo_does_not_build_within_the_budget() -> None:
     """Through ``enable(compile=True)``: ``torch.compile(model)`` names no backend and gets hybridmem's."""
     model, args, kwargs, loss_fn = _basic_case()
