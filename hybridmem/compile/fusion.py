@@ -63,9 +63,8 @@ def kernels(members: list[fx.Node]) -> int:
     """Kernels a fused stage launches: one for its pointwise, layout and reduction nodes together (Inductor
     generates one loop nest for them), one for each other node (a matrix product, a library op); views
     none. Each launch is charged once (:meth:`hybridmem.graph.costs.DeviceModel.roofline`): counted per
-    node, a BatchNorm's normalize-and-ReLU chain (9 nodes) cost 111-188 us in the CPU model against
-    34 us measured for Inductor's kernel, and the planners recomputed convolutions before it (ResNet-50
-    small, 2026-12-04)."""
+    node, a BatchNorm's normalize-and-ReLU chain cost several times Inductor's one kernel, and the planners
+    recomputed convolutions before it (docs/benchmarks.md, "Measured constants and design choices")."""
     fused = any(computes_inputs(m) and not aliases(m) for m in members)
     return max(1, int(fused) + sum(1 for m in members if not computes_inputs(m) and not aliases(m)))
 
@@ -108,8 +107,8 @@ def fusion_groups(nodes: list[fx.Node], fw: set[fx.Node], returned: set[fx.Node]
     them, as Inductor does; a backward reader may read it too where the partition recomputes it there
     (``recomputed``) inside that reader's kernel. A log-softmax's ``x - max(x)``, read by its ``exp``-sum
     and by the subtraction of the log-sum, and that subtraction, read by the loss's ``gather``, are never
-    stored: counted stored, a language model's loss region at a 50,257-word vocabulary held two logits-sized
-    tensors more than its step (GPT-2, 2026-12-06).
+    stored (counted stored, a language model's loss region held two logits-sized tensors more than its step:
+    docs/benchmarks.md, "Measured constants and design choices").
 
     In the backward (with ``backward``) a pointwise node, or one made from no stored tensor (an ``iota``,
     a ``full``, views of them), is also inlined, as Inductor inlines it, into a

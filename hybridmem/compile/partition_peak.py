@@ -3,8 +3,7 @@
 A plan keeps some saved tensors with no tag ("keep": the partitioner's own choice). Given the
 ``MUST_RECOMPUTE`` tags around them, PyTorch's min-cut often recomputes a kept tensor as well, from
 values it saves anyway; Inductor then computes it inside the backward kernel that reads it, and it is
-never stored. On the GPT (zoo ``small``, batch 8) such tensors were 5.5 MiB of a plan's 15 MiB kept:
-its count said 31.2 MiB, the step peaked at 25.7 MiB (CPU, 2026-12-02). :func:`realized_peak`
+never stored (on the zoo's GPT, a third of what a plan kept: docs/benchmarks.md, "Measured constants and design choices"). :func:`realized_peak`
 partitions a copy of the tagged joint graph and counts the plan as that partition runs it: a kept
 tensor the partition does not save is live in the forward only and, where it is made by pointwise ops and
 views only and read in the backward by pointwise or reduction kernels (what Inductor fuses), never stored

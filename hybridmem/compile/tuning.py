@@ -3,22 +3,17 @@
 Read as ``tuning.NAME`` where used, so that a benchmark or test setting one sees it take effect.
 """
 
+# The margins' measurements: docs/benchmarks.md, "Measured constants and design choices".
 # Inductor's compiled step holds more at its peak than the joint graph counts op by op (its kernels'
-# buffers live by kernel, not by op, and it orders the backward and the recomputed ops its own way):
-# 0.7-1.6 MiB on ResNet-50 small (4.3-6.4 % of the keep-all peak) at 0.79 of its unmanaged peak, 3.3 % on a
-# ResNet-18-like net (CPU, 2026-12-01), and 2.3 MiB (9.3 %) at 0.76, where a plan recomputes 6-7 MiB
-# (2026-12-03). Its plans leave this share of the keep-all peak free (of the lower of the region's two counts).
+# buffers live by kernel, not by op, and it orders the backward and the recomputed ops its own way): up to
+# 9.3 % of the keep-all peak beside convolutions. Its plans leave this share of the keep-all peak free (of the
+# lower of the region's two counts).
 INDUCTOR_MARGIN = 0.11
 # Where a region that convolves concatenates feature maps (a U-Net's skips), Inductor's layout optimization
-# holds more:
-# U-Net small's compiled step peaked 4.3 % over a plan made with the 11 % margin, 14 % of its keep-all count
-# beyond the plan's count (its unmanaged step: 55.8 MB with the layout optimization, 49.6 MB without, the
-# count 49.9 MB; CPU, 2026-12-03).
+# holds more (14 % of U-Net's keep-all count beyond the plan's count).
 INDUCTOR_MARGIN_CONCAT = 0.17
 # Without convolutions (transformers, MLPs) the graph fuses the backward's pointwise chains as Inductor
-# does, and Inductor's step stayed below the count: on the transformer (small, batch 8) at 0.765 of the
-# unmanaged peak the real peak was 1.27 MiB (4.0 % of the keep-all peak) below the predicted one (CPU,
-# 2026-12-01). A smaller share is left free there.
+# does, and Inductor's step stayed below the count: a smaller share is left free there.
 INDUCTOR_MARGIN_NO_CONV = 0.02
 # plans judged by the partition they get (realized_peak), beyond the first, bisecting for the highest
 # budget that fits: each costs a plan and a partition of a copy of the joint graph (GPT small: 1.1 s)

@@ -2,8 +2,7 @@
 
 Under a cap the caching allocator fragments: a step that frees and allocates activations of many sizes
 leaves its fixed-size segments holding free blocks too small for the next request, and a new segment
-does not fit under the cap (GPT-2 small at ``torch.utils.checkpoint``'s peak was refused with 3.37 GiB of
-its cap unallocated, H100, 2026-12-05). With expandable segments each stream's memory is one virtual
+does not fit under the cap (measured: docs/benchmarks.md, "Measured constants and design choices"). With expandable segments each stream's memory is one virtual
 range mapped page by page, so freed blocks coalesce with their neighbours and the cap counts pages
 actually mapped. Setting it affects segments made from then on, so the runtime sets it before it empties
 the allocator's cache (:func:`hybridmem.runtime.meter.cap_cuda`), and the environment-variable path does

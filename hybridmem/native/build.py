@@ -10,26 +10,11 @@ callback; ``HYBRIDMEM_CUDA_HOOK=0`` leaves that out. Processes building at once 
 temporary file and rename it onto the cached name (atomic): no lock, and a build killed half-way leaves
 at most a stray ``.tmp.so``, never a half-written library under the cached name.
 
-Why not ``torch.utils.cpp_extension.load(..., with_cuda=False, is_python_module=False)``, which knows
-torch's include paths and ABI flags and caches and locks by itself: measured against this build on
-2 shared cores, torch 2.13.0+cpu, g++ 12, 2026-12-07 (``load()`` timed after ``import torch``, each case in
-fresh processes, 3 rounds):
-
-- It needs ninja, which is no dependency of torch: with a C++ compiler but no ``ninja`` on ``PATH`` it
-  raises "Ninja is required to load C++ extensions"; this build needs only the compiler (5.4 s, built).
-- Its lock is a file that a killed build leaves behind (``FileBaton``: no timeout, no owner check): after
-  a ``kill -9`` during the first build, the next ``load`` was still waiting after 30 s, so ``enable()``
-  would hang in every later process until someone deletes the file. Here the next load rebuilt in 3.5 s.
-- A cached load costs 141-202 ms instead of 1-2 ms: 128-230 ms to import ``torch.utils.cpp_extension``
-  (it imports setuptools), 10-15 ms to run ninja to find the library up to date. Every process that
-  enables hybridmem on the CPU pays it.
-- A first build takes the same (3.3-4.3 s against 3.2-4.0 s): the compiler's time.
-- Its CUDA paths come from a CUDA toolkit (``CUDA_HOME``); with pip-installed CUDA wheels and no toolkit
-  it finds no headers, so the header search below would stay anyway.
-
-How to measure again: ``python -c "import time, torch; from hybridmem.native import cpumeter;
-t = time.perf_counter(); cpumeter.load(); print(time.perf_counter() - t)"`` with ``HYBRIDMEM_CACHE_DIR``
-set to an empty directory (first build) and again (cached).
+Why not ``torch.utils.cpp_extension.load``, which knows torch's include paths and ABI flags and caches and
+locks by itself: it needs ninja (no dependency of torch), a build killed half-way leaves its lock file and
+hangs every later ``load``, a cached load costs about 100 times this one's (it imports setuptools and runs
+ninja), and it finds no CUDA headers without a toolkit. Measured, with the command to measure again:
+docs/benchmarks.md, "Measured constants and design choices".
 """
 from __future__ import annotations
 
