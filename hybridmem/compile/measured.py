@@ -17,34 +17,32 @@ from typing import Any, Callable
 import torch
 
 from ..native.cpumeter import load, unavailable_reason
-from ..runtime.meter import Meter
+from ..native.external import ExternalBytes
 
 __all__ = ["StepPeak"]
 
 
 class _Shared:
-    """One meter of the state from before the allocator meter, for every backend in the process (so that
+    """One count of the state from before the allocator meter, for every backend in the process (so that
     each storage is counted once), attached while any backend measures."""
 
-    meter: Meter | None = None
+    external = ExternalBytes()
     users = 0
 
 
-def _acquire(native: Any) -> Meter:
+def _acquire(native: Any) -> ExternalBytes:
     if _Shared.users == 0:
         native.acquire()
-        if _Shared.meter is None:
-            _Shared.meter = Meter("cpu")
-        _Shared.meter.attach_native(native)  # counts again the state it counted before a release
+        _Shared.external.attach(native)  # counts again the state it counted before a release
     _Shared.users += 1
-    return _Shared.meter
+    return _Shared.external
 
 
 def _release() -> None:
     _Shared.users -= 1
-    if _Shared.users == 0 and _Shared.meter is not None:
-        native = _Shared.meter.native
-        _Shared.meter.detach_native()
+    if _Shared.users == 0:
+        native = _Shared.external.native
+        _Shared.external.detach()
         if native is not None:
             native.release()
 
@@ -55,7 +53,7 @@ class StepPeak:
     def __init__(self) -> None:
         self.device: torch.device | None = None
         self.how = "not measured (no region compiled yet)"
-        self._meter: Meter | None = None
+        self._external: ExternalBytes | None = None   # the shared count, while this measures on the CPU
         self._floor = 0            # the largest peak of the windows closed so far
         self._optimizer: Any = None
         self._active = False
@@ -82,7 +80,7 @@ class StepPeak:
         if native is None:
             self.how = f"not measured (the native CPU allocator meter is not available: {unavailable_reason()})"
             return
-        self._meter = _acquire(native)
+        self._external = _acquire(native)
         # a backend dropped without stop() (torch._dynamo.reset(), a finished script) lets go of the meter too:
         # left installed, it would count every later allocation of the process against later budgets
         self._hold = weakref.finalize(self, _release)
@@ -97,8 +95,8 @@ class StepPeak:
             return
         self._floor = self.peak_bytes or 0
         self._active = False
-        if self._meter is not None:
-            self._meter = None
+        if self._external is not None:
+            self._external = None
             self._hold()
 
     # ---- compiles and steps ------------------------------------------------------------------------
@@ -111,14 +109,14 @@ class StepPeak:
         """A compile ended: start a new window at the current level."""
         if not self._active:
             return
-        if self._meter is not None and self._meter.native is not None:
-            self._meter.native.reset_peak()
+        if self._external is not None and self._external.native is not None:
+            self._external.native.reset_peak()
         elif self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def wrap(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
         """``compiled`` counting the state it reads that predates the meter."""
-        if self._meter is None or not self._active:
+        if self._external is None or not self._active:
             return compiled
 
         seen = self._seen
@@ -155,21 +153,21 @@ class StepPeak:
     def peak_bytes(self) -> int | None:
         if not self._active:
             return self._floor or None
-        if self.device is None or (self.device.type != "cuda" and self._meter is None):
+        if self.device is None or (self.device.type != "cuda" and self._external is None):
             return None
         return max(self._floor, self._window())
 
     def _window(self) -> int:
         if not self._active:
             return 0
-        if self._meter is not None and self._meter.native is not None:
-            return self._meter.native.peak_bytes
+        if self._external is not None and self._external.native is not None:
+            return self._external.native.peak_bytes
         if self.device is not None and self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return 0
 
     def _count_state(self, tensors: Any) -> None:
-        m = self._meter
+        m = self._external
         if m is None or m.native is None:
             return
         for t in tensors:
@@ -178,4 +176,4 @@ class StepPeak:
             except (RuntimeError, NotImplementedError, TypeError):
                 continue  # wrapper subclasses without one storage: their parts are read separately
             if st.device.type == "cpu":
-                m.count_external(st)
+                m.count(st)

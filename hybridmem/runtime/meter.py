@@ -64,6 +64,7 @@ from ..graph.ops import op_info, written_tensors
 from ..graph.outputs import output_tensors, storage_of
 from ..native.allocconf import prefer_expandable_segments
 from ..native.counters import CudaCounters, cuda_counters
+from ..native.external import ExternalBytes
 from .distributed import plain_storages
 from ..graph.units import fmt_bytes, parse_bytes
 
@@ -151,7 +152,9 @@ class Meter:
         self._frozen: tuple[int, int] | None = None  # its (peak, current) when detached
         self._native_current: Callable[[], int] = int
         self._floor = 0  # the peak before a detach: an inner session may reset the native peak meanwhile
-        self._external: dict[int, int] = {}      # id(storage) -> bytes it adds to the device as external
+        # storages from before the native device, counted against it while they live (native.external)
+        self.external = ExternalBytes()
+        self._external = self.external.bytes     # its id(storage) -> bytes, checked per save
         # the OOM to raise when nothing more can be freed: (bytes requested, what, bytes held or None); None
         # from it: the cap was lifted (runtime.survey) and the call runs again, uncapped
         self.on_exhausted: Callable[[int, str, int | None], BaseException | None] | None = None
@@ -164,8 +167,7 @@ class Meter:
         if self._frozen is not None:
             self._floor = max(self._floor, self._frozen[0])
         self._frozen = None
-        if self._external:
-            native.add_external(sum(self._external.values()))
+        self.external.attach(native)
 
     def detach_native(self) -> None:
         """Stop reading the native device; the bytes counted as external leave its count until attached."""
@@ -173,8 +175,7 @@ class Meter:
         if native is None:
             return
         self._frozen = (native.peak_bytes, native.current_bytes)  # what stats() reports after disable()
-        if self._external:
-            native.add_external(-sum(self._external.values()))
+        self.external.detach()
 
     # ---- readings ------------------------------------------------------------------------------
     @property
@@ -248,10 +249,7 @@ class Meter:
             nb = st.nbytes()
             self._current += nb - entry.nbytes
             entry.nbytes = nb
-            ext = self._external.get(id(st))
-            if ext is not None and self.native is not None:  # resized through its old allocator
-                self._external[id(st)] = nb
-                self.native.add_external(nb - ext)
+            self.external.resized(st)  # resized through its old allocator
         if self._current > self._peak:
             self._peak = self._current
 
@@ -271,21 +269,15 @@ class Meter:
         counted. Other storages an op merely reads (a model that is only copied) are not counted, as
         ``enable(budget=None)`` does not. Under a budget, room is made first (``on_pressure``): the bytes
         are held already, so counting them must not take the count past the cap."""
-        native = self.native
-        k = id(st)
-        if native is None or k in self._external:
-            return 0
-        nb = st.nbytes()
-        if not nb or not (ptr := _data_ptr(st)) or native.serial_of(ptr) >= 0:
-            return 0  # allocated through the device: counted already
-        budget = native.budget
+        if id(st) in self._external or not (nb := self.external.countable(st)):
+            return 0  # counted already, no device attached, or allocated through the device
+        budget = self.native.budget
         if budget is not None and self.current_bytes + nb > budget and self.on_pressure is not None \
                 and not self._relieving:
             self._ask(nb)  # where nothing frees enough, the next allocation raises the OOM
-        if k not in self._live:
-            self._add(st)  # the weak reference whose callback un-counts it
-        self._external[k] = nb
-        native.add_external(nb)
+        if id(st) not in self._live:
+            self._add(st)
+        self.external.add(st, nb)
         return nb
 
     def count_late(self, st: torch.UntypedStorage) -> int:
@@ -305,9 +297,6 @@ class Meter:
         if live.get(ref.key) is ref:
             del live[ref.key]
             self._current -= ref.nbytes
-            ext = self._external.pop(ref.key, 0) if self._external else 0
-            if ext and self.native is not None:
-                self.native.add_external(-ext)
 
     # ---- budget --------------------------------------------------------------------------------
     def check(self, extra_bytes: int = 0, *, what: str = "") -> None:
@@ -541,15 +530,6 @@ def _register(m: Meter, live: dict, t: Tensor) -> int:
         if id(st) not in live:
             new += m._add(st)
     return new
-
-
-def _data_ptr(st: torch.UntypedStorage) -> int:
-    """The storage's address; 0 for the data-less stand-ins of wrapper subclasses (a DTensor's global
-    storage), whose bytes live in their local shards."""
-    try:
-        return st.data_ptr()
-    except RuntimeError:
-        return 0
 
 
 def _tensors_in(objs: Iterable[Any]) -> Iterable[Tensor]:
