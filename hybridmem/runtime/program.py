@@ -7,21 +7,10 @@ now read as a replay program: arguments are other nodes (rebuilt or bound again)
 buffers (read as they are in the current step), or tensors the step saved (the batch): those are bound
 again at the pack that saves them in each later step.
 
-A later step that starts like the recorded one (same module entry; with a plan, from the step after the
-first one that follows it) runs without the dispatch mode: nothing runs per op in Python. Each pack looks up its ordinal, checks the signature, binds
-the node to the new storage and hands the tensor to the usual :class:`~.saved.SavedStore` (an entry;
-near the budget it is registered with the native allocator device, which frees it at allocation time
-when the budget would be crossed). A freed entry is rebuilt at unpack by replaying its node's ops, as in
-a recorded step. The first pack that does not match (another shape, dtype or size, more packs than
-recorded) ends the steady state: the rest of the step keeps what it saves, and the next step runs under
-the dispatch mode again, which records a new program; ``stats().notes`` says where it diverged.
-
-Evictions by swap and compress need no op hook either: the program notes which save (by ordinal) the
-recorded step evicted by which policy, and in which order its backward first read the saves. A later step
-evicts those saves by the same policy as it packs them (a swap's copy is queued on a side stream, its
-device bytes go when the step's own references do), and each first read prefetches the next ones in the
-recorded order (:mod:`.steady`). Without recompute among the policies there is no lineage: such a save is
-bound through an :class:`Anchor`, a node with no ops to replay.
+A later step that starts like the recorded one follows the program with the saved-tensor hooks alone: how
+each pack and unpack does it, evictions by swap and compress included, is written once in :mod:`.steady`.
+Without recompute among the policies there is no lineage: a save is bound through an :class:`Anchor`, a
+node with no ops to replay.
 
 Random ops (dropout) replay with the generator state they drew from. The recording step notes, for each,
 the module call after which it was the first random op (the *n*-th call of a module forward in the
