@@ -43,7 +43,6 @@ class RuntimeMode(MeterMode):
         self.internal = 0       # > 0: ops are the runtime's own work (metered, capped, not stages)
         self.budget = rt.budget
         self.recorder = rt.recorder
-        self.follower = rt.follower
         self.prefetcher = rt.prefetcher
         self.steps = rt.steps
         self.estimator = rt.estimator
@@ -62,7 +61,7 @@ class RuntimeMode(MeterMode):
         self._rng: Any = None
         # Monitor-only on the simulated device (no budget, plan, lineage or prefetch): every op takes
         # _monitor_op, the meter's and the runtime's per-op work in one function.
-        self._fast = (self._sim and self.budget is None and self.recorder is None and self.follower is None
+        self._fast = (self._sim and self.budget is None and self.recorder is None and rt.follower is None
                       and self.prefetcher is None and rt.buckets is None and not meter.raise_on_exceed
                       and meter.on_pressure is None)
 
@@ -157,8 +156,9 @@ class RuntimeMode(MeterMode):
             return
         stage = self._stage = self.steps.observe(f.stage, args)
         if stage >= 0:
-            if self.follower is not None:
-                self.follower.before(stage, func)
+            follower = self.rt.follower   # read from the runtime: a plan book switches it per step
+            if follower is not None:
+                follower.before(stage, func)
             if self.prefetcher is not None and self.steps.in_backward:
                 ahead = self.prefetcher.at(stage)
                 if ahead:
@@ -195,7 +195,8 @@ class RuntimeMode(MeterMode):
             if budget is not None and m.current_bytes > budget:
                 self._overrun(f)
             return
-        if budget is None and self.follower is None:  # measuring per op: what no budget could evict here
+        follower = self.rt.follower
+        if budget is None and follower is None:  # measuring per op: what no budget could evict here
             floor = m.current_bytes - self.produced.saved_live
             if floor > self.stats.min_budget_bytes:
                 self.stats.min_budget_bytes = floor
@@ -218,11 +219,11 @@ class RuntimeMode(MeterMode):
             self.estimator.learn(stage, func, nbytes, args)
             if m.current_bytes > budget:
                 self._overrun(f)
-        if self.follower is not None:
+        if follower is not None:
             if stage >= 0:
-                self.follower.after(stage, func, fresh)
+                follower.after(stage, func, fresh)
             elif fresh:
-                self.follower.after_other(fresh)
+                follower.after_other(fresh)
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _outputs(self, f: OpFacts, out: Any) -> tuple[list[tuple[int, Any, Tensor]], int]:

@@ -57,7 +57,7 @@ class ModeRuntime(Protocol):
 
     budget: int | None
     recorder: Recorder | None
-    follower: Any   # PlanFollower or None
+    follower: Any   # PlanFollower or None; read per op (a plan book switches it between steps)
     prefetcher: Prefetcher | None
     steps: StepTracker
     estimator: OutputEstimator

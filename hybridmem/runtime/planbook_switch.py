@@ -113,9 +113,7 @@ class BucketSwitch:
             self.rt.stats.note(f"plan book: input shapes {key}: " + (why + "; online scorer" if why else
                                                                       "plan found, verified on its first step"))
         self.key = key
-        self.rt.follower = f
-        if getattr(self.rt, "mode", None) is not None:
-            self.rt.mode.follower = f
+        self.rt.follower = f   # the dispatch mode reads it from the runtime per op
         self._mode_at_start = "scorer" if f is None else "verify" if f.state == "pending" else f.state
 
     def step_ended(self) -> None:
