@@ -32,6 +32,7 @@ class ExternalBytes:
         self.bytes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
         self.native: Any = None
+        self.added = 0   # storages ever counted (a step that counts one holds state no earlier step showed)
 
     def attach(self, native: Any) -> None:
         """Count against ``native`` (a :class:`~.cpumeter.CpuAllocatorMeter`), with what was counted before."""
@@ -61,6 +62,7 @@ class ExternalBytes:
         k = id(st)
         self.bytes[k] = nbytes
         self._refs[k] = weakref.ref(st, lambda r, k=k: self._freed(k, r))
+        self.added += 1
         self.native.add_external(nbytes)
 
     def count(self, st: torch.UntypedStorage) -> int:

@@ -43,6 +43,7 @@ from .lineage import OpCost, Recorder
 from .replay import Replayer
 from .dispatch_mode import RuntimeMode
 from .monitor import NOTE as MONITOR_NOTE, NOTE_CUDA as MONITOR_NOTE_CUDA, AllocatorMonitor, CudaAllocatorView
+from .hookless import Hookless
 from .prefetch import Prefetcher
 from .activations import ProducedTable
 from .program import StepProgram
@@ -129,6 +130,8 @@ class Runtime(StepHooks, SteadyControl):
         self.produced = ProducedTable(self.meter)
         self.policies = self._make_policies(cfg)
         self.steps = StepTracker(self._step_started, self._step_ended)
+        # light steady steps far from the budget run with the saved-tensor hooks off the stack
+        self.hookless = Hookless(self._pack_hook, self._unpack_hook, self.steps.backward_seen)
         # Prefetching pays where copies overlap compute (CUDA side streams); on the simulated CPU
         # device a prefetch is a synchronous regeneration done early, memory spent for nothing.
         self.prefetcher: Prefetcher | None = None
@@ -313,6 +316,7 @@ class Runtime(StepHooks, SteadyControl):
             return
         if self.light or self.mode is None:
             return
+        self.hookless.restore()  # disabled after a step run without the hooks: they go back first, then off
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is not None and top[0] != self._pack_hook:
             raise RuntimeError("hybridmem.disable() called inside another saved_tensors_hooks context "

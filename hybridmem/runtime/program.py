@@ -282,6 +282,11 @@ class StepProgram:
         self.headroom = 0               # bytes kept free after each save and read (the most an op needed)
         self.gross_headroom = 0         # the same, with what the dispatch mode evicted in between added back
         self.room: Room | None = None   # the same per save and read, where it was measured (runtime.rises)
+        # Its light steps (never near the budget): the most the bytes rose above a step's start at a save, and
+        # what such a step counted as saved (bytes, tensors). None: none ran whole yet (runtime.hookless).
+        self.light_rise: int | None = None
+        self.light_saved = (0, 0)
+        self.light_external = False     # a light step counted a storage from before the native device
         # per tensor argument of the step's first module call: the references bound to it, and its signature
         self.inputs: list[list[tuple[FixedRef, int]]] = []
         self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []

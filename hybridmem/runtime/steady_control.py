@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..config import Config
 from ..graph.units import fmt_bytes
 from .entry import Entry
+from .hookless import Hookless
 from .module_state import FixedMarker
 from .meter import Meter
 from .program import ProgramRecorder, StepProgram
@@ -49,6 +50,7 @@ class SteadyControl:
     steps: StepTracker
     fixed: FixedMarker
     follower: Any       # PlanFollower | None (runtime.follow)
+    hookless: Hookless
     native: Any         # NativeDevice | None (runtime.native_device)
     mode: Any           # RuntimeMode | None (runtime.dispatch_mode)
     buckets: Any
@@ -82,6 +84,8 @@ class SteadyControl:
         self._program_rec: ProgramRecorder | None = None
         self._steady: SteadyStep | None = None
         self._packfn: Any = self._pack
+        self._light_base = self._light_top = 0   # bytes at a steady step's start, and the most read at its saves
+        self._light_external = 0                 # storages from before the native device counted by then
         self._evicted_before: dict[str, int] = {}
         self._registered_before = 0
         self._refused_before = 0
@@ -167,6 +171,8 @@ class SteadyControl:
         """Run the step that starts in the steady state, following ``prog`` (scaled, for inputs of signature
         ``sig``, where that is not the program's, and ``grow`` times the room it rose by where larger)."""
         prog.start_step()
+        self._light_base = self._light_top = self.meter.current_bytes   # the step's start (runtime.hookless)
+        self._light_external = self.meter.external.added
         self._steady = steady = SteadyStep(prog, self._steady_parts, sig=sig,
                                            swap=sig is not None and "swap" in self.policies, grow=grow)
         self._packfn = steady
@@ -238,8 +244,44 @@ class SteadyControl:
         return slot
 
     def _far(self) -> bool:
-        """Whether the device is far from its budget (at least half of it free)."""
-        return self.budget is None or self.budget - self.meter.current_bytes >= self.budget // 2
+        """Whether the device is far from its budget (at least half of it free); the most bytes read here in
+        the step are noted for its program (runtime.hookless)."""
+        cur = self.meter.current_bytes
+        if cur > self._light_top:
+            self._light_top = cur
+        return self.budget is None or self.budget - cur >= self.budget // 2
+
+    def _light_step_ended(self, prog: StepProgram) -> None:
+        """A steady step of ``prog``'s own shapes ended light (never near the budget): note how far it rose above
+        its start at a save, and what it counted as saved, for the steps of ``prog`` that run without hooks."""
+        if self.meter.external.added != self._light_external:
+            # it saved a storage from before the native device (a batch made before enable()), which its save
+            # counts: a step without hooks could not
+            prog.light_external = True
+            return
+        rise = max(self._light_top - self._light_base, 0)
+        prog.light_rise = rise if prog.light_rise is None else max(prog.light_rise, rise)
+        prog.light_saved = (self.stats.saved_bytes_step, self.stats.saved_tensors_step)
+
+    def _maybe_hookless(self, steady: SteadyStep) -> None:
+        """At the first module call of a light steady step of its program's own shapes, its inputs bound: run it
+        without the saved-tensor hooks where it keeps half the budget free by what its program's light steps
+        rose (runtime.hookless)."""
+        prog, budget = steady.program, self.budget
+        if budget is None or not steady.light or steady.scaled or prog.light_rise is None or prog.light_external \
+                or self.residency.survey is not None or self._retired is not None:
+            return
+        if self.meter.current_bytes + prog.light_rise + steady.headroom > budget - budget // 2:
+            return
+        if not self.hookless.start():
+            return
+        if self._soft_on:
+            self._soften(False)  # no save or read to recover at: the allocator refuses what crosses the cap
+        self._packfn = self.store.keep  # a save that still comes to the hook (a region it was handed to)
+        if self.hookless.steps == 1:
+            self.stats.note("steady state: steps far from the budget run without saved-tensor hooks (their "
+                            "program's light steps kept half the budget free; docs/reference.md, "
+                            '"Steady state")')
 
     def _steady_after(self) -> None:
         """After each save and read of a steady step: what the dispatch mode does before each op, per saved

@@ -19,6 +19,7 @@ from ..graph.optstate import optimizer_state
 from ..graph.outputs import storage_of
 from ..native.capture import capturing
 from .estimate import OutputEstimator
+from .hookless import Hookless
 from .module_state import FixedMarker
 from .meter import Meter
 from .activations import ProducedTable
@@ -43,6 +44,7 @@ class StepHooks:
     steps: StepTracker
     fixed: FixedMarker
     follower: Any       # PlanFollower | None (runtime.follow)
+    hookless: Hookless
     estimator: OutputEstimator
     owner: OwnerThread
     mode: Any           # RuntimeMode | None (runtime.dispatch_mode)
@@ -57,6 +59,7 @@ class StepHooks:
         self._last_random_call = -1          # the module call after which the last random op ran
         self._module: torch.nn.Module | None = None
         self._root_hook: Any = None  # the pre-hook that reads the step's inputs (_watch_inputs)
+        self._root_returned: Any = None  # the forward hook that gives its outputs to runtime.hookless
         self._shapes: list[torch.Size] = []  # the shapes of the step's inputs (from the second step on)
 
     def _module_called(self, module: torch.nn.Module) -> None:
@@ -67,6 +70,7 @@ class StepHooks:
         steps = self.steps
         if self.steady_possible and steps.phase != FORWARD and torch.is_grad_enabled() \
                 and torch._C._current_graph_task_id() == -1:
+            self.hookless.restore()  # the last step may have run without the hooks: this one decides again
             self._choose_step()  # a step starts here: with the dispatch mode, or in the steady state
         steps.module_called()
         self._calls += 1
@@ -74,7 +78,7 @@ class StepHooks:
         if self._calls == 1 and self._root_hook is None:
             self._watch_inputs(module)
         steady = self._steady
-        if steady is None:
+        if steady is None or self.hookless.active:  # without hooks: nothing of the program is followed
             return
         if steady.off:
             if not self.mode_on and steps.phase == FORWARD and torch._C._current_graph_task_id() == -1 \
@@ -98,7 +102,13 @@ class StepHooks:
                 rt._step_inputs([*(a for a in args if isinstance(a, torch.Tensor)),
                                  *(kwargs[k] for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor))])
 
+        def returned(m: torch.nn.Module, args: tuple, out: Any) -> None:
+            rt = me()
+            if rt is not None and rt.mode is not None:
+                rt.hookless.root_returned(out)
+
         self._root_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
+        self._root_returned = module.register_forward_hook(returned)
 
     def _step_inputs(self, tensors: list[torch.Tensor]) -> None:
         self._pass_size = sum(t.numel() for t in tensors)
@@ -119,6 +129,8 @@ class StepHooks:
                 self._restart_step(steady, tensors)  # no op has run: follow their program, or record one
             elif why:
                 steady.leave(why)
+            elif steady.k == 0:
+                self._maybe_hookless(steady)
         if self._program_rec is not None:
             self._program_rec.step_inputs(tensors)
 
@@ -198,6 +210,8 @@ class StepHooks:
 
     def _step_ended(self, stages: int) -> None:
         self._module = None
+        hookless = self.hookless.active
+        self.hookless.step_ended()
         if self._soft_on:
             self._soften(False)
             self._recover()  # a refusal in the step's last ops, after its last read
@@ -217,7 +231,13 @@ class StepHooks:
                 self._retired, retired = None, self._retired
                 self.programs.drop(retired)
                 retired.unbind()
+            elif hookless:
+                # it saved as its program's light steps did (runtime.hookless): what they counted
+                self.stats.saved_bytes_step, self.stats.saved_tensors_step = steady.program.light_saved
+                self.programs.followed()
             elif steady.complete:
+                if steady.light and not steady.scaled:
+                    self._light_step_ended(steady.program)
                 self.programs.followed()
             elif not steady.off:
                 self._steady = steady  # _diverged reads the program the step left

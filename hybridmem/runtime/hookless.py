@@ -1,0 +1,102 @@
+"""Steady steps far from the budget, run without the runtime's saved-tensor hooks.
+
+A light steady step (its program never came near the budget: :mod:`.steady`, light packs) keeps every saved
+tensor as it is, so its pack and unpack hooks cost host time and nothing else. Where the program's light steps
+rose at most ``light_rise`` bytes above their start at a save, a step of the same input shapes that starts at
+``base`` bytes and would keep half the budget free with the largest rise between two hooks on top
+(``base + light_rise + headroom <= budget - budget // 2``: the light packs' own test, made once for the step)
+runs with the runtime's hooks taken off autograd's stack: autograd saves as it does without hybridmem. The
+allocator's cap still holds; nothing is evictable in such a step, so an allocation past it gets the error that
+names a budget, as a light step would.
+
+Without an unpack hook the backward pass is seen through the root module's outputs: a pre-hook on their autograd
+nodes tells the step tracker when backward reaches them. The hooks go back on the stack at the next step's first
+module call and when the runtime is disabled.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+_top = torch._C._autograd._top_saved_tensors_default_hooks
+_push = torch._C._autograd._push_saved_tensors_default_hooks
+_pop = torch._C._autograd._pop_saved_tensors_default_hooks
+# autograd nodes of the root's outputs given a pre-hook: the loss or the logits come first in what models
+# return; a few more cover a loss computed from a later output
+OUTPUT_NODES = 4
+
+
+class Hookless:
+    """Takes the runtime's hooks (``pack``, ``unpack``) off the stack for a step, and puts them back.
+    ``backward_seen``: tells the step tracker that the backward pass started (``StepTracker.backward_seen``).
+
+    The stack is thread-local and the autograd engine restores it after a backward pass, so what ends a step
+    (the engine's callback) cannot put the hooks back: :meth:`restore` does, at the next step's first module
+    call (before its inputs decide whether it runs without them) and when the runtime is disabled, at the
+    place they were taken from (under contexts opened since, e.g. a ``save_on_cpu`` around the next step)."""
+
+    def __init__(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor],
+                 backward_seen: Callable[[], None]):
+        self.pack, self.unpack, self.backward_seen = pack, unpack, backward_seen
+        self.active = False        # the step going on runs without the hooks
+        self.off = False           # the hooks are off the stack of the thread that runs the steps
+        self.below: Any = None     # the stack's top under them when they were taken off
+        self.steps = 0             # steps run without them
+        self.outputs_seen = False  # the root's last call returned a tensor with an autograd node
+
+    def start(self) -> bool:
+        """Run the step going on without the hooks: take them off the stack where they are on its top (no
+        context opened above them). Whether the step runs without them."""
+        if self.active or not self.outputs_seen:
+            return False
+        if not self.off:
+            top = _top(False)
+            if top is None or top[0] != self.pack:
+                return False
+            _pop()
+            self.below, self.off = _top(False), True
+        self.active = True
+        self.steps += 1
+        return True
+
+    def step_ended(self) -> None:
+        """The step ended (inside the engine's callback: the hooks stay off until :meth:`restore`)."""
+        self.active = False
+
+    def restore(self) -> None:
+        """Put the hooks back on the stack (on the thread that took them off; nothing if they are on it)."""
+        self.active = False
+        if not self.off:
+            return
+        self.off = False
+        above = []   # contexts opened since: they go back on top of the hooks, as they were opened above them
+        while (top := _top(False)) is not None and top != self.below:
+            above.append(top)
+            _pop()
+        _push(self.pack, self.unpack)
+        for pack, unpack in reversed(above):
+            _push(pack, unpack)
+
+    def root_returned(self, out: Any) -> None:
+        """The root module returned ``out`` (its forward hook): in a step without hooks, the backward pass is
+        seen when it reaches the autograd node of one of its tensors."""
+        nodes: list[Any] = []
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (fn := t.grad_fn) is not None and fn not in nodes:
+                nodes.append(fn)
+                if len(nodes) == OUTPUT_NODES:
+                    break
+        self.outputs_seen = bool(nodes)
+        if not self.active:
+            return
+        if not nodes:  # nothing backward could be seen by: the rest of the step runs with the hooks
+            self.restore()
+            return
+        for fn in nodes:
+            fn.register_prehook(self._reached)
+
+    def _reached(self, grad_outputs: Any) -> None:
+        if self.active:
+            self.backward_seen()

@@ -1,0 +1,143 @@
+"""Steady steps far from the budget run without the saved-tensor hooks (runtime.hookless): bit for bit as without
+hybridmem, within the budget in real bytes, the step boundaries and counts as with the hooks, and the hook stack
+left as it was found."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import hybridmem
+from hybridmem.native import cpumeter
+from hybridmem.runtime import current
+from tests.helpers.models import BasicBlock
+from tests.helpers.peaks import real_peak
+from tests.helpers.runtime import raw
+
+pytestmark = pytest.mark.skipif(cpumeter.load() is None,
+                                reason=f"native allocator meter unavailable: {cpumeter.unavailable_reason()}")
+
+_top = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _resnet_like() -> nn.Module:
+    """A small torchvision-style ResNet (two basic blocks) from a config of widths."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                         BasicBlock(8, 8, 1), BasicBlock(8, 16, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 10))
+
+
+def _train(model: nn.Module, steps: int, session: dict | None, between: Callable[[int], None] | None = None,
+           accum: int = 1) -> tuple[list[bytes], list[bytes], Any, list[int], list[int]]:
+    """SGD over ``steps`` batches made inside the loop (a DataLoader's); (losses, parameters, stats, each
+    pass's count of steps run without hooks, each steady pass's real peak)."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    losses, hookless, peaks = [], [], []
+    ctx = hybridmem.session(**session) if session is not None else None
+    s = ctx.__enter__() if ctx is not None else None
+    try:
+        for i in range(steps):
+            x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+            box: list[torch.Tensor] = []
+
+            def step() -> None:
+                loss = nn.functional.cross_entropy(model(x), y) / accum
+                loss.backward()
+                box.append(loss.detach())
+            if s is not None and s.stats().steady_steps:
+                peaks.append(real_peak(step, model, opt, [x, y]))
+            else:
+                step()
+            losses.append(raw(box[0]))
+            if s is not None:
+                hookless.append(current.rt.hookless.steps)
+            if (i + 1) % accum == 0:
+                opt.step()
+                opt.zero_grad()
+            if between is not None:
+                between(i)
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    return losses, [raw(p) for p in model.parameters()], (s.stats() if s is not None else None), hookless, peaks
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_far_from_the_budget_steps_run_without_hooks_bit_identical_within_the_budget(accum: int) -> None:
+    model = _resnet_like()
+    ref_losses, ref_params, _, _, _ = _train(model, 8, None, accum=accum)
+    _, _, watched, _, _ = _train(model, 8, {"budget": None}, accum=accum)
+    budget = 10 * watched.peak_bytes
+    losses, params, st, hookless, peaks = _train(model, 8, {"budget": budget}, accum=accum)
+    assert (losses, params) == (ref_losses, ref_params)
+    # passes: dispatch, recording, a light steady step (it measures how far steps rise), then without hooks
+    assert hookless == [0, 0, 0, 1, 2, 3, 4, 5], st.notes
+    assert st.steady_steps == 6 and st.steps == 8 and st.optimizer_steps == 8 // accum, st
+    assert any("without saved-tensor hooks" in n for n in st.notes), st.notes
+    assert st.peak_bytes <= budget and max(peaks) <= budget, (peaks, budget)
+    assert st.saved_bytes > 0      # counted as its light steps counted
+    assert _top(False) is None     # the stack as before enable()
+
+
+def test_a_step_that_would_come_near_the_budget_keeps_its_hooks() -> None:
+    """A step that starts with more held than the light steps did (the loop keeps a tensor between steps) runs
+    with its hooks where its program's rise would take it past half the budget; bit for bit and within it."""
+    model = _resnet_like()
+    ref_losses, ref_params, _, _, _ = _train(model, 8, None)
+    _, _, watched, _, _ = _train(model, 8, {"budget": None})
+    budget = 4 * watched.peak_bytes
+    kept: list[torch.Tensor] = []
+
+    def hold(i: int) -> None:
+        if i == 4:   # from the sixth step on, a quarter of the budget more is held
+            kept.append(torch.empty(budget // 4, dtype=torch.uint8))
+    losses, params, st, hookless, peaks = _train(model, 8, {"budget": budget}, between=hold)
+    assert (losses, params) == (ref_losses, ref_params)
+    assert hookless[4] >= 1 and hookless[-1] == hookless[4], (hookless, st.notes)
+    assert st.steady_steps == 6 and st.peak_bytes <= budget and max(peaks) <= budget, (st, peaks)
+
+
+def test_the_hook_stack_is_left_as_found() -> None:
+    """enable() inside the user's own saved_tensors_hooks context: steps without hooks take only the runtime's
+    off the stack and put them back; after disable() the user's context is on top again. A step run inside a
+    context the user opened after enable() keeps the runtime's hooks where they are (under it)."""
+    model = _resnet_like()
+    seen: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(1)
+        return t
+
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outer = _top(False)
+        with hybridmem.session(budget="1GiB") as s:
+            for _ in range(6):
+                nn.functional.cross_entropy(model(x), y).backward()
+            assert current.rt.hookless.steps >= 2, s.stats().notes
+            done = current.rt.hookless.steps
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                before = len(seen)
+                nn.functional.cross_entropy(model(x), y).backward()
+                assert len(seen) > before                  # the user's inner context saw the saves
+            assert current.rt.hookless.steps == done       # not taken off from under another context
+            nn.functional.cross_entropy(model(x), y).backward()
+        assert _top(False) == outer
+    assert _top(False) is None
+
+
+def test_disable_right_after_a_step_without_hooks_and_a_new_session_after_it() -> None:
+    model = _resnet_like()
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    for _ in range(2):
+        with hybridmem.session(budget="1GiB"):
+            for _ in range(5):
+                nn.functional.cross_entropy(model(x), y).backward()
+            assert current.rt.hookless.steps >= 1
+        assert _top(False) is None
