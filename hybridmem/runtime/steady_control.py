@@ -51,6 +51,7 @@ class SteadyControl:
     fixed: FixedMarker
     follower: Any       # PlanFollower | None (runtime.follow)
     hookless: Hookless
+    owner: Any          # OwnerThread (runtime.threads): the hooks are taken off the installing thread's stack
     native: Any         # NativeDevice | None (runtime.native_device)
     mode: Any           # RuntimeMode | None (runtime.dispatch_mode)
     buckets: Any
@@ -269,7 +270,7 @@ class SteadyControl:
         rose (runtime.hookless)."""
         prog, budget = steady.program, self.budget
         if budget is None or not steady.light or steady.scaled or prog.light_rise is None or prog.light_external \
-                or self.residency.survey is not None or self._retired is not None:
+                or self.residency.survey is not None or self._retired is not None or not self.owner.here():
             return
         if self.meter.current_bytes + prog.light_rise + steady.headroom > budget - budget // 2:
             return
