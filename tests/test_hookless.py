@@ -141,3 +141,51 @@ def test_disable_right_after_a_step_without_hooks_and_a_new_session_after_it() -
                 nn.functional.cross_entropy(model(x), y).backward()
             assert current.rt.hookless.steps >= 1
         assert _top(False) is None
+
+
+def test_hf_gpt2_far_from_the_budget_with_per_batch_padding_and_accumulation() -> None:
+    """A Hugging Face causal LM (its loss in the ``ModelOutput`` backward starts from) with dropout, three padded
+    lengths in turn, two micro-batches per optimizer step: the steps of a length with a program of its own run
+    without hooks once one of them has run light (when a length gets its own program depends on measured host
+    time: runtime.programs); bit for bit as without hybridmem (the same dropout masks), within the budget."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=128)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for i in range(18):
+        length = (32, 48, 64)[i % 3]
+        ids = torch.randint(0, 500, (4, length), generator=g)
+        batches.append((ids, (torch.arange(length)[None] < torch.randint(length // 2, length + 1, (4, 1),
+                                                                            generator=g)).long()))
+
+    def train(session: dict | None) -> tuple[list[bytes], list[bytes], Any, int]:
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        torch.manual_seed(7)  # dropout (GPT-2's default 0.1) draws the same masks in every run
+        losses = []
+        ctx = hybridmem.session(**session) if session is not None else None
+        s = ctx.__enter__() if ctx is not None else None
+        try:
+            for i, (ids, mask) in enumerate(batches):
+                loss = m(input_ids=ids, attention_mask=mask, labels=ids).loss / 2
+                loss.backward()
+                losses.append(raw(loss.detach()))
+                if i % 2 == 1:
+                    opt.step()
+                    opt.zero_grad()
+            hookless = current.rt.hookless.steps if s is not None else 0
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        return losses, [raw(p) for p in m.parameters()], (s.stats() if s is not None else None), hookless
+
+    ref_losses, ref_params, _, _ = train(None)
+    _, _, watched, _ = train({"budget": None})
+    budget = 10 * watched.peak_bytes
+    losses, params, st, hookless = train({"budget": budget})
+    assert (losses, params) == (ref_losses, ref_params)
+    assert hookless >= 3 and st.steps == 18 and st.optimizer_steps == 9, (hookless, st)
+    assert st.peak_bytes <= budget
+    assert _top(False) is None

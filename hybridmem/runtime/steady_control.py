@@ -86,7 +86,8 @@ class SteadyControl:
         self._steady: SteadyStep | None = None
         self._packfn: Any = self._pack
         self._light_base = self._light_top = 0   # bytes at a steady step's start, and the most read at its saves
-        self._light_external = 0                 # storages from before the native device counted by then
+        self._light_external = 0                 # storages from before the native device counted by then (the
+        #                                          step's inputs included: counted with or without the hooks)
         self._evicted_before: dict[str, int] = {}
         self._registered_before = 0
         self._refused_before = 0
@@ -155,6 +156,8 @@ class SteadyControl:
                 why = prog.module_called(1, self._module, self._rng_now)
                 if why:
                     steady.leave(why)
+            if not steady.off:
+                self._maybe_hookless(steady)
             return
         self._steady = None
         self._enter_mode()

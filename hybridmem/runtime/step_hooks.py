@@ -122,6 +122,8 @@ class StepHooks:
                 st = storage_of(t) if t.device == self.device else None
                 if st is not None:
                     count(st)
+            # counted here with or without the saved-tensor hooks: not what keeps a step's hooks on
+            self._light_external = self.meter.external.added
         steady = self._steady
         if steady is not None and not steady.off:
             why = steady.program.bind_inputs(tensors)
