@@ -3,6 +3,7 @@ hybridmem, within the budget in real bytes, the step boundaries and counts as wi
 left as it was found."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable
 
@@ -188,4 +189,51 @@ def test_hf_gpt2_far_from_the_budget_with_per_batch_padding_and_accumulation() -
     assert (losses, params) == (ref_losses, ref_params)
     assert hookless >= 3 and st.steps == 18 and st.optimizer_steps == 9, (hookless, st)
     assert st.peak_bytes <= budget
+    assert _top(False) is None
+
+
+def test_a_step_without_hooks_that_raises_in_its_forward_and_the_loop_goes_on() -> None:
+    """An exception in the forward of a step run without hooks (the module pre-hook is off for such a step):
+    the next call of the model starts a step seen as usual; training goes on bit for bit as without hybridmem,
+    and the hook stack ends as it was found."""
+
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _resnet_like()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            h = self.body[0](x)
+            if self.calls == 6:
+                raise ValueError("a bad batch")
+            return self.body[1:](h)
+
+    def train(session: dict | None) -> tuple[list[bytes], list[bytes], int]:
+        torch.manual_seed(0)
+        m = Flaky()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        with (hybridmem.session(**session) if session is not None else contextlib.nullcontext()):
+            for _ in range(10):
+                x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+                try:
+                    loss = nn.functional.cross_entropy(m(x), y)
+                except ValueError:
+                    # it raised in a step run without hooks, the module pre-hook off
+                    assert session is None or (current.rt.hookless.active and current.rt.fixed.paused)
+                    continue
+                loss.backward()
+                losses.append(raw(loss.detach()))
+                opt.step()
+                opt.zero_grad()
+            hookless = current.rt.hookless.steps if session is not None else 0
+        return losses, [raw(p) for p in m.parameters()], hookless
+
+    ref_losses, ref_params, _ = train(None)
+    losses, params, hookless = train({"budget": "1GiB"})
+    assert (losses, params) == (ref_losses, ref_params)
+    assert hookless >= 4
     assert _top(False) is None

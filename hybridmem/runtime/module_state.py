@@ -42,6 +42,7 @@ class FixedMarker:
         self._optimizers: dict[int, weakref.ref] = {}
         self._handle: Any = None
         self._opt_handle: Any = None
+        self.paused = False   # the module pre-hook is off for a step that needs no module call seen
         self._looked = False  # the optimizers of the first module called were looked for
 
     def install(self) -> None:
@@ -53,10 +54,25 @@ class FixedMarker:
                 self.meter.track(opt)
 
     def uninstall(self) -> None:
+        self.paused = False
         if self._handle is not None:
             self._handle.remove()
             self._opt_handle.remove()
             self._handle = self._opt_handle = None
+
+    def pause(self) -> None:
+        """Take the module pre-hook off until :meth:`resume` (a step run without the saved-tensor hooks sees no
+        module call: with no global hook, torch calls each module's forward directly, the fast path)."""
+        if self._handle is not None and not self.paused:
+            self._handle.remove()
+            self.paused = True
+
+    def resume(self) -> None:
+        """Put the module pre-hook back (a process-wide table, so any thread may: the step's end runs in the
+        autograd engine's callback)."""
+        if self.paused:
+            self.paused = False
+            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pre)
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
         if self.on_optimizer_step is not None:

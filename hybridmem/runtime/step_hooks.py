@@ -98,6 +98,11 @@ class StepHooks:
 
         def hook(m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             rt = me()
+            if rt is not None and rt.fixed.paused:
+                # a step run without hooks that never ended (an exception in its forward): this call starts
+                # the next one, unseen by the module pre-hook, which goes back first
+                rt.fixed.resume()
+                rt.fixed._pre(m, args)
             if rt is not None and rt.mode is not None and rt._calls == 1:
                 rt._step_inputs([*(a for a in args if isinstance(a, torch.Tensor)),
                                  *(kwargs[k] for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor))])
@@ -214,6 +219,7 @@ class StepHooks:
         self._module = None
         hookless = self.hookless.active
         self.hookless.step_ended()
+        self.fixed.resume()  # the next step's first module call is seen again, whatever module it is
         if self._soft_on:
             self._soften(False)
             self._recover()  # a refusal in the step's last ops, after its last read
