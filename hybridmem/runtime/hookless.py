@@ -11,7 +11,9 @@ names a budget, as a light step would.
 
 Without an unpack hook the backward pass is seen through the root module's outputs: a pre-hook on their autograd
 nodes tells the step tracker when backward reaches them. The hooks go back on the stack at the next step's first
-module call and when the runtime is disabled.
+module call and when the runtime is disabled. Such a step needs no module call seen either: the runtime takes its
+global module pre-hook off too (``FixedMarker.pause``), so that torch calls each module's forward directly, and
+puts it back when the step ends.
 """
 from __future__ import annotations
 
