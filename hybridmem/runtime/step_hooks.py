@@ -99,8 +99,8 @@ class StepHooks:
         def hook(m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             rt = me()
             if rt is not None and rt.fixed.paused:
-                # a step run without hooks that never ended (an exception in its forward): this call starts
-                # the next one, unseen by the module pre-hook, which goes back first
+                # a step run without hooks that has not ended: its forward raised (this call starts the next
+                # step, unseen by the module pre-hook), or it calls the model again; the hook goes back first
                 rt.fixed.resume()
                 rt.fixed._pre(m, args)
             if rt is not None and rt.mode is not None and rt._calls == 1:
