@@ -20,6 +20,7 @@ BELOW_RUNTIME = ("hybridmem.graph", "hybridmem.solvers", "hybridmem.plugins", "h
 # and the standard library; no other third-party package, no other part of hybridmem.
 NATIVE_MAY_IMPORT = {"torch", *sys.stdlib_module_names}
 
+
 def modules() -> dict[str, Path]:
     """Every module of the installed packages (bench's pytest suites are not shipped), by dotted name."""
     out: dict[str, Path] = {}
