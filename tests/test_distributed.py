@@ -195,7 +195,8 @@ def test_identical_under_budget(name: str, wrap: str) -> None:
     assert res[0]["loss"] != res[1]["loss"]  # the ranks really trained on different batches
 
 
-def _no_sync_train(rank: int, budget: int | None, managed: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+def _no_sync_train(rank: int, budget: int | None, managed: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], Any,
+                                                                        int]:
     """DDP with gradient accumulation as its docs teach it: each optimizer step's first micro-batch under
     ``no_sync()`` (no all-reduce, gradients accumulate locally), the second synchronised."""
     gc.collect()
@@ -205,7 +206,7 @@ def _no_sync_train(rank: int, budget: int | None, managed: bool) -> tuple[list[t
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     torch.manual_seed(1234 + rank)
     losses: list[torch.Tensor] = []
-    stats = None
+    stats, hookless = None, 0
     if managed:
         hybridmem.enable(budget=budget, device="cpu")
     try:
@@ -221,19 +222,25 @@ def _no_sync_train(rank: int, budget: int | None, managed: bool) -> tuple[list[t
             opt.zero_grad(set_to_none=True)
         if managed:
             stats = hybridmem.stats()
+            rt = hm_runtime.current.rt
+            hookless = rt.hookless.steps if rt is not None else 0   # passes run without hooks (runtime.hookless)
     finally:
         if managed:
             hybridmem.disable()
     state = [p.detach().clone() for p in model.parameters()]
-    return losses, state, stats
+    return losses, state, stats, hookless
 
 
 def _no_sync_case(rank: int, world: int) -> dict[str, Any]:
-    ref_losses, ref_state, _ = _no_sync_train(rank, None, managed=False)
-    _, _, mon = _no_sync_train(rank, None, managed=True)
+    ref_losses, ref_state, _, _ = _no_sync_train(rank, None, managed=False)
+    _, _, mon, _ = _no_sync_train(rank, None, managed=True)
     budget = int(mon.peak_bytes - 0.4 * _saved_activation_bytes("mobilenet", rank))
-    losses, state, st = _no_sync_train(rank, budget, managed=True)
+    losses, state, st, _ = _no_sync_train(rank, budget, managed=True)
+    # far from the budget: the passes after a light one run without hooks, each rank on its own
+    far_losses, far_state, far, hookless = _no_sync_train(rank, 10 * mon.peak_bytes, managed=True)
     return {"rank": rank, "budget": budget, "peak": st.peak_bytes, "evicted": st.evicted_bytes,
+            "far_identical": all(_bits_equal(a, b) for a, b in zip(ref_losses + ref_state, far_losses + far_state)),
+            "far_steps": (far.steps, far.optimizer_steps), "hookless": hookless,
             "steps": st.steps, "optimizer_steps": st.optimizer_steps, "steady": st.steady_steps,
             "late": sum(p.numel() * p.element_size() for p in _entry("mobilenet", rank).model.parameters()),
             "identical": all(_bits_equal(a, b) for a, b in zip(ref_losses + ref_state, losses + state)),
@@ -242,13 +249,15 @@ def _no_sync_case(rank: int, world: int) -> dict[str, Any]:
 
 def test_ddp_no_sync_accumulation_in_the_steady_state() -> None:
     """Accumulation under ``no_sync()``: each backward pass is a step, each optimizer step counted as one;
-    after the first two passes every pass runs in the steady state, synchronised or not, bit-identical."""
+    after the first two passes every pass runs in the steady state, synchronised or not, bit-identical. Far
+    from the budget the passes after a light one run without the saved-tensor hooks, bit-identical too."""
     for r in launch(_no_sync_case, 2, (), timeout=120):
         assert r["identical"], r
         assert r["steps"] == 2 * STEPS and r["optimizer_steps"] == STEPS, r
         assert r["steady"] == 2 * STEPS - 2, r
         assert r["evicted"] > 0, r
         assert r["peak"] <= r["budget"] + r["late"], r
+        assert r["far_identical"] and r["far_steps"] == (2 * STEPS, STEPS) and r["hookless"] >= 2, r
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
