@@ -4,8 +4,8 @@ The native allocator device (:mod:`.cpumeter`) counts what is allocated through 
 optimizer's state and a first batch usually come from before: :class:`ExternalBytes` adds each such storage's
 bytes to the device's count (``add_external``) once, from when it is first seen until it is freed, and takes
 them off while detached from the device (a runtime disabled, a compiled backend stopped), adding them back when
-attached again. Used by the eager runtime's meter (:mod:`hybridmem.runtime.meter`) and by the compiled
-backend's measurement (:mod:`hybridmem.compile.measured`).
+attached again. Used by the eager runtime's meter (:mod:`hybridmem.runtime.meter`), the monitor
+(:mod:`hybridmem.runtime.monitor`) and the compiled backend's measurement (:mod:`hybridmem.compile.measured`).
 """
 from __future__ import annotations
 
@@ -58,8 +58,11 @@ class ExternalBytes:
         return nb
 
     def add(self, st: torch.UntypedStorage, nbytes: int) -> None:
-        """Count ``nbytes`` of ``st`` (from :meth:`countable`) until it is freed."""
+        """Count ``nbytes`` of ``st`` (from :meth:`countable`, or a caller that read its serial) until it is
+        freed; once."""
         k = id(st)
+        if k in self.bytes:
+            return
         self.bytes[k] = nbytes
         self._refs[k] = weakref.ref(st, lambda r, k=k: self._freed(k, r))
         self.added += 1

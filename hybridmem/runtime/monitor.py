@@ -36,6 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..native.counters import CudaCounters
 from ..native.cpumeter import CpuAllocatorMeter
+from ..native.external import ExternalBytes
 from ..graph.stepparts import optimizers_of
 from .distributed import is_parameter_view, is_traceable_wrapper_subclass, plain_storages
 from .saved import Kept, keep
@@ -98,8 +99,8 @@ class AllocatorMonitor:
         self.steps = StepTracker(self._step_started, self._step_ended)
         self.step_serial = 0             # allocations with a serial >= this are the current step's
         self._seen: set[int] = set()     # data pointers of the storages saved in the current step
-        self.fixed_bytes = 0             # module state from before enable(), alive
-        self._fixed: dict[int, weakref.ref] = {}    # id(storage) -> weak reference, for those bytes
+        # state from before enable() (module state, the first batch), counted against the meter while it lives
+        self.external = ExternalBytes()
         self._modules: dict[int, weakref.ref] = {}  # modules whose state was looked at
         self._frozen: tuple[int, int] | None = None  # (peak, current) at uninstall
         self._floor = 0                  # peak before an inner session reset the native peak
@@ -120,7 +121,7 @@ class AllocatorMonitor:
             self._floor = max(self._floor, self._frozen[0])
         self._frozen = None
         self.step_serial = self.native.serial
-        self.native.add_external(self.fixed_bytes)  # module state seen before (a session inside ours)
+        self.external.attach(self.native)  # module state seen before (a session inside ours)
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
         self._opt_handle = register_optimizer_step_pre_hook(self._optimizer_step)
         for r in list(self._optimizers.values()):  # installed again: state its steps made meanwhile counts too
@@ -153,7 +154,7 @@ class AllocatorMonitor:
         self._opt_handle.remove()
         self._handle = self._opt_handle = None
         self._frozen = (self.peak_bytes, self.current_bytes)
-        self.native.add_external(-self.fixed_bytes)
+        self.external.detach()
         self.native.release()
 
     # ---- measurements ------------------------------------------------------------------------
@@ -200,8 +201,8 @@ class AllocatorMonitor:
                 serial = self._serial_of(ptr)
                 if t.is_cpu and serial >= self.step_serial and not is_parameter_view(t):
                     self.stats.saved(st.nbytes())
-                elif serial < 0 and t.is_cpu:
-                    self._count_fixed(st)  # made before enable() (the first batch): the allocator never saw it
+                elif serial < 0 and t.is_cpu:  # made before enable() (the first batch): the allocator never saw it
+                    self.external.add(st, st.nbytes())
         return keep(t)
 
     def unpack(self, h: Any) -> Tensor:
@@ -250,7 +251,7 @@ class AllocatorMonitor:
                     if t.device == self.cuda:
                         self._static.add(st.data_ptr())
                 elif t.is_cpu and self._serial_of(st.data_ptr()) < 0:  # else allocated through the meter
-                    self._count_fixed(st)
+                    self.external.add(st, st.nbytes())
 
     def _state_ptrs(self) -> set[int]:
         """CUDA: data pointers of the parameters, buffers and gradients of the modules seen, alive now."""
@@ -264,22 +265,6 @@ class AllocatorMonitor:
                         if t.grad is not None:
                             out.add(t.grad.untyped_storage().data_ptr())
         return out
-
-    def _count_fixed(self, st: torch.UntypedStorage) -> None:
-        """Count a storage from before ``enable()`` while it lives (once)."""
-        k = id(st)
-        if k in self._fixed:
-            return
-        nbytes = st.nbytes()
-        self._fixed[k] = weakref.ref(st, lambda _, k=k, n=nbytes: self._fixed_gone(k, n))
-        self.fixed_bytes += nbytes
-        self.native.add_external(nbytes)
-
-    def _fixed_gone(self, k: int, nbytes: int) -> None:
-        if self._fixed.pop(k, None) is not None:
-            self.fixed_bytes -= nbytes
-            if self._hooks is not None:  # installed: the bytes are in the native count
-                self.native.add_external(-nbytes)
 
     # ---- steps -------------------------------------------------------------------------------
     def _step_started(self) -> None:
