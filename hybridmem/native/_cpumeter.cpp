@@ -59,6 +59,7 @@
 
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/flat_hash_map.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <algorithm>
@@ -112,7 +113,9 @@ struct State {
   std::atomic<int64_t> orphan_frees{0};   // meter_delete on a pointer it did not allocate
   std::atomic<int64_t> stale_entries{0};  // allocations freed behind our back (see allocate)
   std::mutex table_mutex;
-  std::unordered_map<void*, Entry> table;  // live counted allocations, by data pointer
+  // Live counted allocations, by data pointer. Open addressing (c10's ska::flat_hash_map): every allocation
+  // and free goes through this table, and a node-based map would call malloc and free once more for each.
+  ska::flat_hash_map<void*, Entry> table;
   std::mutex install_mutex;
   // The allocator wrapped by the latest install; read by allocate() on any thread, never reset to
   // null (a storage made while installed keeps using the meter for resizes after uninstall).
@@ -315,7 +318,7 @@ struct MeterAllocator final : public c10::Allocator {
     int64_t stale = 0;
     {
       std::lock_guard<std::mutex> lock(s.table_mutex);
-      auto [it, fresh] = s.table.try_emplace(data);
+      auto [it, fresh] = s.table.emplace(data, Entry{});
       if (!fresh) {
         // The address is live in the table, so the memory it described was freed behind our back:
         // raw_allocate'd here and raw_deallocate'd through another allocator after uninstall.
