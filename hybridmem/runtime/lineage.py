@@ -318,6 +318,9 @@ class Recorder:
         self.cost = cost
         self._step_nodes: list[Node] = []
         self.keep: set[int] = set()  # ids of nodes a step program replays (runtime.program): never pruned
+        # the ``keep`` under which the last prune kept every node of the step for being in it: the next prunes
+        # have nothing to do until a node is recorded or ``keep`` changes (steady steps record none)
+        self._settled: set[int] | None = None
         self._gens: dict[int, bytes] = {}  # generator states before the op being recorded
         # called with each recorded op that draws random numbers, and whether it has explicit generators
         self.on_random = on_random
@@ -391,6 +394,7 @@ class Recorder:
             if st is not None:
                 node = slot.node = Node(rec, pos, st.nbytes(), t.dtype, t.device, slot)
                 self._step_nodes.append(node)
+                self._settled = None
         return rec
 
     def unrecorded_write(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -431,8 +435,11 @@ class Recorder:
                 node._deps = node._checks = node.ok_memo = None
 
     def _prune(self) -> None:
+        if self._settled is self.keep:
+            return
         nodes, self._step_nodes = self._step_nodes, []
-        keep: set[int] = set(self.keep)
+        program = self.keep
+        keep: set[int] = set(program)
         stack = [n for n in nodes if n.entry is not None]
         while stack:  # everything an entry's lineage may replay stays
             n = stack.pop()
@@ -441,14 +448,17 @@ class Recorder:
             keep.add(id(n))
             for rec, _ in n.ops:
                 stack.extend(r.node for r in rec.refs() if isinstance(r, NodeRef))
+        settled = True
         for n in nodes:
             if id(n) in keep:
                 self._step_nodes.append(n)
+                settled = settled and id(n) in program
             elif not (len(n.ops) == 1 and n.ops[0][0].func is None):
                 # the live content (if any) stays usable as version 1; nothing before it is replayable
                 n.ops = [_barrier(_DROPPED)]
                 n.stale = False
                 n._checks = None  # own_ok keeps nothing of the dropped lineage reachable
+        self._settled = program if settled else None
 
 
 def _unused_stats(info: _ReplayInfo, args: tuple) -> frozenset[int]:

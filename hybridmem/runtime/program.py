@@ -297,6 +297,9 @@ class StepProgram:
         self.reads: list[int] = []          # save ordinals (first of each storage) in first-read order
         self.read_at: dict[int, int] = {}   # save ordinal -> its position in ``reads``
         self._armed = False
+        # no node or save bound since the last unbind: the step after it ran without hooks (runtime.hookless),
+        # so the next step's start has only the module state and inputs to forget
+        self.unbound = False
 
     def bind_inputs(self, tensors: list[Tensor]) -> str:
         """The step's first module call: bind the references to its tensor arguments. Returns why not ("" when
@@ -347,22 +350,25 @@ class StepProgram:
         for _, recs in self.random_at.values():
             for rec in recs:
                 rec.why_not = RNG_PENDING  # until its module call gives it this step's state
-        self.unbind()
+        self.unbind(nodes=not self.unbound)
+        self.unbound = False
         for r, delta, ref in self.refresh:
             a = r.alias = ref()  # None once the module is gone: what reads it is not replayed
             if a is not None and delta >= 0:
                 r.version = a._version + delta
 
-    def unbind(self) -> None:
+    def unbind(self, nodes: bool = True) -> None:
         """Forget the tensors of the last step that ran it (bound again at the packs of the next) and the
-        module state it read (held weakly meanwhile): a disabled runtime keeps no tensor alive."""
-        for n in self.nodes:
-            n.storage = None
-            n.entry = None
-            n.ok_memo = None
-        for s in self.saves:
-            for r, _ in s.rebind:
-                r.alias = None
+        module state it read (held weakly meanwhile): a disabled runtime keeps no tensor alive. ``nodes``:
+        the nodes and saves too (False where none was bound since they were last forgotten: ``unbound``)."""
+        if nodes:
+            for n in self.nodes:
+                n.storage = None
+                n.entry = None
+                n.ok_memo = None
+            for s in self.saves:
+                for r, _ in s.rebind:
+                    r.alias = None
         for r, _, _ in self.refresh:
             r.alias = None
         for refs in self.inputs:

@@ -242,6 +242,7 @@ class StepHooks:
             elif hookless:
                 # it saved as its program's light steps did (runtime.hookless): what they counted
                 self.stats.saved_bytes_step, self.stats.saved_tensors_step = steady.program.light_saved
+                steady.program.unbound = True  # no save bound a node: its next start forgets less
                 self.programs.followed()
             elif steady.complete:
                 if steady.light and not steady.scaled:
