@@ -17,6 +17,8 @@ Three families, every figure a median of per-round ratios to plain PyTorch measu
   gradients bit for bit and stay within its budget in real bytes; ``HYBRIDMEM_BENCH_ASSERT_FASTER=1`` also asserts it is faster than checkpoint.
 - ``test_nothing_to_evict``: a budget ten times the monitor-only peak: the overhead of managing when
   nothing needs evicting (``HYBRIDMEM_BENCH_MAX_OVERHEAD=0.03`` asserts the target).
+- ``test_watching``: ``budget=None``, measuring only: the overhead of watching a training loop (the same
+  target).
 - ``test_launch_bound_proxy``: a 200-layer MLP of 16-wide layers (ops of a few microseconds, as a GPU's
   host thread sees them): the host time hybridmem adds per op, in microseconds, for the steady state,
   the dispatch mode and the monitor.
@@ -177,6 +179,27 @@ def test_nothing_to_evict(benchmark: Any, name: str) -> None:
     assert r.losses_identical and r.grads_identical, "a budget above the peak changed the results"
     benchmark.extra_info.update(overhead=r.overhead, rounds=len(r.times_s))
     print(f"\n{name} ({SIZE}): budget ten times the peak, overhead {r.overhead:+.2%} over {len(r.times_s)} rounds")
+    limit = os.environ.get("HYBRIDMEM_BENCH_MAX_OVERHEAD")
+    if limit is not None and not getattr(benchmark, "disabled", False):
+        assert r.overhead is not None and r.overhead <= float(limit), f"{r.overhead:+.1%} > {float(limit):.0%}"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_watching(benchmark: Any, name: str) -> None:
+    holder: dict[str, Any] = {}
+    e = _entry(name)
+
+    def interleaved() -> None:
+        holder["res"], _ = measure.run_methods(e.model, e.inputs, e.loss_fn, ["hybridmem-monitor"], budget=None,
+                                               steps=_rounds(benchmark, 3 * ROUNDS), warmup=2, measure_peaks=False)
+
+    benchmark.group = f"watching ({SIZE})"
+    benchmark.pedantic(interleaved, rounds=1, iterations=1)
+    r = _by_method(holder["res"])["hybridmem-monitor"]
+    assert r.status == "ok", r.reason
+    assert r.losses_identical and r.grads_identical, "watching changed the results"
+    benchmark.extra_info.update(overhead=r.overhead, rounds=len(r.times_s))
+    print(f"\n{name} ({SIZE}): watching (budget=None), overhead {r.overhead:+.2%} over {len(r.times_s)} rounds")
     limit = os.environ.get("HYBRIDMEM_BENCH_MAX_OVERHEAD")
     if limit is not None and not getattr(benchmark, "disabled", False):
         assert r.overhead is not None and r.overhead <= float(limit), f"{r.overhead:+.1%} > {float(limit):.0%}"

@@ -479,3 +479,18 @@ def test_gpu_bench_dry_run_on_the_cpu(tmp_path, one_thread) -> None:
     assert "| gpt | online@ckpt |" in (tmp_path / "g.md").read_text()
     with pytest.raises(SystemExit):
         main(["--rows", "unmanaged,nope"])
+
+
+def test_host_cost_runs_each_variant_beside_plain_and_checks_its_options(capsys: pytest.CaptureFixture,
+                                                                         one_thread) -> None:
+    from bench import host_cost
+
+    assert host_cost.main(["resnet50", "--blocks", "1", "--steps", "3", "--skip", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"resnet50 \(tiny\): plain step [\d.]+ ms\n  watch: [\d.]+x .*\n  far: [\d.]+x ", out), out
+    with pytest.raises(SystemExit):
+        host_cost.main(["resnet50", "--variants", "watch,fast"])
+    assert "unknown: fast (variants: watch, far;" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        host_cost.main(["resnet50", "--skip", "5", "--steps", "5"])
+    assert "--skip must be at least 0 and below --steps (5), got 5" in capsys.readouterr().err

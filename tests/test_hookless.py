@@ -237,3 +237,34 @@ def test_a_step_without_hooks_that_raises_in_its_forward_and_the_loop_goes_on() 
     assert (losses, params) == (ref_losses, ref_params)
     assert hookless >= 4
     assert _top(False) is None
+
+
+@pytest.mark.parametrize("budget", [None, "1GiB"], ids=["watching", "budget"])
+def test_no_hook_stays_on_the_model_after_disable_and_a_later_model_gets_its_own(budget: str | None) -> None:
+    """The root module's hooks (its inputs read, its outputs given to runtime.hookless) come off at ``disable()``
+    and go back when the same runtime is installed again, before the model's next call; a model made after the
+    first one is gone gets them too, and its steps run without the saved-tensor hooks as the first one's did."""
+    from bench import measure
+
+    def hooks(m: nn.Module) -> int:
+        return len(m._forward_pre_hooks) + len(m._forward_hooks)
+
+    def steps_without(m: nn.Module, run: Callable[[], Any], n: int) -> int:
+        x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+        for _ in range(n):
+            with run() as rt:
+                nn.functional.cross_entropy(m(x), y).backward()
+                mon = rt.allocator if budget is None else rt
+                got = mon.hookless.steps
+            m.zero_grad(set_to_none=True)
+            assert hooks(m) == 0  # off between installs
+        return got
+
+    run = measure.persistent_runtime(budget=budget, device="cpu")
+    first = _resnet_like()
+    assert steps_without(first, run, 6) >= 2  # each install puts the hooks back before the call that needs them
+    del first
+    second = _resnet_like()
+    before = steps_without(second, run, 1)
+    assert steps_without(second, run, 6) - before >= 2
+    assert _top(False) is None

@@ -301,6 +301,7 @@ class Runtime(StepHooks, SteadyControl):
         if self.buckets is not None:
             self.buckets.install()  # before FixedMarker's hook, where the step starts: it picks the plan
         self.fixed.install()
+        self._root_hooks_on()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
         self._hooks.__enter__()
         if self.takes_regions and not ckpt.install(regions_runtime):
@@ -348,6 +349,7 @@ class Runtime(StepHooks, SteadyControl):
 
     def _detach(self) -> None:
         self.fixed.uninstall()
+        self._root_hooks_off()
         if self.buckets is not None:
             self.buckets.uninstall()
         self._hooks = None

@@ -81,9 +81,10 @@ class Hookless:
         for pack, unpack in reversed(above):
             _push(pack, unpack)
 
-    def root_returned(self, out: Any) -> None:
+    def root_returned(self, out: Any, watch: bool = False) -> None:
         """The root module returned ``out`` (its forward hook): in a step without hooks, the backward pass is
-        seen when it reaches the autograd node of one of its tensors."""
+        seen when it reaches the autograd node of one of its tensors; with ``watch``, in any step (one whose
+        saves a context opened above the hooks takes: no unpack of theirs sees it)."""
         nodes: list[Any] = []
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and (fn := t.grad_fn) is not None and fn not in nodes:
@@ -92,6 +93,8 @@ class Hookless:
                     break
         self.outputs_seen = bool(nodes)
         if not self.active:
+            for fn in nodes if watch else ():
+                fn.register_prehook(self._seen)
             return
         if not nodes:  # nothing backward could be seen by: the rest of the step runs with the hooks
             self.restore()
@@ -102,3 +105,6 @@ class Hookless:
     def _reached(self, grad_outputs: Any) -> None:
         if self.active:
             self.backward_seen()
+
+    def _seen(self, grad_outputs: Any) -> None:
+        self.backward_seen()

@@ -12,6 +12,15 @@ hybridmem. What Python still does is per saved tensor and per module call, not p
   buffers allocated before ``enable()``, which the allocator never saw, once each while they live;
 - the first unpack of a backward pass queues the engine callback that ends the step.
 
+A step whose inputs match those of a step watched whole (their shapes, dtypes and devices, the other
+arguments' values, training mode and autocast: :func:`signature`) runs with none of that: the runtime's
+saved-tensor hooks come off autograd's stack and the global module pre-hook off torch's table
+(:mod:`.hookless`), the backward pass is seen at the root module's outputs, and the step counts what the
+watched step of those inputs saved. Peaks and current bytes stay the allocator's own. A step that saves
+state from before ``enable()`` (a batch made before it) is not such a model step, as its save is what counts
+those bytes; a model whose saved bytes change with the values in its batch (data-dependent routing) is
+reported with the saved bytes of the last watched step of its inputs' shapes.
+
 Semantics (``Stats``): ``peak_bytes``/``current_bytes`` are the bytes PyTorch's CPU allocator handed out
 and still holds (every thread: the allocator is process-wide), plus the training state from before
 ``enable()``, counted by the native device as external bytes: the parameters and buffers of the modules
@@ -33,18 +42,22 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_leaves
 
 from ..native.counters import CudaCounters
 from ..native.cpumeter import CpuAllocatorMeter
 from ..native.external import ExternalBytes
 from ..graph.stepparts import optimizers_of
 from .distributed import is_parameter_view, is_traceable_wrapper_subclass, plain_storages
+from .hookless import Hookless
 from .saved import Kept, keep
 from .stats import StatsRecorder
 from .steps import BACKWARD, FORWARD, IDLE, StepTracker, _task_id
 from .threads import OwnerThread, let_go
 
 Tensor = torch.Tensor
+_top = torch._C._autograd._top_saved_tensors_default_hooks
+PROFILES = 256  # input signatures whose saved bytes are kept (per-batch padding: one per length)
 NOTE = ("monitor: CPU allocator (native meter, no per-op hook): stages and min_budget_bytes are not "
         "measured; monitor='ops' measures them, per op (min_budget_bytes: a lower bound, what no budget could "
         "evict at the tightest op)")
@@ -94,7 +107,8 @@ class AllocatorMonitor:
         self.native = native
         self._serial_of = native.serial_of_fn  # the C function itself: the pack hook's one native call
         self.cuda: torch.device | None = native.device if isinstance(native, CudaAllocatorView) else None
-        self._static: set[int] = set()   # CUDA: data pointers of module state and of the step's batch
+        self._static: set[int] | None = None  # CUDA: data pointers of module state and of the step's batch
+        self._batch: set[int] = set()    # ... of the step's batch
         self.stats = stats
         self.steps = StepTracker(self._step_started, self._step_ended)
         self.step_serial = 0             # allocations with a serial >= this are the current step's
@@ -109,6 +123,16 @@ class AllocatorMonitor:
         self._opt_handle: Any = None
         self._optimizers: dict[int, weakref.ref] = {}  # optimizers whose state was looked at
         self.owner = OwnerThread()
+        # steps of inputs watched before run without the hooks (module docstring)
+        self.hookless = Hookless(self.pack, self.unpack, self.steps.backward_seen)
+        self._paused = False             # the global module pre-hook is off for such a step
+        self._root: weakref.ref | None = None   # the module that started the first step
+        self._root_handles: tuple[Any, ...] = ()
+        self._fresh = False              # a step started at the root's call, its inputs not looked at yet
+        self._signature: tuple | None = None    # of the step going on, where the root's call started it
+        self._added = 0                  # external storages counted when it started
+        self._profiles: dict[tuple, tuple[int, int]] = {}  # signature -> (saved bytes, storages) of a whole step
+        self._following: tuple[int, int] | None = None     # the profile a step without hooks counts
 
     # ---- install / uninstall -----------------------------------------------------------------
     def install(self, reset_peak: bool = True) -> None:
@@ -123,17 +147,21 @@ class AllocatorMonitor:
         self.step_serial = self.native.serial
         self.external.attach(self.native)  # module state seen before (a session inside ours)
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
-        self._opt_handle = register_optimizer_step_pre_hook(self._optimizer_step)
+        self._opt_handle = register_optimizer_step_pre_hook(self._optimizer_stepping)
         for r in list(self._optimizers.values()):  # installed again: state its steps made meanwhile counts too
             opt = r()
             if opt is not None:
                 self._state(t for state in opt.state.values() for t in state.values() if isinstance(t, Tensor))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
+        root = self._root() if self._root is not None else None
+        if root is not None:  # installed again: its hooks go back before its next call (which would miss them)
+            self._watch_root(root)
 
     def uninstall(self) -> None:
         if self._hooks is None:
             return
+        self.hookless.restore()  # after a step run without the hooks: they go back first, then off
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is not None and top[0] != self.pack:
             raise RuntimeError("hybridmem.disable() called inside another saved_tensors_hooks context "
@@ -153,6 +181,11 @@ class AllocatorMonitor:
         self._handle.remove()
         self._opt_handle.remove()
         self._handle = self._opt_handle = None
+        self._paused = False
+        for h in self._root_handles:  # the module is held weakly, its hooks go back at the next install
+            h.remove()
+        self._root_handles, self._following = (), None
+        self.hookless.active = self.hookless.off = False  # off another thread's stack by then (release)
         self._frozen = (self.peak_bytes, self.current_bytes)
         self.external.detach()
         self.native.release()
@@ -195,7 +228,10 @@ class AllocatorMonitor:
         if ptr not in seen:
             seen.add(ptr)  # one look per storage and step
             if self.cuda is not None:
-                if t.device == self.cuda and ptr not in self._static and not is_parameter_view(t):
+                static = self._static
+                if static is None:  # the step's first save: module state as it is now (a step without saves
+                    static = self._static = self._state_ptrs() | self._batch  # or hooks needs none)
+                if t.device == self.cuda and ptr not in static and not is_parameter_view(t):
                     self.stats.saved(st.nbytes())
             else:
                 serial = self._serial_of(ptr)
@@ -218,9 +254,15 @@ class AllocatorMonitor:
             return
         starts = self.steps.phase != FORWARD
         self.steps.module_called()
-        if starts and self.cuda is not None and self.steps.phase == FORWARD:
-            # the batch is no activation (on the CPU its serial says so)
-            self._static.update(a.untyped_storage().data_ptr() for a in args if isinstance(a, Tensor))
+        if starts and self.steps.phase == FORWARD:  # a step starts here
+            if self.cuda is not None:
+                # the batch is no activation (on the CPU its serial says so)
+                self._batch.update(a.untyped_storage().data_ptr() for a in args if isinstance(a, Tensor))
+            root = self._root() if self._root is not None else None
+            if root is None:  # its hooks run from its next call on (torch reads a module's hooks before them)
+                self._watch_root(module)
+                root = module
+            self._fresh = root is module
         r = self._modules.get(id(module))
         if r is not None and r() is module:
             return
@@ -233,9 +275,69 @@ class AllocatorMonitor:
             self._state(t for t in (*params, *m._buffers.values(),
                                     *(p.grad for p in params if p is not None)) if t is not None)
 
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
-        """Global optimizer step pre-hook: the state of an optimizer made before ``enable()`` is training
-        state the allocator never saw (counted once per optimizer; later state is allocated through it)."""
+    # ---- steps without hooks (module docstring) -----------------------------------------------
+    def _watch_root(self, module: torch.nn.Module) -> None:
+        """Hooks on the module that started the first step: a pre-hook with keyword arguments (the global one
+        sees none) reads the step's inputs; a forward hook gives its outputs to :class:`Hookless`."""
+        for h in self._root_handles:
+            h.remove()
+        me = weakref.ref(self)
+
+        def called(m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            mon = me()
+            if mon is not None:
+                mon._root_called(m, args, kwargs)
+
+        def returned(m: torch.nn.Module, args: tuple, out: Any) -> None:
+            mon = me()
+            if mon is not None and mon._hooks is not None and mon.owner.here():
+                top = _top(False)  # a context above the hooks: its reads are no unpack of ours (see the end)
+                mon.hookless.root_returned(out, watch=top is not None and top[0] != mon.pack)
+
+        self._root = weakref.ref(module)
+        self._root_handles = (module.register_forward_pre_hook(called, with_kwargs=True),
+                              module.register_forward_hook(returned))
+
+    def _root_called(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._hooks is None or not self.owner.here():
+            return
+        if self._paused:
+            # a step run without hooks that has not ended: its forward raised (this call continues it, as a
+            # watched step would), or it calls the model again; module calls are seen again from here
+            self._resume()
+            self._module_called(module, args)
+        if not self._fresh:
+            return
+        self._fresh = False
+        top = _top(False)
+        if top is None or top[0] != self.pack:
+            return  # a context opened above the hooks takes the step's saves: no step to repeat
+        sig = self._signature = signature(module, args, kwargs)
+        self._added = self.external.added
+        got = self._profiles.get(sig)
+        if got is not None and self.hookless.start():
+            self._following = got
+            self._pause()  # torch calls each module's forward directly; the step's end puts the hook back
+
+    def _pause(self) -> None:
+        if self._handle is not None and not self._paused:
+            self._handle.remove()
+            self._paused = True
+
+    def _resume(self) -> None:
+        """Put the global module pre-hook back (a process-wide table: the engine's callback may)."""
+        if self._paused:
+            self._paused = False
+            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
+
+    def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Global optimizer step pre-hook: a step as the user counts them; the optimizer's state looked at."""
+        self.stats.optimizer_stepped()
+        self._optimizer_step(optimizer)
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The state of an optimizer made before ``enable()`` is training state the allocator never saw
+        (counted once per optimizer; later state is allocated through it)."""
         r = self._optimizers.get(id(optimizer))
         if r is not None and r() is optimizer:
             return
@@ -248,7 +350,7 @@ class AllocatorMonitor:
         for t in tensors:
             for st in plain_storages(t):  # a DTensor's bytes are in its local shard
                 if self.cuda is not None:
-                    if t.device == self.cuda:
+                    if t.device == self.cuda and self._static is not None:  # else counted at the step's first save
                         self._static.add(st.data_ptr())
                 elif t.is_cpu and self._serial_of(st.data_ptr()) < 0:  # else allocated through the meter
                     self.external.add(st, st.nbytes())
@@ -268,14 +370,45 @@ class AllocatorMonitor:
 
     # ---- steps -------------------------------------------------------------------------------
     def _step_started(self) -> None:
+        if self.hookless.off and self.owner.here():
+            self.hookless.restore()  # a step run without the hooks before: this one decides again
+        self._signature, self._fresh = None, False
         self._seen.clear()
         if self.cuda is not None:
-            self._static = self._state_ptrs()  # the last step's batch goes; this step's is added at its call
+            # the last step's batch goes; this step's is added at its call, the state at its first save
+            self._static, self._batch = None, set()
         if self.steps.modules:
             self.step_serial = self.native.serial  # the batch and the weights come before this
         self.stats.step_started()
 
     def _step_ended(self, stages: int) -> None:
-        self.stats.step_done(0)  # stages are not counted without an op hook
+        stats = self.stats
+        if self.hookless.active:
+            self.hookless.step_ended()
+            self._resume()
+            if self._following is not None:
+                stats.saved_bytes_step, stats.saved_tensors_step = self._following  # what its inputs' step saved
+        elif self._signature is not None and self.external.added == self._added:
+            profiles = self._profiles
+            if len(profiles) >= PROFILES and self._signature not in profiles:
+                del profiles[next(iter(profiles))]
+            profiles[self._signature] = (stats.saved_bytes_step, stats.saved_tensors_step)
+        self._signature = self._following = None
+        stats.step_done(0)  # stages are not counted without an op hook
         if not self.steps.modules:
             self.step_serial = self.native.serial
+
+
+def signature(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What decides the tensors a step of ``module`` saves, besides its code: its tensor arguments' shapes,
+    dtypes and devices, its other arguments' values (their types where they have no plain value), its training
+    mode, and autocast."""
+    key: list[Any] = [module.training, torch._C._is_any_autocast_enabled(), *kwargs]
+    for a in tree_leaves((args, kwargs)):
+        if isinstance(a, Tensor):
+            key.append((a.shape, a.dtype, a.device, a.requires_grad))
+        elif a is None or type(a) in (bool, int, float, str):
+            key.append(a)
+        else:
+            key.append(type(a))
+    return tuple(key)

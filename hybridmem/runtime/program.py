@@ -286,7 +286,7 @@ class StepProgram:
         # what such a step counted as saved (bytes, tensors). None: none ran whole yet (runtime.hookless).
         self.light_rise: int | None = None
         self.light_saved = (0, 0)
-        self.light_external = False     # a light step counted a storage from before the native device
+        self.light_external = False     # the last light step counted a storage from before the native device
         # per tensor argument of the step's first module call: the references bound to it, and its signature
         self.inputs: list[list[tuple[FixedRef, int]]] = []
         self.input_shapes: list[tuple[torch.Size, torch.dtype]] = []

@@ -258,10 +258,11 @@ class SteadyControl:
     def _light_step_ended(self, prog: StepProgram) -> None:
         """A steady step of ``prog``'s own shapes ended light (never near the budget): note how far it rose above
         its start at a save, and what it counted as saved, for the steps of ``prog`` that run without hooks."""
-        if self.meter.external.added != self._light_external:
-            # it saved a storage from before the native device (a batch made before enable()), which its save
-            # counts: a step without hooks could not
-            prog.light_external = True
+        # it saved a storage from before the native device not counted before (a batch made before enable()),
+        # which its save counts: a step without hooks could not. Only the last light step tells: state counted
+        # once (a model made before its first step) keeps no later step's hooks on
+        prog.light_external = self.meter.external.added != self._light_external
+        if prog.light_external:
             return
         rise = max(self._light_top - self._light_base, 0)
         prog.light_rise = rise if prog.light_rise is None else max(prog.light_rise, rise)

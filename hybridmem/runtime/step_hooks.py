@@ -58,6 +58,7 @@ class StepHooks:
         self._calls = 0                      # module calls in this step (random ops' states are read at them)
         self._last_random_call = -1          # the module call after which the last random op ran
         self._module: torch.nn.Module | None = None
+        self._root: weakref.ref | None = None  # the module that started the first step (held weakly)
         self._root_hook: Any = None  # the pre-hook that reads the step's inputs (_watch_inputs)
         self._root_returned: Any = None  # the forward hook that gives its outputs to runtime.hookless
         self._shapes: list[torch.Size] = []  # the shapes of the step's inputs (from the second step on)
@@ -75,7 +76,8 @@ class StepHooks:
         steps.module_called()
         self._calls += 1
         self._module = module
-        if self._calls == 1 and self._root_hook is None:
+        if self._calls == 1 and (self._root is None or self._root() is None):  # the first model, or one after it
+            self._root_hooks_off()
             self._watch_inputs(module)
         steady = self._steady
         if steady is None or self.hookless.active:  # without hooks: nothing of the program is followed
@@ -112,8 +114,24 @@ class StepHooks:
             if rt is not None and rt.mode is not None:
                 rt.hookless.root_returned(out)
 
+        self._root = weakref.ref(module)
         self._root_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
         self._root_returned = module.register_forward_hook(returned)
+
+    def _root_hooks_off(self) -> None:
+        """Disabled: the root's hooks come off (a disabled runtime leaves no hook on the model); the module
+        stays known, weakly, and :meth:`_root_hooks_on` puts them back when installed again."""
+        if self._root_hook is not None:
+            self._root_hook.remove()
+            self._root_returned.remove()
+            self._root_hook = self._root_returned = None
+
+    def _root_hooks_on(self) -> None:
+        """Installed again: the hooks go back on the root before its next call (a hook registered inside the
+        call would run from the call after: torch reads a module's hooks before running them)."""
+        root = self._root() if self._root is not None else None
+        if root is not None and self._root_hook is None:
+            self._watch_inputs(root)
 
     def _step_inputs(self, tensors: list[torch.Tensor]) -> None:
         self._pass_size = sum(t.numel() for t in tensors)
