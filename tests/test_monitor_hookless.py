@@ -36,8 +36,8 @@ class Tagger(nn.Module):
 
         self.fail = False  # the next call raises (a batch a user's code refuses)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                scale: float = 1.0) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, scale: float = 1.0,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         if self.fail:
             self.fail = False
             raise ValueError("a batch the model refuses")
@@ -45,32 +45,45 @@ class Tagger(nn.Module):
         pad = None if attention_mask is None else attention_mask == 0
         for layer in self.layers:
             h = layer(h, src_key_padding_mask=pad)
-        return self.head(h) * scale
+        out = self.head(h) * scale
+        if labels is None:
+            return out
+        return nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten())  # the loss, as HF models give it
+
+
+def _batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 50, (4, n), generator=g)
+    mask = torch.ones(4, n, dtype=torch.long)
+    mask[1, n // 2:] = 0
+    return ids, mask, torch.randint(0, 5, (4, n), generator=g)
 
 
 def _train(session: dict | None, accum: int = 2, between: Callable[[int], None] | None = None,
-           fail_at: int = -1) -> tuple[list[bytes], list[bytes], list[tuple[int, int]], Any, int]:
-    """AdamW over batches of the lengths in ``LENGTHS``, made inside the loop; (losses, parameters, each pass's
-    (saved bytes, storages), stats, passes run without hooks)."""
+           fail_at: int = -1, premade: bool = False,
+           labels: bool = False) -> tuple[list[bytes], list[bytes], list[tuple[int, int]], Any, int]:
+    """AdamW over batches of the lengths in ``LENGTHS``, made inside the loop (a data loader's), or before
+    ``enable()`` with ``premade``; the loss computed by the model from ``labels`` (as HF models do), else from
+    its output; (losses, parameters, each pass's (saved bytes, storages), stats, passes run without hooks)."""
     torch.manual_seed(0)
     model = Tagger()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
+    batches = [_batch(n, g) for n in LENGTHS] if premade else None
     losses, saved = [], []
     ctx = hybridmem.session(**session) if session is not None else None
     s = ctx.__enter__() if ctx is not None else None
     try:
         for i, n in enumerate(LENGTHS):
-            ids = torch.randint(0, 50, (4, n), generator=g)
-            mask = torch.ones(4, n, dtype=torch.long)
-            mask[1, n // 2:] = 0
-            target = torch.randint(0, 5, (4, n), generator=g)
+            ids, mask, target = batches[i] if batches is not None else _batch(n, g)
             if i == fail_at:
                 model.fail = True
                 with pytest.raises(ValueError, match="refuses"):
                     model(input_ids=ids, attention_mask=mask)
-            out = model(input_ids=ids, attention_mask=mask)
-            loss = nn.functional.cross_entropy(out.flatten(0, 1), target.flatten()) / accum
+            if labels:
+                loss = model(input_ids=ids, attention_mask=mask, labels=target) / accum
+            else:
+                out = model(input_ids=ids, attention_mask=mask)
+                loss = nn.functional.cross_entropy(out.flatten(0, 1), target.flatten()) / accum
             loss.backward()
             losses.append(raw(loss.detach()))
             if s is not None:
@@ -104,6 +117,22 @@ def test_known_inputs_run_without_hooks_bit_identical_with_the_same_counts(monke
     assert saved == watched_saved and (st.steps, st.optimizer_steps) == (watched.steps, watched.optimizer_steps) \
         == (len(LENGTHS), len(LENGTHS) // 2)
     assert st.peak_bytes == watched.peak_bytes  # the allocator's own peak: the hooks held no allocator bytes
+
+
+@pytest.mark.parametrize("labels", [True, False], ids=["loss-in-the-model", "loss-outside"])
+def test_batches_made_before_enable(labels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch made before ``enable()`` (a list of them, as tests and benchmarks keep) is state the allocator never
+    saw. Given to the model, it is counted at the model's call, with or without the hooks, so its steps run
+    without them too. A target the loss reads outside the model is counted where the loss saves it: each such
+    step counts state no earlier step showed, and keeps its hooks."""
+    ref_losses, ref_params, _, _, _ = _train(None, premade=True, labels=labels)
+    losses, params, saved, st, hookless = _train({"budget": None, "device": "cpu"}, premade=True, labels=labels)
+    assert (losses, params) == (ref_losses, ref_params)
+    assert hookless == (4 if labels else 0)
+    with monkeypatch.context() as m:
+        m.setattr(Hookless, "start", lambda self: False)
+        _, _, watched_saved, watched, _ = _train({"budget": None, "device": "cpu"}, premade=True, labels=labels)
+    assert saved == watched_saved and st.peak_bytes == watched.peak_bytes
 
 
 def test_the_hook_stack_and_torchs_module_hooks_are_left_as_found() -> None:

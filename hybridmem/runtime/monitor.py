@@ -16,10 +16,11 @@ A step whose inputs match those of a step watched whole (their shapes, dtypes an
 arguments' values, training mode and autocast: :func:`signature`) runs with none of that: the runtime's
 saved-tensor hooks come off autograd's stack and the global module pre-hook off torch's table
 (:mod:`.hookless`), the backward pass is seen at the root module's outputs, and the step counts what the
-watched step of those inputs saved. Peaks and current bytes stay the allocator's own. A step that saves
-state from before ``enable()`` (a batch made before it) is not such a model step, as its save is what counts
-those bytes; a model whose saved bytes change with the values in its batch (data-dependent routing) is
-reported with the saved bytes of the last watched step of its inputs' shapes.
+watched step of those inputs saved. Peaks and current bytes stay the allocator's own. The model's inputs made
+before ``enable()`` are counted at its call; a step that saves another tensor from before ``enable()`` for the
+first time (a loss target made before it) is not such a model step, as its save is what counts those bytes. A
+model whose saved bytes change with the values in its batch (data-dependent routing) is reported with the saved
+bytes of the last watched step of its inputs' shapes.
 
 Semantics (``Stats``): ``peak_bytes``/``current_bytes`` are the bytes PyTorch's CPU allocator handed out
 and still holds (every thread: the allocator is process-wide), plus the training state from before
@@ -312,7 +313,12 @@ class AllocatorMonitor:
         top = _top(False)
         if top is None or top[0] != self.pack:
             return  # a context opened above the hooks takes the step's saves: no step to repeat
-        sig = self._signature = signature(module, args, kwargs)
+        leaves = tree_leaves((args, kwargs))
+        if self.cuda is None:
+            # the batch, where made before enable() (the allocator never saw it): counted here, with or without
+            # the hooks, so that a step saving it is no step that counts state no earlier one showed
+            self._state(a for a in leaves if isinstance(a, Tensor))
+        sig = self._signature = signature(module, args, kwargs, leaves)
         self._added = self.external.added
         got = self._profiles.get(sig)
         if got is not None and self.hookless.start():
@@ -399,12 +405,13 @@ class AllocatorMonitor:
             self.step_serial = self.native.serial
 
 
-def signature(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """What decides the tensors a step of ``module`` saves, besides its code: its tensor arguments' shapes,
-    dtypes and devices, its other arguments' values (their types where they have no plain value), its training
+def signature(module: torch.nn.Module, args: tuple, kwargs: dict, leaves: list[Any] | None = None) -> tuple:
+    """What decides the tensors a step of ``module`` saves, besides its code: how many positional arguments and
+    which keywords it takes; its arguments' leaves (``leaves``: ``tree_leaves((args, kwargs))``): the tensors'
+    shapes, dtypes and devices, the other values (their types where they have no plain value); its training
     mode, and autocast."""
-    key: list[Any] = [module.training, torch._C._is_any_autocast_enabled(), *kwargs]
-    for a in tree_leaves((args, kwargs)):
+    key: list[Any] = [module.training, torch._C._is_any_autocast_enabled(), len(args), *kwargs]
+    for a in tree_leaves((args, kwargs)) if leaves is None else leaves:
         if isinstance(a, Tensor):
             key.append((a.shape, a.dtype, a.device, a.requires_grad))
         elif a is None or type(a) in (bool, int, float, str):
