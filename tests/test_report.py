@@ -16,7 +16,7 @@ import torch
 from hybridmem.graph.plan import Action, Plan
 from hybridmem.report import build_report
 from hybridmem.runfile import is_run_file, load_run, main, save_run
-from hybridmem.runtime.decision_log import TensorLog
+from hybridmem.runtime.stats import TensorLog
 from hybridmem.graph.simulate import min_feasible_budget, simulate
 
 from tests.helpers import chain_graph

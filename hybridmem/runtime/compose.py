@@ -31,7 +31,6 @@ from ..errors import UnknownNameError
 from .meter import Meter
 from ..graph.units import fmt_bytes, parse_bytes
 from ..graph.plan import Plan
-from .decision_log import TensorLog
 from . import ckpt, current
 from ..native.allocconf import SavedAllocator
 from ..native.cpumeter import load, unavailable_reason
@@ -51,7 +50,7 @@ from .residency import Around, NoMode, Residency
 from .saved import SavedStore
 from .steady_control import SteadyControl
 from .step_hooks import StepHooks
-from .stats import Stats, StatsRecorder
+from .stats import Stats, StatsRecorder, TensorLog
 from .steps import Clock, StepTracker
 from .threads import OwnerThread, let_go
 

@@ -1,12 +1,15 @@
-"""What the runtime measured: memory, evictions and regenerations per policy, plan following.
+"""What the runtime measured: memory, evictions and regenerations per policy, plan following, and one record
+per evicted tensor.
 
 :class:`Stats` is an immutable snapshot (``hybridmem.stats()``); :class:`StatsRecorder` is the mutable
 ledger the runtime writes into on the hot path (plain attribute increments, no locking: the runtime
-runs on the training thread and the autograd engine thread, never both at once).
+runs on the training thread and the autograd engine thread, never both at once); :class:`TensorLog` its
+per-tensor records.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -53,7 +56,7 @@ class Stats:
     optimizer_steps: int = 0            # training steps as the user counts them: optimizer steps after a backward
     programs: int = 0                   # step programs recorded (one per input shape: runtime.programs)
     step_seconds: float | None = None   # mean wall time of the completed steps (forward + backward)
-    tensors: tuple[dict[str, Any], ...] = ()  # evictions, one record each (hybridmem.runtime.decision_log.TensorLog)
+    tensors: tuple[dict[str, Any], ...] = ()  # evictions, one record each (TensorLog)
 
     @property
     def evicted_bytes(self) -> int:
@@ -127,7 +130,7 @@ class StatsRecorder:
     plan: str = "none"
     plan_note: str = ""
     notes: list[str] = field(default_factory=list)
-    tensor_log: Any = None              # hybridmem.runtime.decision_log.TensorLog, or None
+    tensor_log: "TensorLog | None" = None  # per evicted tensor (bounded), or none kept
     step_time: float = 0.0              # wall seconds of the completed steps
     step_t0: float | None = None
 
@@ -137,17 +140,24 @@ class StatsRecorder:
             p = self.policies[name] = PolicyStats()
         return p
 
-    def evicted(self, name: str, nbytes: int) -> None:
+    def evicted(self, name: str, entry: Any) -> None:
+        """Policy ``name`` evicted ``entry`` (a saved tensor's ``Entry``)."""
         p = self.policy(name)
         p.evicted += 1
-        p.evicted_bytes += nbytes
+        p.evicted_bytes += entry.nbytes
+        if self.tensor_log is not None:
+            self.tensor_log.evicted(entry, name)
 
-    def regenerated(self, name: str, nbytes: int, regen_s: float, stall_s: float) -> None:
+    def regenerated(self, name: str, entry: Any, regen_s: float, stall_s: float, logged: bool = True) -> None:
+        """``entry`` came back by ``name`` in ``regen_s`` seconds, the step waiting ``stall_s``; ``logged``: its
+        record takes the times (False for a tensor rebuilt on the way of another's regeneration)."""
         p = self.policy(name)
         p.regenerated += 1
-        p.regenerated_bytes += nbytes
+        p.regenerated_bytes += entry.nbytes
         p.regen_seconds += regen_s
         p.stall_seconds += stall_s
+        if logged and self.tensor_log is not None:
+            self.tensor_log.regenerated(entry, regen_s, stall_s)
 
     def saved(self, nbytes: int) -> None:
         self.saved_bytes_step += nbytes
@@ -197,3 +207,39 @@ class StatsRecorder:
                      notes=tuple(self.notes),
                      step_seconds=self.step_time / self.steps if self.steps else None,
                      tensors=self.tensor_log.records() if self.tensor_log is not None else ())
+
+
+class TensorLog:
+    """The runtime's decision ledger, bounded: one record per eviction of a saved storage (what, when, by which
+    policy, what bringing it back cost). :meth:`StatsRecorder.evicted` and :meth:`StatsRecorder.regenerated`
+    write it; the snapshot carries :meth:`records` as ``Stats.tensors`` (:func:`hybridmem.report.build_report`
+    reads them). Entries are matched by ``entry.uid``; only the last ``limit`` evictions are kept, so a long run
+    costs bounded memory."""
+
+    def __init__(self, limit: int = 4096):
+        self._open: dict[int, dict[str, Any]] = {}
+        self._done: Any = deque(maxlen=limit)
+
+    def evicted(self, entry: Any, policy: str, stage: int = -1) -> None:
+        rec = {"uid": entry.uid, "stage": int(getattr(entry, "stage", -1)), "evicted_at": stage,
+               "op": getattr(entry, "origin", ""), "nbytes": int(entry.nbytes), "decision": policy,
+               "regen_s": None, "stall_s": None}
+        if len(self._done) == self._done.maxlen:  # the oldest record drops out: stop updating it
+            old = self._done[0]
+            if self._open.get(old["uid"]) is old:
+                del self._open[old["uid"]]
+        self._open[entry.uid] = rec
+        self._done.append(rec)
+
+    def regenerated(self, entry: Any, regen_s: float, stall_s: float) -> None:
+        rec = self._open.pop(entry.uid, None)
+        if rec is not None:
+            rec["regen_s"] = (rec["regen_s"] or 0.0) + regen_s
+            rec["stall_s"] = (rec["stall_s"] or 0.0) + stall_s
+
+    def records(self) -> tuple[dict[str, Any], ...]:
+        return tuple({k: v for k, v in r.items() if k != "uid"} for r in self._done)
+
+    def clear(self) -> None:
+        self._open.clear()
+        self._done.clear()
