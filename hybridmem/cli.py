@@ -557,7 +557,7 @@ def run_summary(st: Any) -> str:
         head = (f"peak {fmt_bytes(st.peak_bytes)} of a {fmt_bytes(st.budget_bytes)} budget ({share:.0%}, "
                 f"{'within' if st.peak_bytes <= st.budget_bytes else 'OVER'})")
     rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE") or 1) > 1 else ""  # torchrun
-    lines = [f"hybridmem run{rank} on {st.device}: {head}, {st.steps} step(s)"
+    lines = [f"hybridmem run{rank} on {st.device}: {head}, {st.steps_text()}"
              + (f", {st.step_seconds * 1e3:.1f} ms per step" if st.step_seconds else ""),
              f"  saved activations per step  {fmt_bytes(st.saved_bytes)}"]
     if st.budget_bytes is None:

@@ -117,6 +117,8 @@ def test_known_inputs_run_without_hooks_bit_identical_with_the_same_counts(monke
     assert saved == watched_saved and (st.steps, st.optimizer_steps) == (watched.steps, watched.optimizer_steps) \
         == (len(LENGTHS), len(LENGTHS) // 2)
     assert st.peak_bytes == watched.peak_bytes  # the allocator's own peak: the hooks held no allocator bytes
+    from hybridmem.cli import run_summary
+    assert "8 step(s) (backward passes; 4 optimizer step(s))" in run_summary(st).splitlines()[0]
 
 
 @pytest.mark.parametrize("labels", [True, False], ids=["loss-in-the-model", "loss-outside"])

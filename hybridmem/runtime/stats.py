@@ -87,7 +87,7 @@ class Stats:
     def __str__(self) -> str:
         budget = "monitor only" if self.budget_bytes is None else fmt_bytes(self.budget_bytes)
         lines = [f"hybridmem on {self.device}: peak {fmt_bytes(self.peak_bytes)}, budget {budget}, "
-                 f"now {fmt_bytes(self.current_bytes)}, {self.steps} step(s), "
+                 f"now {fmt_bytes(self.current_bytes)}, {self.steps_text()}, "
                  f"saved activations {fmt_bytes(self.saved_bytes)}"]
         for name, p in self.policies.items():
             lines.append(f"  {name:10s} evicted {p.evicted} ({fmt_bytes(p.evicted_bytes)}), regenerated "
@@ -100,13 +100,18 @@ class Stats:
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
-    def steady_summary(self) -> str:
-        """One line: the steady state's reach, over backward passes and the training steps they made."""
+    def steps_text(self) -> str:
+        """``N step(s)``, and where optimizers stepped otherwise than once a backward pass (accumulation), that
+        they are backward passes and how many training steps they made."""
         per = (f" (backward passes; {self.optimizer_steps} optimizer step(s))"
                if self.optimizer_steps and self.optimizer_steps != self.steps else "")
+        return f"{self.steps} step(s){per}"
+
+    def steady_summary(self) -> str:
+        """One line: the steady state's reach, over backward passes and the training steps they made."""
         programs = (f"; {self.programs} program(s) recorded (one per input shape, each in one pass under the "
                     "dispatch mode)" if self.programs > 1 else "")
-        return (f"steady state: {self.steady_steps} of {self.steps} step(s){per} without per-op work"
+        return (f"steady state: {self.steady_steps} of {self.steps_text()} without per-op work"
                 f"{programs} (docs/reference.md, \"Steady state\")")
 
 
