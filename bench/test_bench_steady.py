@@ -158,6 +158,27 @@ def test_recompute_at_checkpoint_peak(benchmark: Any, name: str) -> None:
                 assert ratio[m] < ratio["ckpt-block"], ratio
 
 
+def _overhead(benchmark: Any, name: str, e: Any, method: str, budget: int | None, what: str) -> None:
+    """``method`` interleaved with plain PyTorch for 3 * ROUNDS steps at ``budget``: bit for bit, its overhead
+    printed and recorded (``HYBRIDMEM_BENCH_MAX_OVERHEAD`` asserts a target)."""
+    holder: dict[str, Any] = {}
+
+    def interleaved() -> None:
+        holder["res"], _ = measure.run_methods(e.model, e.inputs, e.loss_fn, [method], budget=budget,
+                                               steps=_rounds(benchmark, 3 * ROUNDS), warmup=2, measure_peaks=False)
+
+    benchmark.group = f"{what.split(',')[0]} ({SIZE})"
+    benchmark.pedantic(interleaved, rounds=1, iterations=1)
+    r = _by_method(holder["res"])[method]
+    assert r.status == "ok", r.reason
+    assert r.losses_identical and r.grads_identical, f"{what} changed the results"
+    benchmark.extra_info.update(overhead=r.overhead, rounds=len(r.times_s))
+    print(f"\n{name} ({SIZE}): {what}, overhead {r.overhead:+.2%} over {len(r.times_s)} rounds")
+    limit = os.environ.get("HYBRIDMEM_BENCH_MAX_OVERHEAD")
+    if limit is not None and not getattr(benchmark, "disabled", False):
+        assert r.overhead is not None and r.overhead <= float(limit), f"{r.overhead:+.1%} > {float(limit):.0%}"
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_nothing_to_evict(benchmark: Any, name: str) -> None:
     e = _entry(name)
@@ -165,44 +186,12 @@ def test_nothing_to_evict(benchmark: Any, name: str) -> None:
                                    warmup=0)
     peak = _by_method(first)["hybridmem-monitor"].peak_bytes
     assert peak
-    holder: dict[str, Any] = {}
-
-    def interleaved() -> None:
-        holder["res"], _ = measure.run_methods(e.model, e.inputs, e.loss_fn, ["hybridmem-recompute"],
-                                               budget=10 * peak, steps=_rounds(benchmark, 3 * ROUNDS), warmup=2,
-                                               measure_peaks=False)
-
-    benchmark.group = f"nothing to evict ({SIZE})"
-    benchmark.pedantic(interleaved, rounds=1, iterations=1)
-    r = _by_method(holder["res"])["hybridmem-recompute"]
-    assert r.status == "ok", r.reason
-    assert r.losses_identical and r.grads_identical, "a budget above the peak changed the results"
-    benchmark.extra_info.update(overhead=r.overhead, rounds=len(r.times_s))
-    print(f"\n{name} ({SIZE}): budget ten times the peak, overhead {r.overhead:+.2%} over {len(r.times_s)} rounds")
-    limit = os.environ.get("HYBRIDMEM_BENCH_MAX_OVERHEAD")
-    if limit is not None and not getattr(benchmark, "disabled", False):
-        assert r.overhead is not None and r.overhead <= float(limit), f"{r.overhead:+.1%} > {float(limit):.0%}"
+    _overhead(benchmark, name, e, "hybridmem-recompute", 10 * peak, "nothing to evict, a budget ten times the peak")
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_watching(benchmark: Any, name: str) -> None:
-    holder: dict[str, Any] = {}
-    e = _entry(name)
-
-    def interleaved() -> None:
-        holder["res"], _ = measure.run_methods(e.model, e.inputs, e.loss_fn, ["hybridmem-monitor"], budget=None,
-                                               steps=_rounds(benchmark, 3 * ROUNDS), warmup=2, measure_peaks=False)
-
-    benchmark.group = f"watching ({SIZE})"
-    benchmark.pedantic(interleaved, rounds=1, iterations=1)
-    r = _by_method(holder["res"])["hybridmem-monitor"]
-    assert r.status == "ok", r.reason
-    assert r.losses_identical and r.grads_identical, "watching changed the results"
-    benchmark.extra_info.update(overhead=r.overhead, rounds=len(r.times_s))
-    print(f"\n{name} ({SIZE}): watching (budget=None), overhead {r.overhead:+.2%} over {len(r.times_s)} rounds")
-    limit = os.environ.get("HYBRIDMEM_BENCH_MAX_OVERHEAD")
-    if limit is not None and not getattr(benchmark, "disabled", False):
-        assert r.overhead is not None and r.overhead <= float(limit), f"{r.overhead:+.1%} > {float(limit):.0%}"
+    _overhead(benchmark, name, _entry(name), "hybridmem-monitor", None, "watching, budget=None")
 
 
 def _count_ops(model: nn.Module, x: torch.Tensor) -> int:
