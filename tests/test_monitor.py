@@ -163,3 +163,18 @@ def test_environment_variable_and_hybridmem_run_select_the_monitor(tmp_path) -> 
                              env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["1", stages, "None"], (monitor, out.stdout, out.stderr)
+
+
+def test_the_last_tensor_made_before_the_step_is_no_activation() -> None:
+    """The batch comes before the step's first module call, its last tensor too (the target here, made right
+    before the call, saved by the loss): only what the step allocated counts as saved activations."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 10)
+    with hybridmem.session(budget=None, device="cpu") as s:
+        for _ in range(2):
+            x = torch.randn(32, 64)
+            target = torch.randint(0, 10, (32,))  # the last allocation before the model's call
+            nn.functional.cross_entropy(model(x), target).backward()
+            st = s.stats()
+            # log_softmax's output (32 x 10 float32) and nll_loss's total weight (one float32): not x, not target
+            assert (st.saved_bytes, st.saved_tensors) == (32 * 10 * 4 + 4, 2)

@@ -59,22 +59,23 @@ def _batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def _train(session: dict | None, accum: int = 2, between: Callable[[int], None] | None = None,
-           fail_at: int = -1, premade: bool = False,
-           labels: bool = False) -> tuple[list[bytes], list[bytes], list[tuple[int, int]], Any, int]:
+           fail_at: int = -1, premade: bool = False, labels: bool = False,
+           device: str = "cpu") -> tuple[list[bytes], list[bytes], list[tuple[int, int]], Any, int]:
     """AdamW over batches of the lengths in ``LENGTHS``, made inside the loop (a data loader's), or before
     ``enable()`` with ``premade``; the loss computed by the model from ``labels`` (as HF models do), else from
     its output; (losses, parameters, each pass's (saved bytes, storages), stats, passes run without hooks)."""
     torch.manual_seed(0)
-    model = Tagger()
+    model = Tagger().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     batches = [_batch(n, g) for n in LENGTHS] if premade else None
+    torch.manual_seed(2)  # dropout draws the same masks in every run, on either device
     losses, saved = [], []
     ctx = hybridmem.session(**session) if session is not None else None
     s = ctx.__enter__() if ctx is not None else None
     try:
         for i, n in enumerate(LENGTHS):
-            ids, mask, target = batches[i] if batches is not None else _batch(n, g)
+            ids, mask, target = (t.to(device) for t in (batches[i] if batches is not None else _batch(n, g)))
             if i == fail_at:
                 model.fail = True
                 with pytest.raises(ValueError, match="refuses"):
@@ -208,3 +209,60 @@ def test_the_signature_tells_apart_what_changes_what_a_step_saves() -> None:
         assert signature(model, (), {"input_ids": ids}) != base
     model.eval()
     assert signature(model, (), {"input_ids": ids}) != base
+
+
+def test_the_cuda_view_counts_what_the_allocator_serials_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch (no allocation serials: a saved tensor is an activation unless it is module state or the
+    batch), driven on the CPU through a view with the caching allocator's interface:
+    each pass counts what the native meter's serials count, with and without the hooks, and the monitor installs
+    and uninstalls through the view as through the meter."""
+    from hybridmem.runtime.monitor import AllocatorMonitor, CudaAllocatorView
+    from hybridmem.runtime.stats import StatsRecorder
+
+    class Counters:
+        def peak(self) -> int:
+            return 0
+
+        def allocated(self) -> int:
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    _, _, watched, _, _ = _train({"budget": None, "device": "cpu"}, labels=True)
+    stats = StatsRecorder()
+    mon = AllocatorMonitor(CudaAllocatorView(torch.device("cpu"), Counters()), stats)
+    assert mon.cuda == torch.device("cpu")
+    mon.install()
+    try:
+        torch.manual_seed(0)
+        model = Tagger()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        saved = []
+        for i, n in enumerate(LENGTHS):
+            ids, mask, target = _batch(n, g)
+            (model(input_ids=ids, attention_mask=mask, labels=target) / 2).backward()
+            saved.append((stats.saved_bytes, stats.saved_tensors))
+            if i % 2:
+                opt.step()
+                opt.zero_grad()
+    finally:
+        mon.uninstall()
+    # the first pass also counts the batch given by keyword, which autograd saves (the embedding's indices and the
+    # loss's target, int64): the root's own pre-hook, which reads keyword arguments, runs from its second call on
+    assert saved[0] == (watched[0][0] + 2 * 4 * LENGTHS[0] * 8, watched[0][1] + 2) and saved[1:] == watched[1:]
+    assert mon.hookless.steps == 4 and stats.optimizer_steps == 4
+    assert _top(False) is None and not model._forward_pre_hooks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_watching_on_cuda_runs_known_inputs_without_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (the caching allocator's counters, no serials): bit for bit, the steps of known lengths without
+    hooks, each pass's saved bytes as with the hooks, the same peak."""
+    ref_losses, ref_params, _, _, _ = _train(None, labels=True, device="cuda")
+    losses, params, saved, st, hookless = _train({"budget": None, "device": "cuda"}, labels=True, device="cuda")
+    assert (losses, params) == (ref_losses, ref_params)
+    assert hookless == 4 and st.steps == len(LENGTHS) and st.optimizer_steps == len(LENGTHS) // 2
+    with monkeypatch.context() as m:
+        m.setattr(Hookless, "start", lambda self: False)
+        _, _, watched_saved, watched, _ = _train({"budget": None, "device": "cuda"}, labels=True, device="cuda")
+    assert saved == watched_saved and st.peak_bytes == watched.peak_bytes

@@ -82,6 +82,12 @@ class CudaAllocatorView:
     def uninstall(self) -> None:
         pass
 
+    def acquire(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -112,7 +118,7 @@ class AllocatorMonitor:
         self._batch: set[int] = set()    # ... of the step's batch
         self.stats = stats
         self.steps = StepTracker(self._step_started, self._step_ended)
-        self.step_serial = 0             # allocations with a serial >= this are the current step's
+        self.step_serial = 1             # allocations with a serial >= this are the current step's
         self._seen: set[int] = set()     # data pointers of the storages saved in the current step
         # state from before enable() (module state, the first batch), counted against the meter while it lives
         self.external = ExternalBytes()
@@ -145,7 +151,7 @@ class AllocatorMonitor:
         elif self._frozen is not None:
             self._floor = max(self._floor, self._frozen[0])
         self._frozen = None
-        self.step_serial = self.native.serial
+        self.step_serial = self.native.serial + 1  # the serial the next allocation gets
         self.external.attach(self.native)  # module state seen before (a session inside ours)
         self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
         self._opt_handle = register_optimizer_step_pre_hook(self._optimizer_stepping)
@@ -318,6 +324,11 @@ class AllocatorMonitor:
             # the batch, where made before enable() (the allocator never saw it): counted here, with or without
             # the hooks, so that a step saving it is no step that counts state no earlier one showed
             self._state(a for a in leaves if isinstance(a, Tensor))
+        else:  # the batch is no activation, keyword arguments too (the global pre-hook sees none)
+            batch = [a.untyped_storage().data_ptr() for a in leaves if isinstance(a, Tensor)]
+            self._batch.update(batch)
+            if self._static is not None:
+                self._static.update(batch)
         sig = self._signature = signature(module, args, kwargs, leaves)
         self._added = self.external.added
         got = self._profiles.get(sig)
@@ -384,7 +395,8 @@ class AllocatorMonitor:
             # the last step's batch goes; this step's is added at its call, the state at its first save
             self._static, self._batch = None, set()
         if self.steps.modules:
-            self.step_serial = self.native.serial  # the batch and the weights come before this
+            # the next allocation's serial (``serial`` is the last one's): the batch and the weights come before
+            self.step_serial = self.native.serial + 1
         self.stats.step_started()
 
     def _step_ended(self, stages: int) -> None:
@@ -402,7 +414,7 @@ class AllocatorMonitor:
         self._signature = self._following = None
         stats.step_done(0)  # stages are not counted without an op hook
         if not self.steps.modules:
-            self.step_serial = self.native.serial
+            self.step_serial = self.native.serial + 1
 
 
 def signature(module: torch.nn.Module, args: tuple, kwargs: dict, leaves: list[Any] | None = None) -> tuple:
