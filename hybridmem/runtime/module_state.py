@@ -67,12 +67,15 @@ class FixedMarker:
             self._handle.remove()
             self.paused = True
 
-    def resume(self) -> None:
+    def resume(self, missed: torch.nn.Module | None = None, args: Any = ()) -> None:
         """Put the module pre-hook back (a process-wide table, so any thread may: the step's end runs in the
-        autograd engine's callback)."""
+        autograd engine's callback). ``missed``: a module whose call it did not see (its own pre-hook found it
+        paused), seen now with ``args``."""
         if self.paused:
             self.paused = False
             self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pre)
+            if missed is not None:
+                self._pre(missed, args)
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
         if self.on_optimizer_step is not None:

@@ -103,8 +103,7 @@ class StepHooks:
             if rt is not None and rt.fixed.paused:
                 # a step run without hooks that has not ended: its forward raised (this call starts the next
                 # step, unseen by the module pre-hook), or it calls the model again; the hook goes back first
-                rt.fixed.resume()
-                rt.fixed._pre(m, args)
+                rt.fixed.resume(m, args)
             if rt is not None and rt.mode is not None and rt._calls == 1:
                 rt._step_inputs([*(a for a in args if isinstance(a, torch.Tensor)),
                                  *(kwargs[k] for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor))])
