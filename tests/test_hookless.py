@@ -247,7 +247,8 @@ def test_no_hook_stays_on_the_model_after_disable_and_a_later_model_gets_its_own
     from bench import measure
 
     def hooks(m: nn.Module) -> int:
-        return len(m._forward_pre_hooks) + len(m._forward_hooks)
+        return len(m._forward_pre_hooks) + len(m._forward_hooks) + sum(
+            len(p._post_accumulate_grad_hooks or ()) for p in m.parameters())
 
     def steps_without(m: nn.Module, run: Callable[[], Any], n: int) -> int:
         x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
@@ -267,4 +268,39 @@ def test_no_hook_stays_on_the_model_after_disable_and_a_later_model_gets_its_own
     second = _resnet_like()
     before = steps_without(second, run, 1)
     assert steps_without(second, run, 6) - before >= 2
+    assert _top(False) is None
+
+
+@pytest.mark.parametrize("budget", [None, "1GiB"], ids=["watching", "budget"])
+def test_a_loss_built_from_a_captured_tensor_ends_its_step(budget: str | None) -> None:
+    """A step run without hooks ends when its backward pass reaches the root's outputs, or where the root's first
+    trainable parameter accumulates its gradient: a loss built from a tensor a forward hook captured (not from
+    what the model returns) still ends each step, counted as with the hooks, bit for bit."""
+
+    def train(session: dict | None) -> tuple[list[bytes], list[bytes], Any, int]:
+        model = _resnet_like()
+        captured: list[torch.Tensor] = []
+        model[5].register_forward_hook(lambda m, a, out: captured.append(out))  # the pooled features
+        head = nn.Linear(16, 10)
+        opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        with (hybridmem.session(**session) if session is not None else contextlib.nullcontext()) as s:
+            for _ in range(8):
+                x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+                captured.clear()
+                model(x)  # its logits go unused
+                loss = nn.functional.cross_entropy(head(captured[0].flatten(1)), y)
+                loss.backward()
+                losses.append(raw(loss.detach()))
+                opt.step()
+                opt.zero_grad()
+            rt = current.rt if s is not None else None
+            hookless = (rt.allocator if budget is None else rt).hookless.steps if rt is not None else 0
+        return losses, [raw(p) for p in model.parameters()], (s.stats() if s is not None else None), hookless
+
+    ref_losses, ref_params, _, _ = train(None)
+    losses, params, st, hookless = train({"budget": budget, "device": "cpu"})
+    assert (losses, params) == (ref_losses, ref_params)
+    assert st.steps == 8 and st.optimizer_steps == 8 and hookless >= 2
     assert _top(False) is None

@@ -10,7 +10,8 @@ allocator's cap still holds; nothing is evictable in such a step, so an allocati
 names a budget, as a light step would.
 
 Without an unpack hook the backward pass is seen through the root module's outputs: a pre-hook on their autograd
-nodes tells the step tracker when backward reaches them. The hooks go back on the stack at the next step's first
+nodes tells the step tracker when backward reaches them, and a hook on the root's first trainable parameter when
+its gradient accumulates (a loss built from something else than the outputs). The hooks go back on the stack at the next step's first
 module call and when the runtime is disabled. Such a step needs no module call seen either: the runtime takes its
 global module pre-hook off too (``FixedMarker.pause``), so that torch calls each module's forward directly, and
 puts it back when the step ends.
@@ -47,6 +48,7 @@ class Hookless:
         self.below: Any = None     # the stack's top under them when they were taken off
         self.steps = 0             # steps run without them
         self.outputs_seen = False  # the root's last call returned a tensor with an autograd node
+        self._param_hook: Any = None  # on the root's first trainable parameter (watch_parameters)
 
     def start(self) -> bool:
         """Run the step going on without the hooks: take them off the stack where they are on its top (no
@@ -101,6 +103,29 @@ class Hookless:
             return
         for fn in nodes:
             fn.register_prehook(self._reached)
+
+    def watch_parameters(self, module: torch.nn.Module) -> None:
+        """Also see the backward pass where the root's first trainable parameter accumulates its gradient: a loss
+        that reaches none of the root's output nodes (one built from a tensor a forward hook captured) still
+        reaches the parameters it trains."""
+        self.unwatch()
+        for param in module.parameters():
+            if param.requires_grad:
+                try:
+                    self._param_hook = param.register_post_accumulate_grad_hook(self._accumulated)
+                except RuntimeError:  # a parameter type without the hook (the output nodes still tell)
+                    pass
+                return
+
+    def unwatch(self) -> None:
+        """Take the parameter's hook off (the runtime is disabled: no hook stays on the model)."""
+        if self._param_hook is not None:
+            self._param_hook.remove()
+            self._param_hook = None
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        if self.active:
+            self.backward_seen()
 
     def _reached(self, grad_outputs: Any) -> None:
         if self.active:

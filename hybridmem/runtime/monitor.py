@@ -15,12 +15,12 @@ hybridmem. What Python still does is per saved tensor and per module call, not p
 A step whose inputs match those of a step watched whole (their shapes, dtypes and devices, the other
 arguments' values, training mode and autocast: :func:`signature`) runs with none of that: the runtime's
 saved-tensor hooks come off autograd's stack and the global module pre-hook off torch's table
-(:mod:`.hookless`), the backward pass is seen at the root module's outputs, and the step counts what the
-watched step of those inputs saved. Peaks and current bytes stay the allocator's own. The model's inputs made
-before ``enable()`` are counted at its call; a step that saves another tensor from before ``enable()`` for the
-first time (a loss target made before it) is not such a model step, as its save is what counts those bytes. A
-model whose saved bytes change with the values in its batch (data-dependent routing) is reported with the saved
-bytes of the last watched step of its inputs' shapes.
+(:mod:`.hookless`), the backward pass is seen at the root module's outputs and its first trainable parameter,
+and the step counts what the watched step of those inputs saved. Peaks and current bytes stay the allocator's
+own. The model's inputs made before ``enable()`` are counted at its call; a step that saves another tensor from
+before ``enable()`` for the first time (a loss target made before it) is not such a model step, as its save is
+what counts those bytes. A model whose saved bytes change with the values in its batch (data-dependent routing)
+is reported with the saved bytes of the last watched step of its inputs' shapes.
 
 Semantics (``Stats``): ``peak_bytes``/``current_bytes`` are the bytes PyTorch's CPU allocator handed out
 and still holds (every thread: the allocator is process-wide), plus the training state from before
@@ -191,6 +191,7 @@ class AllocatorMonitor:
         self._paused = False
         for h in self._root_handles:  # the module is held weakly, its hooks go back at the next install
             h.remove()
+        self.hookless.unwatch()
         self._root_handles, self._following = (), None
         self.hookless.active = self.hookless.off = False  # off another thread's stack by then (release)
         self._frozen = (self.peak_bytes, self.current_bytes)
@@ -304,6 +305,7 @@ class AllocatorMonitor:
         self._root = weakref.ref(module)
         self._root_handles = (module.register_forward_pre_hook(called, with_kwargs=True),
                               module.register_forward_hook(returned))
+        self.hookless.watch_parameters(module)
 
     def _root_called(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self._hooks is None or not self.owner.here():

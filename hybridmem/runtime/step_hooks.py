@@ -116,6 +116,7 @@ class StepHooks:
         self._root = weakref.ref(module)
         self._root_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
         self._root_returned = module.register_forward_hook(returned)
+        self.hookless.watch_parameters(module)
 
     def _root_hooks_off(self) -> None:
         """Disabled: the root's hooks come off (a disabled runtime leaves no hook on the model); the module
@@ -124,6 +125,7 @@ class StepHooks:
             self._root_hook.remove()
             self._root_returned.remove()
             self._root_hook = self._root_returned = None
+        self.hookless.unwatch()
 
     def _root_hooks_on(self) -> None:
         """Installed again: the hooks go back on the root before its next call (a hook registered inside the
