@@ -42,7 +42,7 @@ from .lineage import OpCost, Recorder
 from .replay import Replayer
 from .dispatch_mode import RuntimeMode
 from .monitor import NOTE as MONITOR_NOTE, NOTE_CUDA as MONITOR_NOTE_CUDA, AllocatorMonitor, CudaAllocatorView
-from .hookless import Hookless
+from .hookless import Hookless, RootHooks
 from .prefetch import Prefetcher
 from .activations import ProducedTable
 from .program import StepProgram
@@ -131,6 +131,7 @@ class Runtime(StepHooks, SteadyControl):
         self.steps = StepTracker(self._step_started, self._step_ended)
         # light steady steps far from the budget run with the saved-tensor hooks off the stack
         self.hookless = Hookless(self._pack_hook, self._unpack_hook, self.steps.backward_seen)
+        self.root_hooks = RootHooks(self.hookless, self._root_called, self._root_returned)
         # Prefetching pays where copies overlap compute (CUDA side streams); on the simulated CPU
         # device a prefetch is a synchronous regeneration done early, memory spent for nothing.
         self.prefetcher: Prefetcher | None = None
@@ -300,7 +301,7 @@ class Runtime(StepHooks, SteadyControl):
         if self.buckets is not None:
             self.buckets.install()  # before FixedMarker's hook, where the step starts: it picks the plan
         self.fixed.install()
-        self._root_hooks_on()
+        self.root_hooks.on()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
         self._hooks.__enter__()
         if self.takes_regions and not ckpt.install(regions_runtime):
@@ -348,7 +349,7 @@ class Runtime(StepHooks, SteadyControl):
 
     def _detach(self) -> None:
         self.fixed.uninstall()
-        self._root_hooks_off()
+        self.root_hooks.off()
         if self.buckets is not None:
             self.buckets.uninstall()
         self._hooks = None

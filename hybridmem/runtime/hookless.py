@@ -18,6 +18,7 @@ puts it back when the step ends.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -133,3 +134,86 @@ class Hookless:
 
     def _seen(self, grad_outputs: Any) -> None:
         self.backward_seen()
+
+
+class GlobalPreHook:
+    """torch's global module forward pre-hook ``fn`` (every module call), which a step without hooks takes off
+    (:meth:`pause`: with no global hook, torch calls each module's forward directly, the fast path) and puts back
+    (:meth:`resume`: a process-wide table, so any thread may, the step's end running in the engine's callback)."""
+
+    def __init__(self, fn: Callable[[torch.nn.Module, Any], None]):
+        self.fn = fn
+        self.paused = False
+        self._handle: Any = None
+
+    def install(self) -> None:
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self.fn)
+        self.paused = False
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.paused = False
+
+    def pause(self) -> None:
+        if self._handle is not None and not self.paused:
+            self._handle.remove()
+            self.paused = True
+
+    def resume(self, missed: torch.nn.Module | None = None, args: Any = ()) -> None:
+        """Put the hook back. ``missed``: a module whose call it did not see (its own pre-hook found the hook
+        paused), given to it now with ``args``."""
+        if self.paused:
+            self.install()
+            if missed is not None:
+                self.fn(missed, args)
+
+
+class RootHooks:
+    """Hooks on the root: the module that started the first step, held weakly. A pre-hook with keyword arguments
+    (the global one sees none) gives ``called(module, args, kwargs)`` the step's inputs, a forward hook gives
+    ``returned(module, args, out)`` its outputs, and ``hookless`` watches its first trainable parameter. The
+    callbacks are bound methods, held weakly too (the model does not keep a runtime alive). :meth:`off` at
+    ``disable()`` (a disabled runtime leaves no hook on the model), :meth:`on` at the next install, before the
+    root's next call: a hook registered inside a call runs from the call after (torch reads a module's hooks
+    before running them)."""
+
+    def __init__(self, hookless: Hookless, called: Callable[..., None], returned: Callable[..., None]):
+        self.hookless = hookless
+        self._called, self._returned = weakref.WeakMethod(called), weakref.WeakMethod(returned)
+        self._root: weakref.ref | None = None
+        self._handles: tuple[Any, ...] = ()
+
+    def module(self) -> torch.nn.Module | None:
+        """The root, while it lives."""
+        return self._root() if self._root is not None else None
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """``module`` is the root from now on (the first model, or one made after it was gone)."""
+        self.off()
+        self._root = weakref.ref(module)
+        self.on()
+
+    def on(self) -> None:
+        root = self.module()
+        if root is None or self._handles:
+            return
+        called, returned = self._called, self._returned
+
+        def pre(m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if (fn := called()) is not None:
+                fn(m, args, kwargs)
+
+        def post(m: torch.nn.Module, args: tuple, out: Any) -> None:
+            if (fn := returned()) is not None:
+                fn(m, args, out)
+
+        self._handles = (root.register_forward_pre_hook(pre, with_kwargs=True), root.register_forward_hook(post))
+        self.hookless.watch_parameters(root)
+
+    def off(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = ()
+        self.hookless.unwatch()

@@ -24,6 +24,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..graph.stepparts import optimizers_of
+from .hookless import GlobalPreHook
 from .meter import Meter
 from .activations import ProducedTable
 
@@ -40,13 +41,12 @@ class FixedMarker:
         # id(module) -> weak reference: a lookup per module call (a WeakSet builds a weakref per test).
         self._seen: dict[int, weakref.ref] = {}
         self._optimizers: dict[int, weakref.ref] = {}
-        self._handle: Any = None
+        self.calls = GlobalPreHook(self._pre)  # paused for a step that needs no module call seen
         self._opt_handle: Any = None
-        self.paused = False   # the module pre-hook is off for a step that needs no module call seen
         self._looked = False  # the optimizers of the first module called were looked for
 
     def install(self) -> None:
-        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pre)
+        self.calls.install()
         self._opt_handle = register_optimizer_step_pre_hook(self._optimizer_step)
         for r in list(self._optimizers.values()):  # installed again: state its steps made meanwhile counts too
             opt = r()
@@ -54,28 +54,10 @@ class FixedMarker:
                 self.meter.track(opt)
 
     def uninstall(self) -> None:
-        self.paused = False
-        if self._handle is not None:
-            self._handle.remove()
+        self.calls.remove()
+        if self._opt_handle is not None:
             self._opt_handle.remove()
-            self._handle = self._opt_handle = None
-
-    def pause(self) -> None:
-        """Take the module pre-hook off until :meth:`resume` (a step run without the saved-tensor hooks sees no
-        module call: with no global hook, torch calls each module's forward directly, the fast path)."""
-        if self._handle is not None and not self.paused:
-            self._handle.remove()
-            self.paused = True
-
-    def resume(self, missed: torch.nn.Module | None = None, args: Any = ()) -> None:
-        """Put the module pre-hook back (a process-wide table, so any thread may: the step's end runs in the
-        autograd engine's callback). ``missed``: a module whose call it did not see (its own pre-hook found it
-        paused), seen now with ``args``."""
-        if self.paused:
-            self.paused = False
-            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pre)
-            if missed is not None:
-                self._pre(missed, args)
+            self._opt_handle = None
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
         if self.on_optimizer_step is not None:

@@ -50,7 +50,7 @@ from ..native.cpumeter import CpuAllocatorMeter
 from ..native.external import ExternalBytes
 from ..graph.stepparts import optimizers_of
 from .distributed import is_parameter_view, is_traceable_wrapper_subclass, plain_storages
-from .hookless import Hookless
+from .hookless import GlobalPreHook, Hookless, RootHooks
 from .saved import Kept, keep
 from .stats import StatsRecorder
 from .steps import BACKWARD, FORWARD, IDLE, StepTracker, _task_id
@@ -126,15 +126,13 @@ class AllocatorMonitor:
         self._frozen: tuple[int, int] | None = None  # (peak, current) at uninstall
         self._floor = 0                  # peak before an inner session reset the native peak
         self._hooks: Any = None
-        self._handle: Any = None
+        self.calls = GlobalPreHook(self._module_called)  # paused for a step run without hooks
         self._opt_handle: Any = None
         self._optimizers: dict[int, weakref.ref] = {}  # optimizers whose state was looked at
         self.owner = OwnerThread()
         # steps of inputs watched before run without the hooks (module docstring)
         self.hookless = Hookless(self.pack, self.unpack, self.steps.backward_seen)
-        self._paused = False             # the global module pre-hook is off for such a step
-        self._root: weakref.ref | None = None   # the module that started the first step
-        self._root_handles: tuple[Any, ...] = ()
+        self.root_hooks = RootHooks(self.hookless, self._root_called, self._root_returned)
         self._fresh = False              # a step started at the root's call, its inputs not looked at yet
         self._signature: tuple | None = None    # of the step going on, where the root's call started it
         self._added = 0                  # external storages counted when it started
@@ -153,7 +151,7 @@ class AllocatorMonitor:
         self._frozen = None
         self.step_serial = self.native.serial + 1  # the serial the next allocation gets
         self.external.attach(self.native)  # module state seen before (a session inside ours)
-        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
+        self.calls.install()
         self._opt_handle = register_optimizer_step_pre_hook(self._optimizer_stepping)
         for r in list(self._optimizers.values()):  # installed again: state its steps made meanwhile counts too
             opt = r()
@@ -161,9 +159,7 @@ class AllocatorMonitor:
                 self._state(t for state in opt.state.values() for t in state.values() if isinstance(t, Tensor))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
-        root = self._root() if self._root is not None else None
-        if root is not None:  # installed again: its hooks go back before its next call (which would miss them)
-            self._watch_root(root)
+        self.root_hooks.on()  # installed again: the root's hooks go back before its next call
 
     def uninstall(self) -> None:
         if self._hooks is None:
@@ -185,14 +181,11 @@ class AllocatorMonitor:
 
     def _detach(self) -> None:
         self._hooks = None
-        self._handle.remove()
+        self.calls.remove()
         self._opt_handle.remove()
-        self._handle = self._opt_handle = None
-        self._paused = False
-        for h in self._root_handles:  # the module is held weakly, its hooks go back at the next install
-            h.remove()
-        self.hookless.unwatch()
-        self._root_handles, self._following = (), None
+        self._opt_handle = None
+        self.root_hooks.off()  # the root is held weakly, its hooks go back at the next install
+        self._following = None
         self.hookless.active = self.hookless.off = False  # off another thread's stack by then (release)
         self._frozen = (self.peak_bytes, self.current_bytes)
         self.external.detach()
@@ -266,9 +259,9 @@ class AllocatorMonitor:
             if self.cuda is not None:
                 # the batch is no activation (on the CPU its serial says so)
                 self._batch.update(a.untyped_storage().data_ptr() for a in args if isinstance(a, Tensor))
-            root = self._root() if self._root is not None else None
+            root = self.root_hooks.module()
             if root is None:  # its hooks run from its next call on (torch reads a module's hooks before them)
-                self._watch_root(module)
+                self.root_hooks.attach(module)
                 root = module
             self._fresh = root is module
         r = self._modules.get(id(module))
@@ -284,37 +277,18 @@ class AllocatorMonitor:
                                     *(p.grad for p in params if p is not None)) if t is not None)
 
     # ---- steps without hooks (module docstring) -----------------------------------------------
-    def _watch_root(self, module: torch.nn.Module) -> None:
-        """Hooks on the module that started the first step: a pre-hook with keyword arguments (the global one
-        sees none) reads the step's inputs; a forward hook gives its outputs to :class:`Hookless`."""
-        for h in self._root_handles:
-            h.remove()
-        me = weakref.ref(self)
-
-        def called(m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            mon = me()
-            if mon is not None:
-                mon._root_called(m, args, kwargs)
-
-        def returned(m: torch.nn.Module, args: tuple, out: Any) -> None:
-            mon = me()
-            if mon is not None and mon._hooks is not None and mon.owner.here():
-                top = _top(False)  # a context above the hooks: its reads are no unpack of ours (see the end)
-                mon.hookless.root_returned(out, watch=top is not None and top[0] != mon.pack)
-
-        self._root = weakref.ref(module)
-        self._root_handles = (module.register_forward_pre_hook(called, with_kwargs=True),
-                              module.register_forward_hook(returned))
-        self.hookless.watch_parameters(module)
+    def _root_returned(self, m: torch.nn.Module, args: tuple, out: Any) -> None:
+        if self._hooks is not None and self.owner.here():
+            top = _top(False)  # a context above the hooks: its reads are no unpack of ours (see the end)
+            self.hookless.root_returned(out, watch=top is not None and top[0] != self.pack)
 
     def _root_called(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self._hooks is None or not self.owner.here():
             return
-        if self._paused:
+        if self.calls.paused:
             # a step run without hooks that has not ended: its forward raised (this call continues it, as a
             # watched step would), or it calls the model again; module calls are seen again from here
-            self._resume()
-            self._module_called(module, args)
+            self.calls.resume(module, args)
         if not self._fresh:
             return
         self._fresh = False
@@ -336,18 +310,7 @@ class AllocatorMonitor:
         got = self._profiles.get(sig)
         if got is not None and self.hookless.start():
             self._following = got
-            self._pause()  # torch calls each module's forward directly; the step's end puts the hook back
-
-    def _pause(self) -> None:
-        if self._handle is not None and not self._paused:
-            self._handle.remove()
-            self._paused = True
-
-    def _resume(self) -> None:
-        """Put the global module pre-hook back (a process-wide table: the engine's callback may)."""
-        if self._paused:
-            self._paused = False
-            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._module_called)
+            self.calls.pause()  # torch calls each module's forward directly; the step's end puts the hook back
 
     def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Global optimizer step pre-hook: a step as the user counts them; the optimizer's state looked at."""
@@ -371,8 +334,8 @@ class AllocatorMonitor:
                 if self.cuda is not None:
                     if t.device == self.cuda and self._static is not None:  # else counted at the step's first save
                         self._static.add(st.data_ptr())
-                elif t.is_cpu and self._serial_of(st.data_ptr()) < 0:  # else allocated through the meter
-                    self.external.add(st, st.nbytes())
+                elif t.is_cpu:
+                    self.external.count(st)  # where the meter did not allocate it (counted once)
 
     def _state_ptrs(self) -> set[int]:
         """CUDA: data pointers of the parameters, buffers and gradients of the modules seen, alive now."""
@@ -405,7 +368,7 @@ class AllocatorMonitor:
         stats = self.stats
         if self.hookless.active:
             self.hookless.step_ended()
-            self._resume()
+            self.calls.resume()
             if self._following is not None:
                 stats.saved_bytes_step, stats.saved_tensors_step = self._following  # what its inputs' step saved
         elif self._signature is not None and self.external.added == self._added:

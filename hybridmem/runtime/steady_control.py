@@ -280,7 +280,7 @@ class SteadyControl:
             return
         if not self.hookless.start():
             return
-        self.fixed.pause()  # no module call of the step needs seeing: torch's fast path (the step's end resumes)
+        self.fixed.calls.pause()  # no module call of the step needs seeing: torch's fast path (the step's end resumes)
         if self._soft_on:
             self._soften(False)  # no save or read to recover at: the allocator refuses what crosses the cap
         self._packfn = self.store.keep  # a save that still comes to the hook (a region it was handed to)

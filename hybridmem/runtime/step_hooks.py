@@ -8,7 +8,6 @@ the dispatch mode's pack, a recording's, or a steady step's.
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from ..graph.optstate import optimizer_state
 from ..graph.outputs import storage_of
 from ..native.capture import capturing
 from .estimate import OutputEstimator
-from .hookless import Hookless
+from .hookless import Hookless, RootHooks
 from .module_state import FixedMarker
 from .meter import Meter
 from .activations import ProducedTable
@@ -45,6 +44,7 @@ class StepHooks:
     fixed: FixedMarker
     follower: Any       # PlanFollower | None (runtime.follow)
     hookless: Hookless
+    root_hooks: RootHooks
     estimator: OutputEstimator
     owner: OwnerThread
     mode: Any           # RuntimeMode | None (runtime.dispatch_mode)
@@ -58,9 +58,6 @@ class StepHooks:
         self._calls = 0                      # module calls in this step (random ops' states are read at them)
         self._last_random_call = -1          # the module call after which the last random op ran
         self._module: torch.nn.Module | None = None
-        self._root: weakref.ref | None = None  # the module that started the first step (held weakly)
-        self._root_hook: Any = None  # the pre-hook that reads the step's inputs (_watch_inputs)
-        self._root_returned: Any = None  # the forward hook that gives its outputs to runtime.hookless
         self._shapes: list[torch.Size] = []  # the shapes of the step's inputs (from the second step on)
 
     def _module_called(self, module: torch.nn.Module) -> None:
@@ -76,9 +73,8 @@ class StepHooks:
         steps.module_called()
         self._calls += 1
         self._module = module
-        if self._calls == 1 and (self._root is None or self._root() is None):  # the first model, or one after it
-            self._root_hooks_off()
-            self._watch_inputs(module)
+        if self._calls == 1 and self.root_hooks.module() is None:  # the first model, or one after it
+            self.root_hooks.attach(module)
         steady = self._steady
         if steady is None or self.hookless.active:  # without hooks: nothing of the program is followed
             return
@@ -93,46 +89,20 @@ class StepHooks:
             if why:
                 steady.leave(why)
 
-    def _watch_inputs(self, module: torch.nn.Module) -> None:
-        """A pre-hook with keyword arguments on the module that starts steps (global pre-hooks see no
-        keywords): from the next step on, its tensor arguments (the batch) are given to the program."""
-        me = weakref.ref(self)
+    def _root_called(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """The root's pre-hook (runtime.hookless.RootHooks), with keyword arguments: from the second step on, the
+        step's tensor arguments (the batch) are given to the program."""
+        if self.fixed.calls.paused:
+            # a step run without hooks that has not ended: its forward raised (this call starts the next step,
+            # unseen by the module pre-hook), or it calls the model again; the hook goes back first
+            self.fixed.calls.resume(m, args)
+        if self.mode is not None and self._calls == 1:
+            self._step_inputs([*(a for a in args if isinstance(a, torch.Tensor)),
+                               *(kwargs[k] for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor))])
 
-        def hook(m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            rt = me()
-            if rt is not None and rt.fixed.paused:
-                # a step run without hooks that has not ended: its forward raised (this call starts the next
-                # step, unseen by the module pre-hook), or it calls the model again; the hook goes back first
-                rt.fixed.resume(m, args)
-            if rt is not None and rt.mode is not None and rt._calls == 1:
-                rt._step_inputs([*(a for a in args if isinstance(a, torch.Tensor)),
-                                 *(kwargs[k] for k in sorted(kwargs) if isinstance(kwargs[k], torch.Tensor))])
-
-        def returned(m: torch.nn.Module, args: tuple, out: Any) -> None:
-            rt = me()
-            if rt is not None and rt.mode is not None:
-                rt.hookless.root_returned(out)
-
-        self._root = weakref.ref(module)
-        self._root_hook = module.register_forward_pre_hook(hook, with_kwargs=True)
-        self._root_returned = module.register_forward_hook(returned)
-        self.hookless.watch_parameters(module)
-
-    def _root_hooks_off(self) -> None:
-        """Disabled: the root's hooks come off (a disabled runtime leaves no hook on the model); the module
-        stays known, weakly, and :meth:`_root_hooks_on` puts them back when installed again."""
-        if self._root_hook is not None:
-            self._root_hook.remove()
-            self._root_returned.remove()
-            self._root_hook = self._root_returned = None
-        self.hookless.unwatch()
-
-    def _root_hooks_on(self) -> None:
-        """Installed again: the hooks go back on the root before its next call (a hook registered inside the
-        call would run from the call after: torch reads a module's hooks before running them)."""
-        root = self._root() if self._root is not None else None
-        if root is not None and self._root_hook is None:
-            self._watch_inputs(root)
+    def _root_returned(self, m: torch.nn.Module, args: tuple, out: Any) -> None:
+        if self.mode is not None:
+            self.hookless.root_returned(out)
 
     def _step_inputs(self, tensors: list[torch.Tensor]) -> None:
         self._pass_size = sum(t.numel() for t in tensors)
@@ -238,7 +208,7 @@ class StepHooks:
         self._module = None
         hookless = self.hookless.active
         self.hookless.step_ended()
-        self.fixed.resume()  # the next step's first module call is seen again, whatever module it is
+        self.fixed.calls.resume()  # the next step's first module call is seen again, whatever module it is
         if self._soft_on:
             self._soften(False)
             self._recover()  # a refusal in the step's last ops, after its last read
