@@ -11,10 +11,10 @@ names a budget, as a light step would.
 
 Without an unpack hook the backward pass is seen through the root module's outputs: a pre-hook on their autograd
 nodes tells the step tracker when backward reaches them, and a hook on the root's first trainable parameter when
-its gradient accumulates (a loss built from something else than the outputs). The hooks go back on the stack at the next step's first
-module call and when the runtime is disabled. Such a step needs no module call seen either: the runtime takes its
-global module pre-hook off too (:class:`GlobalPreHook`), so that torch calls each module's forward directly, and
-puts it back when the step ends.
+its gradient accumulates (a loss built from something else than the outputs). The hooks go back on the stack at the
+next step's first module call and when the runtime is disabled. Such a step needs no module call seen either: the
+runtime takes its global module pre-hook off too (:class:`GlobalPreHook`), so that torch calls each module's
+forward directly, and puts it back when the step ends.
 """
 from __future__ import annotations
 
